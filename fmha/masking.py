@@ -1,0 +1,210 @@
+"""Mask semantics and K/V tile classification: one definition for the reference, the host and
+the kernels.
+
+The rules (SPEC.md, "Masks") are expressed as a per-row band of kept key columns
+``[lo(i), hi(i))``. Every mask we support has bands whose ends never decrease with ``i``, so for a
+block of query rows the union and the intersection of their bands are again bands, computed from
+the first and last row alone. That is what lets a kernel skip K/V tiles that no row keeps, and
+apply the element-wise mask only to tiles that some row keeps partially.
+
+The functions take plain Python integers on the host. Kernels written in the CuTe DSL call the same
+functions with dynamic ``Int32`` values and pass ``cutlass.min``/``cutlass.max`` as ``imin``/``imax``;
+only ``+``, ``-``, ``*``, floor division of non-negative values, and those two are used, so host and
+device agree bit for bit. The mask *kind* and whether each window side is bounded (``None`` or not)
+are static: they select code paths and must be Python values, never dynamic ones.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Optional
+
+__all__ = [
+    "MaskKind",
+    "MaskSpec",
+    "KvTileSchedule",
+    "row_key_bounds",
+    "kv_tile_schedule",
+    "num_q_tiles",
+]
+
+
+class MaskKind(enum.IntEnum):
+    NONE = 0
+    #: sliding window; causal is the window (None, 0)
+    WINDOW = 1
+    #: NSA compression branch: j <= (i + 1) // c - 1 with c = S_q // S_k
+    COMPRESSED_CAUSAL = 2
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """What the caller asked for, normalized. Window sides are ``None`` when unbounded."""
+
+    kind: MaskKind = MaskKind.NONE
+    window_left: Optional[int] = None
+    window_right: Optional[int] = None
+    bottom_right: bool = False
+
+    @property
+    def is_causal(self) -> bool:
+        return self.kind == MaskKind.WINDOW and self.window_left is None and self.window_right == 0
+
+    def describe(self) -> str:
+        if self.kind == MaskKind.NONE:
+            return "none"
+        if self.kind == MaskKind.COMPRESSED_CAUSAL:
+            return "compressed_causal"
+        align = "bottom_right" if self.bottom_right else "top_left"
+        if self.is_causal:
+            return f"causal({align})"
+        return f"window({self.window_left},{self.window_right},{align})"
+
+    @staticmethod
+    def from_args(
+        causal: bool = False,
+        window_size: tuple = (None, None),
+        mask_align: str = "top_left",
+        compressed_causal: bool = False,
+    ) -> "MaskSpec":
+        """Build a spec from the public keyword arguments; raise ValueError with what to change."""
+        if mask_align not in ("top_left", "bottom_right"):
+            raise ValueError(
+                f"mask_align must be 'top_left' or 'bottom_right', got {mask_align!r}"
+            )
+        try:
+            left, right = window_size
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"window_size must be a pair (left, right) of ints or None, got {window_size!r}"
+            ) from None
+        for name, w in (("left", left), ("right", right)):
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int)):
+                raise ValueError(f"window_size {name} must be an int or None, got {w!r}")
+            if w is not None and w < 0:
+                raise ValueError(
+                    f"window_size {name} must be >= 0 or None (unbounded), got {w}; "
+                    "use None instead of -1 for an unbounded side"
+                )
+        bottom_right = mask_align == "bottom_right"
+        if compressed_causal:
+            if causal or left is not None or right is not None:
+                raise ValueError(
+                    "compressed_causal=True cannot be combined with causal=True or a window_size"
+                )
+            if bottom_right:
+                raise ValueError(
+                    "compressed_causal has no alignment; leave mask_align='top_left'"
+                )
+            return MaskSpec(MaskKind.COMPRESSED_CAUSAL)
+        if causal:
+            if right not in (None, 0):
+                raise ValueError(
+                    f"causal=True means window_size right = 0, got window_size={window_size!r}; "
+                    "pass causal=False with the window you want instead"
+                )
+            right = 0
+        if left is None and right is None:
+            # An unbounded window keeps everything: alignment does not matter.
+            return MaskSpec(MaskKind.NONE)
+        return MaskSpec(MaskKind.WINDOW, left, right, bottom_right)
+
+
+def _py_min(a, b):
+    return a if a <= b else b
+
+
+def _py_max(a, b):
+    return a if a >= b else b
+
+
+def row_key_bounds(
+    row: Any,
+    seqlen_q: Any,
+    seqlen_k: Any,
+    kind: MaskKind,
+    window_left: Any = None,
+    window_right: Any = None,
+    bottom_right: bool = False,
+    imin: Callable = _py_min,
+    imax: Callable = _py_max,
+):
+    """Kept key columns of query row ``row`` (0-based in its sequence): ``[lo, hi)``.
+
+    ``lo >= hi`` means the row keeps nothing (its output is 0 and its LSE -inf).
+    """
+    if kind == MaskKind.NONE:
+        return 0 * row, 0 * row + seqlen_k
+    if kind == MaskKind.COMPRESSED_CAUSAL:
+        # c = S_q // S_k; guards keep the device free of division by zero for empty sequences
+        # (validation rejects S_k == 0 or S_k > S_q where they could matter).
+        c = imax(seqlen_q // imax(seqlen_k, 1), 1)
+        return 0 * row, imin((row + 1) // c, seqlen_k)
+    offset = seqlen_k - seqlen_q if bottom_right else 0
+    diag = row + offset
+    lo = 0 * row if window_left is None else imax(diag - window_left, 0)
+    hi = 0 * row + seqlen_k if window_right is None else imin(diag + window_right + 1, seqlen_k)
+    return lo, hi
+
+
+class KvTileSchedule(NamedTuple):
+    """K/V tiles one block of query rows visits, in order: ``start`` is the first tile index,
+    then ``leading_masked`` tiles that need the element-wise mask, ``unmasked`` tiles that every
+    row keeps whole, and ``trailing_masked`` tiles that need the mask again. Tiles outside
+    ``[start, start + total)`` are kept by no row and are skipped."""
+
+    start: Any
+    leading_masked: Any
+    unmasked: Any
+    trailing_masked: Any
+
+    @property
+    def total(self):
+        return self.leading_masked + self.unmasked + self.trailing_masked
+
+
+def kv_tile_schedule(
+    m_block: Any,
+    tile_m: int,
+    tile_n: int,
+    seqlen_q: Any,
+    seqlen_k: Any,
+    kind: MaskKind,
+    window_left: Any = None,
+    window_right: Any = None,
+    bottom_right: bool = False,
+    imin: Callable = _py_min,
+    imax: Callable = _py_max,
+) -> KvTileSchedule:
+    """Classify the K/V tiles (of ``tile_n`` keys) for query rows
+    ``[m_block * tile_m, min((m_block + 1) * tile_m, seqlen_q))``; requires ``m_block * tile_m <
+    seqlen_q``. Rows past ``seqlen_q`` in a ragged last block are ignored: nobody reads them."""
+    first = m_block * tile_m
+    last = imin(first + tile_m, seqlen_q) - 1
+
+    def bounds(r):
+        return row_key_bounds(
+            r, seqlen_q, seqlen_k, kind, window_left, window_right, bottom_right, imin, imax
+        )
+
+    first_lo, first_hi = bounds(first)
+    last_lo, last_hi = bounds(last)
+    # Bands never move left as the row grows: union = [first_lo, last_hi),
+    # intersection = [last_lo, first_hi).
+    union_lo, union_hi = first_lo, imax(last_hi, 0)
+    start = union_lo // tile_n
+    end = (union_hi + tile_n - 1) // tile_n
+    # Each visited tile holds at least one kept column, so there are at most (union_hi - union_lo)
+    # of them; this also makes an empty union visit nothing.
+    total = imin(imax(end - start, 0), imax(union_hi - union_lo, 0))
+    end = start + total
+    full_start = (last_lo + tile_n - 1) // tile_n
+    full_end = imax(first_hi, 0) // tile_n
+    full_start = imin(imax(full_start, start), end)
+    full_end = imax(imin(full_end, end), full_start)
+    return KvTileSchedule(start, full_start - start, full_end - full_start, end - full_end)
+
+
+def num_q_tiles(seqlen_q: Any, tile_m: int):
+    return (seqlen_q + tile_m - 1) // tile_m

@@ -1,0 +1,120 @@
+"""The normalized description of one attention call: what validation produces and what the
+reference, the dispatcher and the kernels consume. Host side only (no CuTe DSL import here)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .masking import MaskKind, MaskSpec
+
+#: input dtypes the library accepts (SPEC.md "dtypes")
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+#: head dims SPEC.md names; a backend may support fewer
+HEAD_DIMS = (32, 64, 128, 256)
+
+
+def default_out_dtype(in_dtype: torch.dtype) -> torch.dtype:
+    """fp16/bf16 inputs give the same dtype out; fp8 inputs give bf16 unless asked otherwise."""
+    return torch.bfloat16 if in_dtype == torch.float8_e4m3fn else in_dtype
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """Everything about a call except the tensors' data.
+
+    Layout conventions (after validation): dense q is (B, S_q, H_q, D), k/v are (B, S_k, H_k, D);
+    varlen q is (T_q, H_q, D), k/v (T_k, H_k, D) with cu_seqlens of length B + 1. LSE is
+    (B, H_q, S_q) dense, (H_q, T_q) varlen, fp32, natural log.
+    """
+
+    # --- static: a change here may need another compiled kernel
+    dtype: torch.dtype
+    out_dtype: torch.dtype
+    head_dim: int
+    head_dim_v: int
+    num_heads_q: int
+    num_heads_k: int
+    mask: MaskSpec
+    varlen: bool
+    return_lse: bool
+    # --- sizes (dynamic for kernels: changing them must not recompile)
+    batch: int
+    seqlen_q: int  # dense: S_q; varlen: max_seqlen_q
+    seqlen_k: int  # dense: S_k; varlen: max_seqlen_k
+    total_q: int  # dense: B * S_q; varlen: T_q
+    total_k: int  # dense: B * S_k; varlen: T_k
+    # --- scales (dynamic)
+    softmax_scale: float
+    scale_q: float = 1.0
+    scale_k: float = 1.0
+    scale_v: float = 1.0
+    inv_scale_o: float = 1.0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def qhead_per_kvhead(self) -> int:
+        return self.num_heads_q // self.num_heads_k
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == torch.float8_e4m3fn
+
+    @property
+    def score_scale(self) -> float:
+        """Factor applied to q.k before the softmax (natural-log units)."""
+        return self.softmax_scale * self.scale_q * self.scale_k
+
+    @property
+    def score_scale_log2(self) -> float:
+        """The same factor for exp2-based softmax: exp(x * s) == exp2(x * s * log2(e))."""
+        return self.score_scale * math.log2(math.e)
+
+    @property
+    def output_scale(self) -> float:
+        return self.scale_v * self.inv_scale_o
+
+    def describe(self) -> str:
+        kind = "varlen" if self.varlen else "dense"
+        return (
+            f"{kind} B={self.batch} S_q={self.seqlen_q} S_k={self.seqlen_k} "
+            f"H_q={self.num_heads_q} H_k={self.num_heads_k} D={self.head_dim} "
+            f"{str(self.dtype).replace('torch.', '')}->{str(self.out_dtype).replace('torch.', '')} "
+            f"mask={self.mask.describe()} lse={self.return_lse}"
+        )
+
+    def flops(self, seqlens_q: Optional[list] = None, seqlens_k: Optional[list] = None) -> float:
+        """Matmul FLOPs actually required by the mask (4 * kept (i, j) pairs * D per head),
+        counted exactly from the row bands; pass the per-sequence lengths for varlen."""
+        from .masking import row_key_bounds
+
+        if seqlens_q is None:
+            seqlens_q = [self.seqlen_q] * self.batch
+            seqlens_k = [self.seqlen_k] * self.batch
+        kept = 0
+        m = self.mask
+        for sq, sk in zip(seqlens_q, seqlens_k):
+            if m.kind == MaskKind.NONE:
+                kept += sq * sk
+                continue
+            rows = torch.arange(sq, dtype=torch.int64)
+            lo, hi = row_key_bounds(
+                rows, sq, sk, m.kind, m.window_left, m.window_right, m.bottom_right,
+                imin=lambda a, b: torch.clamp(a, max=b) if torch.is_tensor(a) else min(a, b),
+                imax=lambda a, b: torch.clamp(a, min=b) if torch.is_tensor(a) else max(a, b),
+            )
+            kept += int(torch.clamp(hi - lo, min=0).sum())
+        return 2.0 * kept * self.num_heads_q * (self.head_dim + self.head_dim_v)
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Knobs a caller may pin instead of letting the backend choose (the CLI's --is_persistent,
+    --mma_tiler_mn). ``None`` means "backend's choice"."""
+
+    persistent: Optional[bool] = None
+    tile_m: Optional[int] = None
+    tile_n: Optional[int] = None

@@ -1,0 +1,92 @@
+"""The shared mask/tile logic against brute force over the SPEC.md rules."""
+
+import random
+
+import pytest
+
+from fmha.masking import MaskKind, MaskSpec, kv_tile_schedule, row_key_bounds
+
+
+def spec_keeps(i, j, sq, sk, spec):
+    """SPEC.md's predicate, written independently of fmha.masking."""
+    if j >= sk or i >= sq:
+        return False
+    if spec.kind == MaskKind.NONE:
+        return True
+    if spec.kind == MaskKind.COMPRESSED_CAUSAL:
+        c = sq // sk
+        return j <= (i + 1) // c - 1
+    off = sk - sq if spec.bottom_right else 0
+    if spec.window_left is not None and j < i + off - spec.window_left:
+        return False
+    if spec.window_right is not None and j > i + off + spec.window_right:
+        return False
+    return True
+
+
+def random_spec(rng, sq, sk):
+    kind = rng.choice(list(MaskKind))
+    if kind == MaskKind.COMPRESSED_CAUSAL:
+        if sk == 0 or sk > sq:
+            return MaskSpec(MaskKind.NONE)
+        return MaskSpec(kind)
+    if kind == MaskKind.NONE:
+        return MaskSpec(kind)
+    w = lambda: rng.choice([None, 0, 1, 3, 17, 64, 100, 200])
+    left, right = w(), w()
+    return MaskSpec(MaskKind.WINDOW, left, right, rng.random() < 0.5)
+
+
+def test_row_bounds_match_spec():
+    rng = random.Random(0)
+    for _ in range(400):
+        sq, sk = rng.randint(1, 70), rng.randint(0, 70)
+        spec = random_spec(rng, sq, sk)
+        for i in range(sq):
+            lo, hi = row_key_bounds(i, sq, sk, spec.kind, spec.window_left, spec.window_right, spec.bottom_right)
+            kept = {j for j in range(sk) if spec_keeps(i, j, sq, sk, spec)}
+            assert kept == set(range(lo, hi)), (sq, sk, spec, i)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tile_schedule_matches_brute_force(seed):
+    rng = random.Random(seed)
+    for _ in range(120):
+        tm, tn = rng.choice([(4, 4), (8, 4), (4, 8), (16, 8), (64, 128), (128, 128), (128, 64), (3, 5)])
+        sq, sk = rng.randint(1, 300), rng.randint(0, 300)
+        spec = random_spec(rng, sq, sk)
+        for m in range((sq + tm - 1) // tm):
+            rows = range(m * tm, min((m + 1) * tm, sq))
+            sched = kv_tile_schedule(m, tm, tn, sq, sk, spec.kind, spec.window_left, spec.window_right, spec.bottom_right)
+            assert min(sched) >= 0
+            visited = range(sched.start, sched.start + sched.total)
+            for n in range((sk + tn - 1) // tn + 2):
+                cols = range(n * tn, (n + 1) * tn)
+                kept = [[spec_keeps(i, j, sq, sk, spec) for j in cols] for i in rows]
+                any_kept = any(any(r) for r in kept)
+                all_kept = all(all(r) for r in kept)
+                ctx = (sq, sk, tm, tn, spec, m, n, sched)
+                # a tile is visited iff some row keeps some column of it
+                assert (n in visited) == any_kept, ctx
+                if n in visited:
+                    k = n - sched.start
+                    unmasked = sched.leading_masked <= k < sched.leading_masked + sched.unmasked
+                    # a tile is marked unmasked iff every row keeps all of it
+                    assert unmasked == all_kept, ctx
+
+
+def test_mask_spec_from_args():
+    assert MaskSpec.from_args() == MaskSpec(MaskKind.NONE)
+    assert MaskSpec.from_args(causal=True).is_causal
+    assert MaskSpec.from_args(window_size=(None, 0)).is_causal
+    s = MaskSpec.from_args(causal=True, window_size=(16, None), mask_align="bottom_right")
+    assert (s.kind, s.window_left, s.window_right, s.bottom_right) == (MaskKind.WINDOW, 16, 0, True)
+    assert MaskSpec.from_args(compressed_causal=True).kind == MaskKind.COMPRESSED_CAUSAL
+    with pytest.raises(ValueError, match="window_size left must be >= 0"):
+        MaskSpec.from_args(window_size=(-1, 0))
+    with pytest.raises(ValueError, match="causal=True means window_size right = 0"):
+        MaskSpec.from_args(causal=True, window_size=(None, 4))
+    with pytest.raises(ValueError, match="mask_align"):
+        MaskSpec.from_args(mask_align="center")
+    with pytest.raises(ValueError, match="compressed_causal=True cannot be combined"):
+        MaskSpec.from_args(causal=True, compressed_causal=True)
