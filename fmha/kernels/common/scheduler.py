@@ -1,0 +1,49 @@
+"""Static tile scheduling over (query tile, head, batch), shared by the kernels.
+
+The grid is one-dimensional. With one CTA per tile the grid has one CTA per work tile and each
+CTA's loop runs once; in persistent mode the grid is the SM count and CTA ``b`` takes tiles
+``b, b + grid, b + 2 * grid, ...``. Both modes run the same loop, so there is one code path.
+
+Order: the query tile index varies fastest so that CTAs running at the same time share one
+head's K/V in L2. When the mask makes later query tiles costlier (causal-like masks), the tiles
+are walked from the last query tile down, so the longest work starts first.
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+
+# Frozen: the DSL then treats it as read-only inside dynamic loops instead of loop-carried state.
+@dataclass(frozen=True)
+class StaticTileScheduler:
+    num_m_blocks: Int32
+    num_heads: Int32
+    num_tiles: Int32
+    longest_first: bool
+
+    @staticmethod
+    def create(num_m_blocks, num_heads, num_batches, longest_first: bool) -> "StaticTileScheduler":
+        return StaticTileScheduler(
+            num_m_blocks, num_heads, num_m_blocks * num_heads * num_batches, longest_first)
+
+    @staticmethod
+    def grid(num_tiles, num_ctas):
+        """Host side: CTAs to launch for ``num_tiles`` with at most ``num_ctas`` (None: one per tile)."""
+        return num_tiles if num_ctas is None else max(1, min(num_tiles, num_ctas))
+
+    def first(self) -> Int32:
+        return Int32(cute.arch.block_idx()[0])
+
+    def next(self, idx: Int32) -> Int32:
+        return idx + Int32(cute.arch.grid_dim()[0])
+
+    def decode(self, idx: Int32):
+        """-> (m_block, head, batch)"""
+        m = idx % self.num_m_blocks
+        rest = idx // self.num_m_blocks
+        if cutlass.const_expr(self.longest_first):
+            m = self.num_m_blocks - 1 - m
+        return m, rest % self.num_heads, rest // self.num_heads

@@ -1,0 +1,89 @@
+"""Online softmax in base 2 over register fragments, shared by the kernels.
+
+Scores arrive unscaled (raw q.k in fp32). With ``s2 = scale * log2(e)`` the probabilities are
+``exp2(S * s2 - max * s2)``, one FMA and one ``ex2`` per element. The running max is kept in raw
+score units (the scale is positive; the host refuses kernels otherwise), the running sum is kept
+per thread and only reduced across the row's four threads at the end.
+
+A row that has seen only masked scores has max -inf; it is treated as max 0 so that every
+exp2 gives exactly 0 and no -inf - -inf = NaN appears. Its sum stays 0, which ``finalize`` turns
+into O = 0 and LSE = -inf (SPEC.md).
+"""
+
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from .fragments import as_rows_cols
+
+# Threads of a warpgroup MMA accumulator that share a row: lanes 4r .. 4r + 3.
+_THREADS_PER_ROW = 4
+
+
+# Frozen: read-only for the DSL's loop analysis; the register tensors it holds are still mutable.
+@dataclass(frozen=True)
+class OnlineSoftmax:
+    scale_log2: Float32
+    row_max: cute.Tensor
+    row_sum: cute.Tensor
+
+    @staticmethod
+    def create(scale_log2: Float32, num_rows: int) -> "OnlineSoftmax":
+        return OnlineSoftmax(
+            scale_log2,
+            cute.make_rmem_tensor(num_rows, Float32),
+            cute.make_rmem_tensor(num_rows, Float32),
+        )
+
+    @cute.jit
+    def reset(self):
+        self.row_max.fill(-math.inf)
+        self.row_sum.fill(0.0)
+
+    @cute.jit
+    def step(self, acc_s: cute.Tensor, acc_o: cute.Tensor):
+        """Turn scores ``acc_s`` into unnormalized probabilities in place, fold them into the
+        running max/sum, and rescale the output accumulator ``acc_o`` accordingly."""
+        s = as_rows_cols(acc_s)
+        o = as_rows_cols(acc_o)
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            prev_max = self.row_max[r]
+            cur_max = prev_max
+            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                cur_max = cute.arch.fmax(cur_max, s[r, c])
+            cur_max = cute.arch.warp_reduction_max(cur_max, threads_in_group=_THREADS_PER_ROW)
+            self.row_max[r] = cur_max
+            safe_max = cur_max
+            if cur_max == Float32(-math.inf):
+                safe_max = Float32(0.0)
+            neg_max_scaled = -safe_max * self.scale_log2
+            # prev_max = -inf (first visit) gives exp2(-inf) = 0: nothing to carry over.
+            correction = cute.math.exp2((prev_max - safe_max) * self.scale_log2, fastmath=True)
+            row_total = Float32(0.0)
+            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                p = cute.math.exp2(s[r, c] * self.scale_log2 + neg_max_scaled, fastmath=True)
+                s[r, c] = p
+                row_total += p
+            self.row_sum[r] = self.row_sum[r] * correction + row_total
+            for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                o[r, c] = o[r, c] * correction
+
+    @cute.jit
+    def finalize(self, acc_o: cute.Tensor, output_scale: Float32, lse_out: cute.Tensor):
+        """Normalize ``acc_o`` by the row sums (times ``output_scale``) and write each row's
+        natural-log LSE of the scaled scores into ``lse_out`` (one entry per fragment row)."""
+        o = as_rows_cols(acc_o)
+        ln2 = Float32(math.log(2.0))
+        for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
+            total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=_THREADS_PER_ROW)
+            inv = Float32(0.0)
+            lse = Float32(-math.inf)
+            if total > Float32(0.0):
+                inv = output_scale / total
+                lse = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * ln2
+            lse_out[r] = lse
+            for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                o[r, c] = o[r, c] * inv

@@ -1,0 +1,219 @@
+"""Host glue for the Hopper kernel: what it supports, its compile key, compiling with fake tensors
+(so that nothing here needs a GPU) and launching through TVM FFI with torch tensors."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from fmha.masking import MaskKind
+from fmha.problem import AttentionProblem, KernelOptions
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_OUT_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = (64, 128)
+TILE_M = 128
+TILE_N = 128
+
+
+@dataclass(frozen=True)
+class HopperConfig:
+    """Everything that selects a different compiled kernel. Sizes, scales and window values are
+    runtime arguments: changing them reuses the compiled kernel."""
+
+    dtype: torch.dtype
+    out_dtype: torch.dtype
+    head_dim: int
+    mask_kind: MaskKind
+    window_left_bounded: bool
+    window_right_bounded: bool
+    bottom_right: bool
+    varlen: bool
+    has_lse: bool
+    persistent: bool
+    tile_m: int = TILE_M
+    tile_n: int = TILE_N
+
+    @property
+    def kv_stages(self) -> int:
+        # Ring stages of one K or V tile each; bounded by 227 KB of shared memory with the Q tile.
+        return 4 if self.head_dim > 64 else 8
+
+    @staticmethod
+    def from_problem(problem: AttentionProblem, options: KernelOptions) -> "HopperConfig":
+        m = problem.mask
+        return HopperConfig(
+            dtype=problem.dtype,
+            out_dtype=problem.out_dtype,
+            head_dim=problem.head_dim,
+            mask_kind=m.kind,
+            window_left_bounded=m.window_left is not None,
+            window_right_bounded=m.window_right is not None,
+            bottom_right=m.bottom_right if m.kind == MaskKind.WINDOW else False,
+            varlen=problem.varlen,
+            has_lse=problem.return_lse,
+            persistent=True if options.persistent is None else bool(options.persistent),
+            tile_m=options.tile_m or TILE_M,
+            tile_n=options.tile_n or TILE_N,
+        )
+
+
+def why_unsupported(problem: AttentionProblem, options: KernelOptions) -> list[str]:
+    """Every reason the Hopper kernel cannot run ``problem`` (empty when it can). Device and
+    architecture checks are the dispatcher's; this is about the configuration."""
+    reasons = []
+    if problem.dtype not in SUPPORTED_DTYPES:
+        reasons.append(
+            f"the Hopper kernel supports float16/bfloat16 inputs, not {problem.dtype} "
+            "(fp8 is planned)"
+        )
+    if problem.out_dtype not in SUPPORTED_OUT_DTYPES:
+        reasons.append(f"the Hopper kernel writes float16/bfloat16 outputs, not {problem.out_dtype}")
+    if problem.head_dim not in SUPPORTED_HEAD_DIMS:
+        reasons.append(
+            f"the Hopper kernel supports head dims {SUPPORTED_HEAD_DIMS}, got {problem.head_dim}"
+        )
+    if problem.head_dim_v != problem.head_dim:
+        reasons.append("the Hopper kernel needs the head dim of v equal to that of q/k")
+    if not (problem.score_scale > 0 and math.isfinite(problem.score_scale)):
+        reasons.append(
+            "the Hopper kernel needs softmax_scale * scale_q * scale_k to be a positive finite "
+            f"number, got {problem.score_scale}"
+        )
+    if options.tile_m not in (None, TILE_M) or options.tile_n not in (None, TILE_N):
+        reasons.append(
+            f"the Hopper kernel has tiles {TILE_M}x{TILE_N}; got "
+            f"{options.tile_m}x{options.tile_n}"
+        )
+    return reasons
+
+
+def torch_to_cutlass_dtype(dtype: torch.dtype):
+    import cutlass
+
+    return {
+        torch.float16: cutlass.Float16,
+        torch.bfloat16: cutlass.BFloat16,
+        torch.float8_e4m3fn: cutlass.Float8E4M3FN,
+        torch.float32: cutlass.Float32,
+        torch.int32: cutlass.Int32,
+    }[dtype]
+
+
+def _fake_tensors(cfg: HopperConfig):
+    """Fake tensors with symbolic sizes and strides (head dim static and contiguous, rows 16-byte
+    aligned): one compiled kernel then serves every size."""
+    import cutlass
+    import cutlass.cute as cute
+
+    in_t = torch_to_cutlass_dtype(cfg.dtype)
+    out_t = torch_to_cutlass_dtype(cfg.out_dtype)
+
+    def tensor(dtype, rank, static_last: Optional[int], align_elems: int):
+        shape = tuple(cute.sym_int() for _ in range(rank - 1)) + (
+            (static_last,) if static_last is not None else (cute.sym_int(),)
+        )
+        stride = tuple(cute.sym_int64(divisibility=align_elems) for _ in range(rank - 1)) + (1,)
+        return cute.runtime.make_fake_tensor(
+            dtype, shape, stride=stride, assumed_align=max(1, align_elems * dtype.width // 8)
+        )
+
+    rank = 3 if cfg.varlen else 4
+    d = cfg.head_dim
+    q = tensor(in_t, rank, d, 128 // in_t.width)
+    k = tensor(in_t, rank, d, 128 // in_t.width)
+    v = tensor(in_t, rank, d, 128 // in_t.width)
+    o = tensor(out_t, rank, d, 128 // out_t.width)
+    lse = tensor(cutlass.Float32, 2 if cfg.varlen else 3, None, 1) if cfg.has_lse else None
+    cu_q = cu_k = None
+    if cfg.varlen:
+        cu_q = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+        cu_k = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+    return q, k, v, o, lse, cu_q, cu_k
+
+
+def compile_kernel(cfg: HopperConfig, extra_options: str = ""):
+    """Compile for sm_90a; works without a GPU (fake tensors, TVM FFI environment stream)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from .fwd import HopperAttentionForward
+
+    kernel = HopperAttentionForward(
+        head_dim=cfg.head_dim,
+        mask_kind=cfg.mask_kind,
+        window_left_bounded=cfg.window_left_bounded,
+        window_right_bounded=cfg.window_right_bounded,
+        bottom_right=cfg.bottom_right,
+        varlen=cfg.varlen,
+        persistent=cfg.persistent,
+        tile_m=cfg.tile_m,
+        tile_n=cfg.tile_n,
+        kv_stages=cfg.kv_stages,
+    )
+    q, k, v, o, lse, cu_q, cu_k = _fake_tensors(cfg)
+    return cute.compile(
+        kernel,
+        q, k, v, o, lse, cu_q, cu_k,
+        Int32(1),  # max_seqlen_q
+        Float32(1.0),  # scale_log2
+        Float32(1.0),  # output_scale
+        Int32(0) if cfg.window_left_bounded else None,
+        Int32(0) if cfg.window_right_bounded else None,
+        Int32(1),  # num_ctas
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        options=("--enable-tvm-ffi " + extra_options).strip(),
+    )
+
+
+_SM_COUNT: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+class HopperRunner:
+    """A compiled kernel plus the per-call argument preparation."""
+
+    def __init__(self, cfg: HopperConfig, compiled: Callable):
+        self.cfg = cfg
+        self.compiled = compiled
+
+    def __call__(self, problem: AttentionProblem, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None):
+        cfg = self.cfg
+        m = problem.mask
+        num_ctas = sm_count(q.device) if cfg.persistent else 1
+        self.compiled(
+            q, k, v, out, lse if cfg.has_lse else None,
+            cu_seqlens_q if cfg.varlen else None,
+            cu_seqlens_k if cfg.varlen else None,
+            problem.seqlen_q,
+            problem.score_scale_log2,
+            problem.output_scale,
+            m.window_left if cfg.window_left_bounded else None,
+            m.window_right if cfg.window_right_bounded else None,
+            num_ctas,
+        )
+
+
+class HopperBackend:
+    name = "hopper"
+
+    def why_unsupported(self, problem: AttentionProblem, options: KernelOptions) -> list[str]:
+        return why_unsupported(problem, options)
+
+    def cache_key(self, problem: AttentionProblem, options: KernelOptions):
+        return (self.name, HopperConfig.from_problem(problem, options))
+
+    def prepare(self, problem: AttentionProblem, options: KernelOptions) -> HopperRunner:
+        cfg = HopperConfig.from_problem(problem, options)
+        return HopperRunner(cfg, compile_kernel(cfg))

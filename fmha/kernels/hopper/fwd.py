@@ -1,0 +1,423 @@
+"""Hopper (SM90) fused attention forward, warp specialized.
+
+Roles (one CTA = one 128-row query tile at a time):
+
+* warpgroup 0, the **producer**: its first warp issues TMA loads of the Q tile and of the K and V
+  tiles into a ring of shared-memory stages (one mbarrier pipeline; K_n and V_n take consecutive
+  stages in the order the consumers need them). It gives most of its registers away.
+* warpgroups 1 and 2, the **consumers**: one tiled ``wgmma`` over both, each warpgroup owning 64
+  query rows. Per K/V tile: S = Q K^T (both operands in shared memory), mask if the tile is
+  partially kept, online softmax in registers, P converted in registers and used directly as the
+  A operand of O += P V. After the last tile: normalize, write O and the LSE.
+
+K/V tiles the mask leaves empty are never loaded; only the boundary tiles pay for element-wise
+masking (``fmha.masking.kv_tile_schedule``, shared with the host and the tests).
+"""
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from fmha.masking import MaskKind, kv_tile_schedule, num_q_tiles
+
+from ..common.fragments import as_operand_a, as_rows_cols
+from ..common.mask import FragmentMask
+from ..common.scheduler import StaticTileScheduler
+from ..common.softmax import OnlineSoftmax
+from .wgmma import issue_gemm
+
+_WG = 128  # threads per warpgroup
+
+
+def _bshd_to_sdhb(t: cute.Tensor, varlen: bool, d_first: bool = False) -> cute.Tensor:
+    """(B, S, H, D) or varlen (T, H, D) -> (S, D, H, B) (or (D, S, H, B) with ``d_first``);
+    varlen gets a batch mode of extent 1: sequences are found through cu_seqlens instead."""
+    lay = t.layout
+    if const_expr(varlen):
+        s, h, d = 0, 1, 2
+        shape = (lay.shape[s], lay.shape[d], lay.shape[h], 1)
+        stride = (lay.stride[s], lay.stride[d], lay.stride[h], 0)
+        lay = cute.make_layout(shape, stride=stride)
+    else:
+        lay = cute.select(lay, mode=[1, 3, 2, 0])
+    if const_expr(d_first):
+        lay = cute.select(lay, mode=[1, 0, 2, 3])
+    return cute.make_tensor(t.iterator, lay)
+
+
+class HopperAttentionForward:
+    def __init__(
+        self,
+        head_dim: int,
+        mask_kind: MaskKind,
+        window_left_bounded: bool,
+        window_right_bounded: bool,
+        bottom_right: bool,
+        varlen: bool,
+        persistent: bool,
+        tile_m: int = 128,
+        tile_n: int = 128,
+        kv_stages: int = 4,
+    ):
+        assert tile_m % 64 == 0 and tile_n % 16 == 0
+        self.head_dim = head_dim
+        self.mask_kind = mask_kind
+        self.window_left_bounded = window_left_bounded
+        self.window_right_bounded = window_right_bounded
+        self.bottom_right = bottom_right
+        self.varlen = varlen
+        self.persistent = persistent
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        # K and V share one ring; K_n, V_n occupy two consecutive stages.
+        self.kv_stages = kv_stages
+        self.num_consumer_wgs = tile_m // 64
+        self.num_threads = _WG * (1 + self.num_consumer_wgs)
+        self.producer_regs, self.consumer_regs = {2: (24, 240), 1: (56, 256)}[self.num_consumer_wgs]
+        # Causal-like masks give later query tiles more work: start those first.
+        self.longest_first = mask_kind == MaskKind.COMPRESSED_CAUSAL or (
+            mask_kind == MaskKind.WINDOW and not window_left_bounded
+        )
+
+    # ------------------------------------------------------------------ host-side JIT
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: Optional[cute.Tensor],
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        max_seqlen_q: Int32,
+        scale_log2: Float32,
+        output_scale: Float32,
+        window_left: Optional[Int32],
+        window_right: Optional[Int32],
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        self.dtype = mQ.element_type
+        self.out_dtype = mO.element_type
+        varlen = self.varlen
+        q = _bshd_to_sdhb(mQ, varlen)
+        k = _bshd_to_sdhb(mK, varlen)
+        v = _bshd_to_sdhb(mV, varlen, d_first=True)  # (D, S, H, B): the MN-major B of P.V
+        d = self.head_dim
+        tile_m, tile_n = self.tile_m, self.tile_n
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, (self.num_consumer_wgs, 1, 1), (64, tile_n),
+        )
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, (self.num_consumer_wgs, 1, 1), (64, d), warpgroup.OperandSource.RMEM,
+        )
+        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d), self.dtype, 1)
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d), self.dtype, self.kv_stages)
+        sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (tile_m, d, tile_n), self.dtype, self.kv_stages)
+
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(
+            load_op, q, cute.select(sQ_layout, mode=[0, 1]), (tile_m, d))
+        tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(
+            load_op, k, cute.select(sK_layout, mode=[0, 1]), (tile_n, d))
+        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(
+            load_op, v, cute.select(sV_layout, mode=[0, 1]), (d, tile_n))
+        self.q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
+        self.kv_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+
+        ring_elems = cute.cosize(sK_layout)
+
+        @cute.struct
+        class SharedStorage:
+            q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_stages * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, ring_elems], 1024]
+
+        self.shared_storage = SharedStorage
+
+        num_heads = q.shape[2]
+        num_batches = mCuSeqlensQ.shape[0] - 1 if const_expr(varlen) else q.shape[3]
+        seqlen_q = max_seqlen_q if const_expr(varlen) else q.shape[0]
+        num_tiles = num_q_tiles(seqlen_q, tile_m) * num_heads * num_batches
+        grid_x = num_tiles
+        if const_expr(self.persistent):
+            grid_x = cutlass.min(num_tiles, num_ctas)
+
+        self.kernel(
+            tiled_mma_qk, tiled_mma_pv,
+            tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v,
+            q, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, max_seqlen_q,
+            scale_log2, output_scale, window_left, window_right,
+            sQ_layout, sK_layout, sV_layout,
+        ).launch(
+            grid=[grid_x, 1, 1],
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------ device
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        mQ_tma: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK_tma: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV_tma: cute.Tensor,
+        mQ_sdhb: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: Optional[cute.Tensor],
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        max_seqlen_q: Int32,
+        scale_log2: Float32,
+        output_scale: Float32,
+        window_left: Optional[Int32],
+        window_right: Optional[Int32],
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # TMA pipelines count one arrival per consumer warp on release.
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wgs * 4)
+        q_producer, q_consumer = pipeline.PipelineTmaAsync.create(
+            num_stages=1, producer_group=one_thread, consumer_group=consumer_warps,
+            tx_count=self.q_bytes, barrier_storage=storage.q_mbar.data_ptr(), defer_sync=True,
+        ).make_participants()
+        kv_producer, kv_consumer = pipeline.PipelineTmaAsync.create(
+            num_stages=self.kv_stages, producer_group=one_thread, consumer_group=consumer_warps,
+            tx_count=self.kv_bytes, barrier_storage=storage.kv_mbar.data_ptr(), defer_sync=True,
+        ).make_participants()
+        pipeline.pipeline_init_arrive()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        # V stages alias K stages: the ring holds whichever the schedule put there.
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+
+        num_heads = mQ_sdhb.shape[2]
+        num_batches = mQ_sdhb.shape[3]
+        seqlen_q_static = mQ_sdhb.shape[0]
+        if const_expr(self.varlen):
+            num_batches = mCuSeqlensQ.shape[0] - 1
+            seqlen_q_static = max_seqlen_q
+        scheduler = StaticTileScheduler.create(
+            num_q_tiles(seqlen_q_static, self.tile_m), num_heads, num_batches, self.longest_first)
+        pipeline.pipeline_init_wait()
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.producer(
+                    scheduler, mQ_tma, mK_tma, mV_tma, mQ_sdhb, mCuSeqlensQ, mCuSeqlensK,
+                    window_left, window_right, tma_q, tma_k, tma_v, sQ, sK, sV,
+                    q_producer, kv_producer,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.consumer(
+                scheduler, tiled_mma_qk, tiled_mma_pv, mQ_sdhb, mK_tma, mO, mLSE,
+                mCuSeqlensQ, mCuSeqlensK, scale_log2, output_scale, window_left, window_right,
+                sQ, sK, sV, q_consumer, kv_consumer, tidx - _WG,
+            )
+
+    @cute.jit
+    def sequence_bounds(self, batch, seqlen_q_static, seqlen_k_static,
+                        mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor]):
+        """(first row of the sequence in the token dim, length) for q and for k."""
+        offset_q, seqlen_q = Int32(0), seqlen_q_static
+        offset_k, seqlen_k = Int32(0), seqlen_k_static
+        if const_expr(self.varlen):
+            offset_q = mCuSeqlensQ[batch]
+            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+            offset_k = mCuSeqlensK[batch]
+            seqlen_k = mCuSeqlensK[batch + 1] - offset_k
+        return offset_q, seqlen_q, offset_k, seqlen_k
+
+    def tile_schedule(self, m_block, seqlen_q, seqlen_k, window_left, window_right):
+        return kv_tile_schedule(
+            m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.mask_kind,
+            window_left, window_right, self.bottom_right, imin=cutlass.min, imax=cutlass.max,
+        )
+
+    # ------------------------------------------------------------------ producer warp
+    @cute.jit
+    def producer(
+        self, scheduler: StaticTileScheduler, mQ_tma, mK_tma, mV_tma, mQ_sdhb,
+        mCuSeqlensQ, mCuSeqlensK, window_left, window_right,
+        tma_q, tma_k, tma_v, sQ, sK, sV,
+        q_producer: pipeline.PipelineProducer, kv_producer: pipeline.PipelineProducer,
+    ):
+        tile_idx = scheduler.first()
+        num_tiles = scheduler.num_tiles
+        while tile_idx < num_tiles:
+            m_block, head, batch = scheduler.decode(tile_idx)
+            offset_q, seqlen_q, offset_k, seqlen_k = self.sequence_bounds(
+                batch, mQ_sdhb.shape[0], mK_tma.shape[0], mCuSeqlensQ, mCuSeqlensK)
+            if m_block * self.tile_m < seqlen_q:
+                batch_coord = batch
+                if const_expr(self.varlen):
+                    batch_coord = Int32(0)
+                head_kv = head // (mQ_tma.shape[2] // mK_tma.shape[2])
+                mQ_cur = cute.domain_offset((offset_q, 0), mQ_tma[None, None, head, batch_coord])
+                mK_cur = cute.domain_offset((offset_k, 0), mK_tma[None, None, head_kv, batch_coord])
+                mV_cur = cute.domain_offset((0, offset_k), mV_tma[None, None, head_kv, batch_coord])
+                gQ = cute.local_tile(mQ_cur, (self.tile_m, self.head_dim), (m_block, 0))
+                gK = cute.local_tile(mK_cur, (self.tile_n, self.head_dim), (None, 0))
+                gV = cute.local_tile(mV_cur, (self.head_dim, self.tile_n), (0, None))
+                tQsQ, tQgQ = cpasync.tma_partition(
+                    tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+                tKsK, tKgK = cpasync.tma_partition(
+                    tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+                tVsV, tVgV = cpasync.tma_partition(
+                    tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+                q_handle = q_producer.acquire_and_advance()
+                cute.copy(tma_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_handle.barrier)
+
+                sched = self.tile_schedule(m_block, seqlen_q, seqlen_k, window_left, window_right)
+                for i in cutlass.range(sched.total, unroll=1):
+                    n_block = sched.start + i
+                    k_handle = kv_producer.acquire_and_advance()
+                    cute.copy(tma_k, tKgK[None, n_block], tKsK[None, k_handle.index], tma_bar_ptr=k_handle.barrier)
+                    v_handle = kv_producer.acquire_and_advance()
+                    cute.copy(tma_v, tVgV[None, n_block], tVsV[None, v_handle.index], tma_bar_ptr=v_handle.barrier)
+            tile_idx = scheduler.next(tile_idx)
+
+    # ------------------------------------------------------------------ consumer warpgroups
+    @cute.jit
+    def consumer(
+        self, scheduler: StaticTileScheduler, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        mQ_sdhb, mK_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK,
+        scale_log2: Float32, output_scale: Float32, window_left, window_right,
+        sQ, sK, sV, q_consumer: pipeline.PipelineConsumer, kv_consumer: pipeline.PipelineConsumer,
+        tidx: Int32,
+    ):
+        wg_first_thread = (tidx // _WG) * _WG
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        wg_qk = tiled_mma_qk.get_slice(wg_first_thread)
+        wg_pv = tiled_mma_pv.get_slice(wg_first_thread)
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrV = wg_pv.make_fragment_B(wg_pv.partition_B(sV))
+        s_shape = thr_qk.partition_shape_C((self.tile_m, self.tile_n))
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+
+        softmax = OnlineSoftmax.create(scale_log2, cute.size(as_rows_cols(acc_o), mode=[0]))
+        lse_rows = cute.make_rmem_tensor(cute.size(as_rows_cols(acc_o), mode=[0]), Float32)
+
+        tile_idx = scheduler.first()
+        num_tiles = scheduler.num_tiles
+        while tile_idx < num_tiles:
+            m_block, head, batch = scheduler.decode(tile_idx)
+            offset_q, seqlen_q, offset_k, seqlen_k = self.sequence_bounds(
+                batch, mQ_sdhb.shape[0], mK_tma.shape[0], mCuSeqlensQ, mCuSeqlensK)
+            if m_block * self.tile_m < seqlen_q:
+                mask = FragmentMask(self.mask_kind, seqlen_q, seqlen_k, window_left, window_right,
+                                    self.bottom_right)
+                sched = self.tile_schedule(m_block, seqlen_q, seqlen_k, window_left, window_right)
+                row_base = m_block * self.tile_m
+                softmax.reset()
+                acc_o.fill(0.0)
+                q_handle = q_consumer.wait_and_advance()
+                n_block = sched.start
+                for _ in cutlass.range(sched.leading_masked, unroll=1):
+                    kv_consumer = self.attend_kv_tile(True, n_block, row_base, mask, tiled_mma_qk, tiled_mma_pv,
+                                        tSrQ, tSrK, tOrV, s_shape, tScS, acc_o, softmax, kv_consumer)
+                    n_block += 1
+                for _ in cutlass.range(sched.unmasked, unroll=1):
+                    kv_consumer = self.attend_kv_tile(False, n_block, row_base, mask, tiled_mma_qk, tiled_mma_pv,
+                                        tSrQ, tSrK, tOrV, s_shape, tScS, acc_o, softmax, kv_consumer)
+                    n_block += 1
+                for _ in cutlass.range(sched.trailing_masked, unroll=1):
+                    kv_consumer = self.attend_kv_tile(True, n_block, row_base, mask, tiled_mma_qk, tiled_mma_pv,
+                                        tSrQ, tSrK, tOrV, s_shape, tScS, acc_o, softmax, kv_consumer)
+                    n_block += 1
+                q_handle.release()
+                softmax.finalize(acc_o, output_scale, lse_rows)
+                self.epilogue(acc_o, lse_rows, tOcO, mO, mLSE, m_block, head, batch, offset_q, seqlen_q)
+            tile_idx = scheduler.next(tile_idx)
+
+    @cute.jit
+    def attend_kv_tile(
+        self, masked: cutlass.Constexpr, n_block: Int32, row_base: Int32, mask: FragmentMask,
+        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        tSrQ: cute.Tensor, tSrK: cute.Tensor, tOrV: cute.Tensor, s_shape, tScS: cute.Tensor,
+        acc_o: cute.Tensor, softmax: OnlineSoftmax, kv_consumer: pipeline.PipelineConsumer,
+    ):
+        """One K/V tile: S = Q K^T, (mask), online softmax, O += P V."""
+        k_handle = kv_consumer.wait_and_advance()
+        acc_s = cute.make_rmem_tensor(s_shape, Float32)
+        issue_gemm(tiled_mma_qk, acc_s, tSrQ[None, None, None, 0], tSrK[None, None, None, k_handle.index], True)
+        warpgroup.wait_group(0)
+        k_handle.release()
+
+        if const_expr(masked):
+            mask.apply(acc_s, tScS, row_base, n_block * self.tile_n)
+        softmax.step(acc_s, acc_o)
+
+        p = cute.make_rmem_tensor_like(acc_s, self.dtype)
+        p.store(acc_s.load().to(self.dtype))
+        p_operand = as_operand_a(p)
+
+        v_handle = kv_consumer.wait_and_advance()
+        issue_gemm(tiled_mma_pv, acc_o, p_operand, tOrV[None, None, None, v_handle.index], False)
+        warpgroup.wait_group(0)
+        v_handle.release()
+        # Returned so the caller rebinds it: pipeline state advanced here must be a plain local
+        # of the enclosing staged loop.
+        return kv_consumer
+
+    @cute.jit
+    def epilogue(self, acc_o: cute.Tensor, lse_rows: cute.Tensor, tOcO: cute.Tensor,
+                 mO: cute.Tensor, mLSE: Optional[cute.Tensor], m_block: Int32, head: Int32,
+                 batch: Int32, offset_q: Int32, seqlen_q: Int32):
+        """Write this thread's rows of O (predicated on the sequence length, so a ragged tile never
+        touches a neighbouring sequence) and, from the row's first thread, its LSE."""
+        o_out = cute.make_rmem_tensor_like(acc_o, self.out_dtype)
+        o_out.store(acc_o.load().to(self.out_dtype))
+        if const_expr(self.varlen):
+            mO_seq = cute.domain_offset((offset_q, 0), mO[None, head, None])
+        else:
+            mO_seq = mO[batch, None, head, None]
+        row_base = m_block * self.tile_m
+        o_rc = as_rows_cols(o_out)
+        c_rc = as_rows_cols(tOcO)
+        for r in cutlass.range_constexpr(cute.size(o_rc, mode=[0])):
+            row = row_base + c_rc[r, 0][0]
+            if row < seqlen_q:
+                for j in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
+                    mO_seq[row, c_rc[r, j][1]] = o_rc[r, j]
+                if const_expr(mLSE is not None):
+                    if c_rc[r, 0][1] == 0:
+                        if const_expr(self.varlen):
+                            mLSE[head, offset_q + row] = lse_rows[r]
+                        else:
+                            mLSE[batch, head, row] = lse_rows[r]
