@@ -1,0 +1,151 @@
+"""Exact attention in plain PyTorch (SPEC.md), on any device: the oracle for kernels and the
+fallback when no kernel applies.
+
+Scores are computed a bounded chunk at a time (a block of query rows times a block of heads,
+restricted to the union of the rows' kept key bands), so long sequences fit in memory: the
+largest temporary is about ``chunk_bytes``, never S_q x S_k for all heads.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .masking import MaskKind, MaskSpec, row_key_bounds
+
+__all__ = ["attention_reference", "cast_output", "DEFAULT_CHUNK_BYTES", "FP8_MAX"]
+
+#: budget for one block of scores (the dominant temporary); 256 MiB
+DEFAULT_CHUNK_BYTES = 256 << 20
+#: largest finite float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def _torch_min(a, b):
+    return torch.clamp(a, max=b) if torch.is_tensor(a) else min(a, b)
+
+
+def _torch_max(a, b):
+    return torch.clamp(a, min=b) if torch.is_tensor(a) else max(a, b)
+
+
+def _row_bounds(rows: torch.Tensor, sq: int, sk: int, mask: MaskSpec):
+    lo, hi = row_key_bounds(
+        rows, sq, sk, mask.kind, mask.window_left, mask.window_right, mask.bottom_right,
+        imin=_torch_min, imax=_torch_max,
+    )
+    return lo, hi
+
+
+def cast_output(o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round to the output dtype. fp8 saturates to +-448, as the hardware's cvt .satfinite does;
+    clamping first makes that independent of how a torch build converts out-of-range values."""
+    if dtype == torch.float8_e4m3fn:
+        o = o.clamp(-FP8_MAX, FP8_MAX)
+    return o.to(dtype)
+
+
+def _chunk_sizes(sq: int, sk: int, heads: int, elem: int, budget: int):
+    """(rows, heads) per block so that rows * heads * sk * elem <= budget (at least 1 x 1)."""
+    per_row_head = max(sk, 1) * elem
+    if sq * heads * per_row_head <= budget:
+        return max(sq, 1), heads
+    if sq * per_row_head <= budget:
+        return max(sq, 1), max(1, budget // (sq * per_row_head))
+    return max(1, budget // per_row_head), 1
+
+
+def _attend_sequence(q, k, v, o, lse, mask, score_scale, out_scale, fp8_p, cdt, budget):
+    """One sequence: q (S_q, H_q, D), k (S_k, H_k, D), v (S_k, H_k, D_v) in any dtype and strides;
+    writes o (S_q, H_q, D_v) and lse (H_q, S_q) of dtype ``cdt``."""
+    sq, hq = q.shape[0], q.shape[1]
+    sk, hk = k.shape[0], k.shape[1]
+    if sq == 0:
+        return
+    group = hq // hk
+    rows_per, heads_per = _chunk_sizes(sq, sk, hq, torch.finfo(cdt).bits // 8, budget)
+    for h0 in range(0, hq, heads_per):
+        h1 = min(h0 + heads_per, hq)
+        kv_heads = torch.arange(h0, h1, device=k.device) // group
+        # Converting K/V once per head block, not per row block: they are re-read by every row.
+        kc = k[:, kv_heads].to(cdt)
+        vc = v[:, kv_heads].to(cdt)
+        for r0 in range(0, sq, rows_per):
+            r1 = min(r0 + rows_per, sq)
+            rows = torch.arange(r0, r1, device=q.device)
+            lo, hi = _row_bounds(rows, sq, sk, mask)
+            # Bands are monotone in the row, so the block needs keys [lo(r0), hi(r1-1)) only.
+            k0 = int(lo[0])
+            k1 = max(int(hi[-1]), k0)
+            cols = torch.arange(k0, k1, device=q.device)
+            keep = (cols >= lo[:, None]) & (cols < hi[:, None])  # (rows, keys)
+
+            qc = q[r0:r1, h0:h1].to(cdt)
+            s = torch.einsum("rhd,khd->hrk", qc, kc[k0:k1]) * score_scale
+            s.masked_fill_(~keep, -math.inf)
+            m = s.amax(dim=-1, keepdim=True) if k1 > k0 else s.new_full(s.shape[:2] + (1,), -math.inf)
+            # A row with nothing kept has max -inf; subtracting 0 keeps exp() at 0 instead of NaN.
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            p = s.sub_(m).exp_()
+            row_sum = p.sum(dim=-1, keepdim=True)
+            if fp8_p:
+                # The kernel feeds P to the tensor cores in the input dtype; the sum stays fp32.
+                p = p.to(torch.float8_e4m3fn).to(cdt)
+            pv = torch.einsum("hrk,khd->rhd", p, vc[k0:k1])
+            denom = torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
+            o[r0:r1, h0:h1] = pv / denom.squeeze(-1).transpose(0, 1)[..., None] * out_scale
+            lse[h0:h1, r0:r1] = (m + torch.log(row_sum)).squeeze(-1)
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    *,
+    mask: MaskSpec = MaskSpec(),
+    softmax_scale: Optional[float] = None,
+    scale_q: float = 1.0,
+    scale_k: float = 1.0,
+    scale_v: float = 1.0,
+    inv_scale_o: float = 1.0,
+    compute_dtype: torch.dtype = torch.float32,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+):
+    """SPEC.md attention forward. Dense: q (B, S_q, H_q, D), k/v (B, S_k, H_k, D[_v]); varlen
+    (cu_seqlens given): q (T_q, H_q, D), k/v (T_k, H_k, D[_v]). Any strides.
+
+    Returns ``(O, LSE)`` in ``compute_dtype``: O shaped like q with the last dim D_v, LSE
+    (B, H_q, S_q) dense or (H_q, T_q) varlen (natural log; -inf for rows that keep no key, whose O
+    is 0). fp8 inputs round the unnormalized P = exp(S - rowmax) to float8_e4m3fn before P.V.
+
+    Inputs are assumed valid (see fmha.validation); varlen reads cu_seqlens on the host.
+    """
+    varlen = cu_seqlens_q is not None
+    d, dv = q.shape[-1], v.shape[-1]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    score_scale = softmax_scale * scale_q * scale_k
+    out_scale = scale_v * inv_scale_o
+    fp8_p = q.dtype == torch.float8_e4m3fn
+    o = torch.zeros(q.shape[:-1] + (dv,), dtype=compute_dtype, device=q.device)
+    if varlen:
+        hq = q.shape[1]
+        lse = torch.full((hq, q.shape[0]), -math.inf, dtype=compute_dtype, device=q.device)
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        seqs = [
+            (q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]],
+             o[cq[b]:cq[b + 1]], lse[:, cq[b]:cq[b + 1]])
+            for b in range(len(cq) - 1)
+        ]
+    else:
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=compute_dtype,
+                         device=q.device)
+        seqs = [(q[b], k[b], v[b], o[b], lse[b]) for b in range(q.shape[0])]
+    for qs, ks, vs, os_, ls in seqs:
+        _attend_sequence(qs, ks, vs, os_, ls, mask, score_scale, out_scale, fp8_p,
+                         compute_dtype, chunk_bytes)
+    return o, lse
