@@ -1,0 +1,313 @@
+"""Check the Hopper kernel against the fp32 reference on a GPU, many configurations in one call.
+
+    python scripts/gpu_check.py --out results/gpu_check            # the full suite
+    python scripts/gpu_check.py --suite quick --out /tmp/x          # a few cases
+
+Every case draws fresh random inputs, poisons the outputs (and guard rows around them) with NaN,
+runs the kernel, and compares with ``fmha.reference`` in fp32 on the same inputs: relative L2
+error of O, max |LSE| error on finite rows, exact -inf/zero rows where nothing is kept, guard rows
+untouched. Kernels are compiled once per configuration, in parallel worker processes. Writes
+``results.json`` and ``results.md`` (a summary table) into ``--out``; exits 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+O_TOL = {"bfloat16": 1e-2, "float16": 5e-3}
+LSE_TOL = 1e-3
+GUARD = 3  # poisoned rows after each sequence's output that must stay NaN
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: str
+    head_dim: int
+    mask: str  # none | causal | window | compressed
+    align: str = "top_left"
+    window: tuple = (None, None)
+    lse: bool = True
+    persistent: bool = True
+    batch: int = 1
+    seqlen_q: int = 128
+    seqlen_k: int = 128
+    heads_q: int = 1
+    heads_k: int = 1
+    varlen_q: Optional[tuple] = None  # per-sequence lengths (varlen cases)
+    varlen_k: Optional[tuple] = None
+    layout: str = "bshd"  # bshd | bhsd (a transposed view)
+    out_dtype: Optional[str] = None
+
+    def config_key(self):
+        return (self.dtype, self.out_dtype, self.head_dim, self.mask, self.align,
+                self.window[0] is not None, self.window[1] is not None,
+                self.varlen_q is not None, self.lse, self.persistent)
+
+    def name(self):
+        shape = (f"varlen q{list(self.varlen_q)} k{list(self.varlen_k)}" if self.varlen_q
+                 else f"B{self.batch} Sq{self.seqlen_q} Sk{self.seqlen_k}")
+        mask = self.mask
+        if self.mask in ("causal", "window"):
+            mask += f"({self.align}" + (f",{self.window}" if self.mask == "window" else "") + ")"
+        return (f"{self.dtype} D{self.head_dim} {mask} {shape} H{self.heads_q}/{self.heads_k} "
+                f"lse={int(self.lse)} pers={int(self.persistent)} {self.layout}")
+
+
+def mask_spec(case: Case):
+    from fmha.masking import MaskSpec
+
+    if case.mask == "none":
+        return MaskSpec.from_args()
+    if case.mask == "causal":
+        return MaskSpec.from_args(causal=True, mask_align=case.align)
+    if case.mask == "window":
+        return MaskSpec.from_args(window_size=case.window, mask_align=case.align)
+    return MaskSpec.from_args(compressed_causal=True)
+
+
+def build_suite(name: str) -> list[Case]:
+    cases = []
+    shapes = [  # (B, S_q, S_k, H_q, H_k): odd sizes, S_q != S_k both ways, GQA 1/2/8
+        (1, 1, 1, 1, 1),
+        (3, 17, 17, 2, 1),
+        (1, 128, 129, 8, 8),
+        (3, 129, 1000, 8, 1),
+        (1, 1000, 129, 2, 2),
+        (3, 1000, 1000, 8, 8),
+        (1, 4096, 4096, 8, 1),
+        (1, 17, 4096, 2, 1),
+        (1, 4096, 1000, 1, 1),
+    ]
+    dtypes = ["bfloat16", "float16"]
+    dims = [64, 128]
+    masks = [("none", "top_left"), ("causal", "top_left"), ("causal", "bottom_right")]
+    if name == "quick":
+        for dt, d, (m, al) in itertools.product(["bfloat16"], dims, masks):
+            for b, sq, sk, hq, hk in shapes[:4]:
+                cases.append(Case(dt, d, m, al, batch=b, seqlen_q=sq, seqlen_k=sk, heads_q=hq, heads_k=hk))
+        return cases
+    # The kernel issue's matrix: every dtype x head dim x mask x LSE x scheduling mode, each on
+    # several shapes (rotating through the list so every shape meets every configuration kind).
+    for i, (dt, d, (m, al), lse, pers) in enumerate(
+        itertools.product(dtypes, dims, masks, [True, False], [True, False])
+    ):
+        picked = [shapes[(i + j) % len(shapes)] for j in range(0, len(shapes), 2)]
+        for j, (b, sq, sk, hq, hk) in enumerate(picked):
+            layout = "bhsd" if (i + j) % 5 == 0 else "bshd"
+            cases.append(Case(dt, d, m, al, lse=lse, persistent=pers, batch=b, seqlen_q=sq,
+                              seqlen_k=sk, heads_q=hq, heads_k=hk, layout=layout))
+    # Beyond the first kernel issue: varlen, windows, compressed causal, other out dtype.
+    varlens = [((0, 1, 17, 300, 1024, 77), (0, 1, 17, 300, 1024, 77)),
+               ((5, 0, 129, 1), (300, 7, 0, 1))]
+    for d, (m, al, w) in itertools.product(dims, [
+        ("none", "top_left", (None, None)), ("causal", "top_left", (None, 0)),
+        ("causal", "bottom_right", (None, 0)), ("window", "top_left", (100, 37)),
+        ("window", "bottom_right", (64, 0)),
+    ]):
+        for lq, lk in varlens:
+            cases.append(Case("bfloat16", d, m, al, w, varlen_q=lq, varlen_k=lk, heads_q=4, heads_k=1))
+    for d, al, w in itertools.product(dims, ["top_left", "bottom_right"],
+                                      [(0, 0), (64, 0), (None, 0), (100, 37), (0, None)]):
+        for b, sq, sk, hq, hk in [(2, 300, 300, 4, 1), (1, 1000, 129, 4, 4), (1, 129, 1000, 2, 1)]:
+            cases.append(Case("bfloat16", d, "window", al, w, batch=b, seqlen_q=sq, seqlen_k=sk,
+                              heads_q=hq, heads_k=hk))
+    for d, (sq, sk) in itertools.product(dims, [(300, 300), (300, 150), (1024, 64), (1000, 31)]):
+        cases.append(Case("bfloat16", d, "compressed", batch=2, seqlen_q=sq, seqlen_k=sk, heads_q=4, heads_k=1))
+    cases.append(Case("float16", 128, "causal", out_dtype="bfloat16", batch=2, seqlen_q=300, seqlen_k=300, heads_q=2, heads_k=2))
+    return cases
+
+
+def _make_inputs(case: Case, torch, device):
+    dt = getattr(torch, case.dtype)
+    d = case.head_dim
+    gen = torch.Generator(device=device)
+    gen.manual_seed(hash(case) % (2**31))
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dt)
+
+    if case.varlen_q is not None:
+        tq, tk = sum(case.varlen_q), sum(case.varlen_k)
+        q, k, v = rand(tq, case.heads_q, d), rand(tk, case.heads_k, d), rand(tk, case.heads_k, d)
+        cu = lambda lens: torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=device)
+        return q, k, v, cu(case.varlen_q), cu(case.varlen_k)
+    b, sq, sk = case.batch, case.seqlen_q, case.seqlen_k
+    if case.layout == "bhsd":
+        q = rand(b, case.heads_q, sq, d).transpose(1, 2)
+        k = rand(b, case.heads_k, sk, d).transpose(1, 2)
+        v = rand(b, case.heads_k, sk, d).transpose(1, 2)
+    else:
+        q, k, v = rand(b, sq, case.heads_q, d), rand(b, sk, case.heads_k, d), rand(b, sk, case.heads_k, d)
+    return q, k, v, None, None
+
+
+def _poisoned_outputs(case: Case, q, torch, out_dtype):
+    """Outputs as views into NaN-filled buffers with guard rows after every sequence."""
+    hq, d = case.heads_q, case.head_dim
+    if case.varlen_q is not None:
+        t = q.shape[0]
+        obuf = torch.full((t + GUARD, hq, d), math.nan, dtype=out_dtype, device=q.device)
+        lbuf = torch.full((hq, t + GUARD), math.nan, dtype=torch.float32, device=q.device)
+        return obuf, obuf[:t], lbuf, lbuf[:, :t]
+    b, sq = q.shape[0], q.shape[1]
+    obuf = torch.full((b, sq + GUARD, hq, d), math.nan, dtype=out_dtype, device=q.device)
+    lbuf = torch.full((b, hq, sq + GUARD), math.nan, dtype=torch.float32, device=q.device)
+    return obuf, obuf[:, :sq], lbuf, lbuf[:, :, :sq]
+
+
+def _problem(case, q, k, mask, torch):
+    from fmha.problem import AttentionProblem
+
+    varlen = case.varlen_q is not None
+    out_dtype = getattr(torch, case.out_dtype or case.dtype)
+    return AttentionProblem(
+        dtype=q.dtype, out_dtype=out_dtype, head_dim=case.head_dim, head_dim_v=case.head_dim,
+        num_heads_q=case.heads_q, num_heads_k=case.heads_k, mask=mask, varlen=varlen,
+        return_lse=case.lse,
+        batch=len(case.varlen_q) if varlen else case.batch,
+        seqlen_q=max(case.varlen_q, default=0) if varlen else case.seqlen_q,
+        seqlen_k=max(case.varlen_k, default=0) if varlen else case.seqlen_k,
+        total_q=q.shape[0] if varlen else case.batch * case.seqlen_q,
+        total_k=k.shape[0] if varlen else case.batch * case.seqlen_k,
+        softmax_scale=1.0 / math.sqrt(case.head_dim), device=q.device,
+    )
+
+
+def run_case(runner, case: Case, torch, device="cuda") -> dict:
+    from fmha.reference import attention_reference
+
+    device = torch.device(device)
+    q, k, v, cu_q, cu_k = _make_inputs(case, torch, device)
+    mask = mask_spec(case)
+    problem = _problem(case, q, k, mask, torch)
+    obuf, out, lbuf, lse = _poisoned_outputs(case, q, torch, problem.out_dtype)
+    runner(problem, q, k, v, out, lse if case.lse else None, cu_q, cu_k)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    ref_o, ref_lse = attention_reference(q, k, v, cu_q, cu_k, mask=mask, compute_dtype=torch.float32)
+    res = {}
+    o = out.float()
+    res["nan_in_o"] = int(torch.isnan(o).sum())
+    # guard rows must still be poison: nothing wrote past a sequence
+    guard_o = obuf[q.shape[0]:] if case.varlen_q is not None else obuf[:, q.shape[1]:]
+    res["guard_written"] = int((~torch.isnan(guard_o.float())).sum())
+    empty_rows = torch.isneginf(ref_lse)  # rows that keep no key
+    diff = (o - ref_o).nan_to_num(nan=1e30)
+    ref_norm = ref_o.norm().item()
+    res["o_rel_l2"] = diff.norm().item() / ref_norm if ref_norm > 0 else diff.abs().max().item() if diff.numel() else 0.0
+    res["o_max_abs"] = diff.abs().max().item() if diff.numel() else 0.0
+    # O of empty rows must be exactly 0
+    o_rows = o.transpose(-3, -2) if case.varlen_q is None else o.transpose(0, 1)  # (.., H, S, D)
+    res["empty_rows"] = int(empty_rows.sum())
+    res["empty_rows_nonzero_o"] = int((o_rows[empty_rows] != 0).any(dim=-1).sum()) if res["empty_rows"] else 0
+    if case.lse:
+        l = lse
+        res["nan_in_lse"] = int(torch.isnan(l).sum())
+        res["lse_inf_mismatch"] = int((torch.isneginf(l) != empty_rows).sum())
+        finite = ~empty_rows & ~torch.isnan(l)
+        res["lse_max_abs"] = (l[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+        guard_l = lbuf[:, q.shape[0]:] if case.varlen_q is not None else lbuf[:, :, q.shape[1]:]
+        res["guard_written"] += int((~torch.isnan(guard_l)).sum())
+    tol = O_TOL[case.out_dtype or case.dtype]
+    ok = (res["nan_in_o"] == 0 and res["guard_written"] == 0 and res["o_rel_l2"] < tol
+          and res["empty_rows_nonzero_o"] == 0)
+    if case.lse:
+        ok = ok and res["nan_in_lse"] == 0 and res["lse_inf_mismatch"] == 0 and res["lse_max_abs"] < LSE_TOL
+    res["ok"] = bool(ok)
+    return res
+
+
+def run_group(cases: list[Case]) -> list[dict]:
+    """Worker: compile this configuration once, run all its cases."""
+    import torch
+
+    from fmha.kernels.hopper.backend import HopperConfig, HopperRunner, compile_kernel
+    from fmha.problem import KernelOptions
+
+    results = []
+    first = cases[0]
+    try:
+        import torch as _t
+        q, k, _, _, _ = _make_inputs(first, _t, _t.device("cuda"))
+        cfg = HopperConfig.from_problem(_problem(first, q, k, mask_spec(first), _t),
+                                        KernelOptions(persistent=first.persistent))
+        t0 = time.time()
+        runner = HopperRunner(cfg, compile_kernel(cfg))
+        compile_s = time.time() - t0
+    except Exception:
+        err = traceback.format_exc(limit=3)
+        return [dict(case=asdict(c), name=c.name(), ok=False, error="compile: " + err) for c in cases]
+    for c in cases:
+        try:
+            r = run_case(runner, c, torch)
+        except Exception:
+            r = dict(ok=False, error=traceback.format_exc(limit=4))
+        r.update(case=asdict(c), name=c.name(), compile_s=round(compile_s, 2))
+        results.append(r)
+    return results
+
+
+def write_reports(results: list[dict], out_dir: str, meta: dict):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    n_ok = sum(r["ok"] for r in results)
+    lines = [f"# GPU check: {n_ok}/{len(results)} cases pass", "",
+             f"{meta.get('device', '?')}, {meta.get('date', '')}, command: `{meta.get('command', '')}`", "",
+             "| case | O rel L2 | LSE max abs | empty rows | ok |", "|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: (r["ok"], r["name"])):
+        err = r.get("error", "").strip().splitlines()[-1:] if not r["ok"] and "error" in r else []
+        lines.append(
+            f"| {r['name']} | {r.get('o_rel_l2', float('nan')):.2e} | "
+            f"{r.get('lse_max_abs', float('nan')) if r.get('case', {}).get('lse') else '-'} | "
+            f"{r.get('empty_rows', '-')} | {'yes' if r['ok'] else 'NO ' + ' '.join(err)} |")
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return n_ok
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--suite", default="full", choices=["full", "quick"])
+    ap.add_argument("--out", default=os.path.join(ROOT, "results", "gpu_check"))
+    ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
+    ap.add_argument("--filter", default="", help="only cases whose name contains this")
+    args = ap.parse_args(argv)
+
+    import torch
+    import multiprocessing as mp
+
+    cases = [c for c in build_suite(args.suite) if args.filter in c.name()]
+    groups = defaultdict(list)
+    for c in cases:
+        groups[c.config_key()].append(c)
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(args.workers) as pool:
+        results = [r for group in pool.imap_unordered(run_group, list(groups.values())) for r in group]
+    meta = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M"),
+                command="python scripts/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                seconds=round(time.time() - t0, 1), configs=len(groups))
+    n_ok = write_reports(results, args.out, meta)
+    for r in results:
+        if not r["ok"]:
+            print("FAIL", r["name"], {k: v for k, v in r.items() if k not in ("case", "name")})
+    print(f"{n_ok}/{len(results)} cases pass, {len(groups)} kernel configurations, {meta['seconds']} s")
+    return 0 if n_ok == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
