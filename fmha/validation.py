@@ -1,0 +1,331 @@
+"""Checks made before anything runs, turning a call's arguments into an ``AttentionProblem``.
+
+Every failure names the argument and says what to change. ``TypeError`` is raised for a value of
+the wrong kind (not a tensor, a dtype we do not take, a scale that is not a number), ``ValueError``
+for a value of the right kind that is wrong (shapes, strides, sequence lengths, devices).
+
+Layouts are never fixed silently: a tensor the kernels cannot read as it is (head dim not
+contiguous, rows not 16-byte aligned) is an error that says to call ``.contiguous()``, so the user
+sees the copy they are paying for.
+
+Varlen checks read ``cu_seqlens`` on the host: one device-to-host copy (a sync) per call. That is
+the price of catching bad offsets here instead of as out-of-bounds reads in a kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .masking import MaskKind, MaskSpec
+from .problem import HEAD_DIMS, INPUT_DTYPES, AttentionProblem, KernelOptions, default_out_dtype
+
+__all__ = ["validate", "kernel_options", "lse_shape", "out_shape"]
+
+#: TMA (and vectorized loads) need 16-byte aligned row starts
+ALIGN_BYTES = 16
+OUT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _require_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_dtypes(q, k, v) -> None:
+    if q.dtype not in INPUT_DTYPES:
+        allowed = ", ".join(_dtype_name(d) for d in INPUT_DTYPES)
+        raise TypeError(
+            f"unsupported input dtype {_dtype_name(q.dtype)}; q, k and v must be one of {allowed} "
+            "(convert with .to(torch.bfloat16), for example)"
+        )
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(
+                f"dtype mismatch: q is {_dtype_name(q.dtype)} but {name} is "
+                f"{_dtype_name(t.dtype)}; q, k and v must have the same dtype"
+            )
+
+
+def device_mismatch_message(name: str, dev: torch.device, q_dev: torch.device) -> str:
+    msg = f"device mismatch: q is on {q_dev} but {name} is on {dev}; put all tensors on one device"
+    if {dev.type, q_dev.type} == {"cpu", "cuda"}:
+        msg += f" (CPU/CUDA mix: move {name} with .to({str(q_dev)!r}))"
+    return msg
+
+
+def _check_device(name: str, t: torch.Tensor, q_dev: torch.device) -> None:
+    if t.device != q_dev:
+        raise ValueError(device_mismatch_message(name, t.device, q_dev))
+
+
+def _check_shapes(q, k, v, varlen: bool) -> None:
+    rank = 3 if varlen else 4
+    layout = "(T, H, D) with cu_seqlens" if varlen else "(B, S, H, D)"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != rank:
+            raise ValueError(
+                f"{name} must have {rank} dims {layout}, got shape {tuple(t.shape)}"
+                + ("" if varlen else "; for BHSD tensors pass x.transpose(1, 2)")
+            )
+    if not varlen and not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise ValueError(
+            f"batch mismatch: q, k, v have batch sizes {q.shape[0]}, {k.shape[0]}, {v.shape[0]}"
+        )
+    if k.shape[:-1] != v.shape[:-1]:
+        what = "S_k" if k.shape[-3] != v.shape[-3] else "H_k"
+        raise ValueError(
+            f"{what} mismatch between k {tuple(k.shape)} and v {tuple(v.shape)}: "
+            "k and v need the same sequence length and number of heads"
+        )
+    d = q.shape[-1]
+    if k.shape[-1] != d:
+        raise ValueError(f"head dim mismatch: q has D={d}, k has D={k.shape[-1]}")
+    if v.shape[-1] != d:
+        raise ValueError(f"head dim mismatch: v has D_v={v.shape[-1]}, must equal D={d}")
+    if d not in HEAD_DIMS:
+        raise ValueError(
+            f"unsupported head dim {d}; supported: {', '.join(map(str, HEAD_DIMS))}"
+        )
+    hq, hk = q.shape[-2], k.shape[-2]
+    if hk == 0 or hq % hk != 0:
+        raise ValueError(
+            f"H_q={hq} is not a multiple of H_k={hk}: grouped-query attention needs "
+            "H_q % H_k == 0"
+        )
+
+
+def _check_layout(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(
+            f"{name} head dim is not contiguous (stride(-1) = {t.stride(-1)}, strides "
+            f"{tuple(t.stride())}); call .contiguous() on {name}"
+        )
+    elem = t.element_size()
+    for dim in range(t.dim() - 1):
+        # The stride of a size-1 dim is never used to address memory.
+        if t.shape[dim] > 1 and (t.stride(dim) * elem) % ALIGN_BYTES:
+            raise ValueError(
+                f"{name} rows are not {ALIGN_BYTES}-byte aligned: stride({dim}) = "
+                f"{t.stride(dim)} elements = {t.stride(dim) * elem} bytes; call .contiguous() "
+                f"on {name}"
+            )
+    if t.data_ptr() % ALIGN_BYTES:
+        raise ValueError(
+            f"{name} data pointer is not {ALIGN_BYTES}-byte aligned (a view with an offset?); "
+            f"call .contiguous() on {name}"
+        )
+
+
+def _seqlens_from_cu(name: str, cu, total: int, q_dev: torch.device) -> List[int]:
+    _require_tensor(name, cu)
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {_dtype_name(cu.dtype)}; use .to(torch.int32)")
+    _check_device(name, cu, q_dev)
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be 1-D of length B + 1, got shape {tuple(cu.shape)}")
+    offsets = cu.tolist()  # host sync, see module docstring
+    if offsets[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {offsets[0]}")
+    lens = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+    if any(n < 0 for n in lens):
+        at = next(i for i, n in enumerate(lens) if n < 0)
+        raise ValueError(
+            f"{name} must be nondecreasing: {name}[{at + 1}] = {offsets[at + 1]} < "
+            f"{name}[{at}] = {offsets[at]}"
+        )
+    if offsets[-1] != total:
+        raise ValueError(
+            f"{name}[-1] = {offsets[-1]} but the tensor has {total} rows; the last offset must "
+            "equal the total number of tokens"
+        )
+    return lens
+
+
+def _resolve_max_seqlen(name: str, given, lens: Sequence[int]) -> int:
+    real = max(lens, default=0)
+    if given is None:
+        return real
+    if isinstance(given, bool) or not isinstance(given, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(given).__name__}")
+    if given < real:
+        raise ValueError(
+            f"{name} = {given} is smaller than the longest sequence ({real}); pass at least {real}"
+        )
+    return int(given)
+
+
+def _check_compressed_causal(lens_q: Sequence[int], lens_k: Sequence[int]) -> None:
+    for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        if sq > 0 and (sk == 0 or sk > sq):
+            raise ValueError(
+                f"compressed_causal needs 1 <= S_k <= S_q, got S_q={sq}, S_k={sk} "
+                f"(sequence {b}); the compression ratio S_q // S_k must be at least 1"
+            )
+
+
+def _scale(name: str, value, allow_none: bool = False) -> Optional[float]:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a Python float, got {type(value).__name__}"
+            + (" (use .item() on the host)" if isinstance(value, torch.Tensor) else "")
+        )
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def out_shape(q: torch.Tensor, head_dim_v: int) -> Tuple[int, ...]:
+    return tuple(q.shape[:-1]) + (head_dim_v,)
+
+
+def lse_shape(q: torch.Tensor, varlen: bool) -> Tuple[int, ...]:
+    if varlen:
+        return (q.shape[1], q.shape[0])
+    return (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _resolve_out_dtype(out_dtype, out, in_dtype: torch.dtype) -> torch.dtype:
+    if out_dtype is None:
+        out_dtype = out.dtype if isinstance(out, torch.Tensor) else default_out_dtype(in_dtype)
+    if not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"out_dtype must be a torch.dtype, got {type(out_dtype).__name__}")
+    allowed = OUT_DTYPES + ((torch.float8_e4m3fn,) if in_dtype == torch.float8_e4m3fn else ())
+    if out_dtype not in allowed:
+        raise TypeError(
+            f"unsupported out_dtype {_dtype_name(out_dtype)} for {_dtype_name(in_dtype)} input; "
+            f"choose one of {', '.join(_dtype_name(d) for d in allowed)}"
+        )
+    return out_dtype
+
+
+def _check_output(name, t, shape, dtype, q_dev) -> None:
+    _require_tensor(name, t)
+    _check_device(name, t, q_dev)
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if t.dtype != dtype:
+        raise TypeError(
+            f"{name} has dtype {_dtype_name(t.dtype)}, expected {_dtype_name(dtype)}"
+        )
+
+
+def validate(
+    q,
+    k,
+    v,
+    *,
+    varlen: bool = False,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    causal: bool = False,
+    window_size=(None, None),
+    mask_align: str = "top_left",
+    compressed_causal: bool = False,
+    softmax_scale=None,
+    scale_q=1.0,
+    scale_k=1.0,
+    scale_v=1.0,
+    inv_scale_o=1.0,
+    return_lse: bool = False,
+    out=None,
+    lse=None,
+    out_dtype=None,
+) -> AttentionProblem:
+    """Check a call's arguments and describe it; raise TypeError/ValueError saying what to fix.
+
+    ``lse`` given implies ``return_lse``. For varlen, ``max_seqlen_*`` may be None (then taken
+    from cu_seqlens); cu_seqlens are read on the host.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _require_tensor(name, t)
+    _check_dtypes(q, k, v)
+    for name, t in (("k", k), ("v", v)):
+        _check_device(name, t, q.device)
+    _check_shapes(q, k, v, varlen)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_layout(name, t)
+
+    if varlen:
+        lens_q = _seqlens_from_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+        lens_k = _seqlens_from_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+        if len(lens_q) != len(lens_k):
+            raise ValueError(
+                f"cu_seqlens_q has {len(lens_q) + 1} entries but cu_seqlens_k has "
+                f"{len(lens_k) + 1}; both must have B + 1"
+            )
+        batch = len(lens_q)
+        seqlen_q = _resolve_max_seqlen("max_seqlen_q", max_seqlen_q, lens_q)
+        seqlen_k = _resolve_max_seqlen("max_seqlen_k", max_seqlen_k, lens_k)
+    else:
+        if cu_seqlens_q is not None or cu_seqlens_k is not None:
+            raise ValueError("cu_seqlens are for varlen inputs; use fmha.attention_varlen")
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        lens_q, lens_k = [seqlen_q] * batch, [seqlen_k] * batch
+
+    mask = MaskSpec.from_args(causal, window_size, mask_align, compressed_causal)
+    if mask.kind == MaskKind.COMPRESSED_CAUSAL:
+        _check_compressed_causal(lens_q, lens_k)
+
+    scales = {n: _scale(n, s) for n, s in
+              (("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v),
+               ("inv_scale_o", inv_scale_o))}
+    softmax_scale = _scale("softmax_scale", softmax_scale, allow_none=True)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+
+    out_dtype = _resolve_out_dtype(out_dtype, out, q.dtype)
+    if out is not None:
+        _check_output("out", out, out_shape(q, v.shape[-1]), out_dtype, q.device)
+        _check_layout("out", out)
+    if lse is not None:
+        _check_output("lse", lse, lse_shape(q, varlen), torch.float32, q.device)
+        if not lse.is_contiguous():
+            raise ValueError("lse must be contiguous; allocate it with torch.empty(shape)")
+
+    return AttentionProblem(
+        dtype=q.dtype,
+        out_dtype=out_dtype,
+        head_dim=q.shape[-1],
+        head_dim_v=v.shape[-1],
+        num_heads_q=q.shape[-2],
+        num_heads_k=k.shape[-2],
+        mask=mask,
+        varlen=varlen,
+        return_lse=bool(return_lse) or lse is not None,
+        batch=batch,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        total_q=sum(lens_q),
+        total_k=sum(lens_k),
+        softmax_scale=softmax_scale,
+        device=q.device,
+        **scales,
+    )
+
+
+def kernel_options(persistent=None, tile_mn=None) -> KernelOptions:
+    """Check the kernel knobs (None = the backend chooses)."""
+    if persistent is not None and not isinstance(persistent, bool):
+        raise TypeError(f"persistent must be True, False or None, got {persistent!r}")
+    if tile_mn is None:
+        return KernelOptions(persistent=persistent)
+    try:
+        tile_m, tile_n = tile_mn
+    except (TypeError, ValueError):
+        raise ValueError(f"tile_mn must be a pair (tile_m, tile_n), got {tile_mn!r}") from None
+    for name, t in (("tile_m", tile_m), ("tile_n", tile_n)):
+        if isinstance(t, bool) or not isinstance(t, int) or t <= 0:
+            raise ValueError(f"tile_mn {name} must be a positive int, got {t!r}")
+    return KernelOptions(persistent=persistent, tile_m=tile_m, tile_n=tile_n)
