@@ -1,3 +1,18 @@
 """fmha: fused multi-head attention forward kernels (CuTe DSL) with an exact PyTorch reference."""
 
+from .api import FusedAttention, attention, attention_varlen
+from .backends import UnsupportedError
+from .masking import MaskKind, MaskSpec
+from .reference import attention_reference
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "attention",
+    "attention_varlen",
+    "FusedAttention",
+    "UnsupportedError",
+    "attention_reference",
+    "MaskKind",
+    "MaskSpec",
+]

@@ -1,0 +1,186 @@
+"""The public entry points: functional (dense and varlen) and the object form modelled on cuDNN's
+graph API (construct from samples, check_support, compile, execute)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .backends import (
+    BACKENDS,
+    UnsupportedError,
+    get_runner,
+    select_backend,
+    unsupported_reasons,
+)
+from .problem import AttentionProblem
+from .validation import kernel_options, lse_shape, out_shape, validate
+
+__all__ = ["attention", "attention_varlen", "FusedAttention"]
+
+
+def _check_backend_name(backend) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+
+
+def _allocate(q: torch.Tensor, problem: AttentionProblem, out, lse):
+    if out is None:
+        out = torch.empty(out_shape(q, problem.head_dim_v), dtype=problem.out_dtype,
+                          device=q.device)
+    if lse is None and problem.return_lse:
+        lse = torch.empty(lse_shape(q, problem.varlen), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqlen_k,
+         return_lse, out, lse, out_dtype, backend, persistent, tile_mn, **mask_and_scales):
+    _check_backend_name(backend)
+    problem = validate(
+        q, k, v, varlen=varlen, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse,
+        out=out, lse=lse, out_dtype=out_dtype, **mask_and_scales,
+    )
+    options = kernel_options(persistent, tile_mn)
+    out, lse = _allocate(q, problem, out, lse)
+    tensors = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    chosen = select_backend(backend, problem, options, tensors)
+    get_runner(chosen, problem, options)(*tensors)
+    return (out, lse) if return_lse else out
+
+
+def attention(
+    q, k, v, *,
+    causal=False, window_size=(None, None), mask_align="top_left", compressed_causal=False,
+    softmax_scale=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
+    return_lse=False, out=None, lse=None, out_dtype=None,
+    backend="auto", persistent=None, tile_mn=None,
+):
+    """Attention forward on BSHD tensors: q (B, S_q, H_q, D), k/v (B, S_k, H_k, D); a BHSD tensor
+    is accepted as ``x.transpose(1, 2)``. Returns O (B, S_q, H_q, D) in ``out_dtype`` (default:
+    the input dtype, bf16 for fp8), or ``(O, LSE)`` with LSE (B, H_q, S_q) fp32 when
+    ``return_lse``. ``out``/``lse`` preallocated are written in place (``lse`` is filled even
+    without ``return_lse``). Semantics: SPEC.md; ``window_size`` sides are ints or None
+    (unbounded).
+    """
+    return _run(
+        q, k, v, None, None, varlen=False, max_seqlen_q=None, max_seqlen_k=None,
+        causal=causal, window_size=window_size, mask_align=mask_align,
+        compressed_causal=compressed_causal, softmax_scale=softmax_scale, scale_q=scale_q,
+        scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o, return_lse=return_lse,
+        out=out, lse=lse, out_dtype=out_dtype, backend=backend, persistent=persistent,
+        tile_mn=tile_mn,
+    )
+
+
+def attention_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
+    causal=False, window_size=(None, None), mask_align="top_left", compressed_causal=False,
+    softmax_scale=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
+    return_lse=False, out=None, lse=None, out_dtype=None,
+    backend="auto", persistent=None, tile_mn=None,
+):
+    """Attention forward on packed THD tensors: q (T_q, H_q, D), k/v (T_k, H_k, D); sequence b is
+    rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32, length B + 1, on q's device). Masks apply per
+    sequence. ``max_seqlen_*`` may be None (read from cu_seqlens). LSE is (H_q, T_q).
+    Otherwise as :func:`attention`. cu_seqlens are checked on the host (one sync per call).
+    """
+    return _run(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=True, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        causal=causal, window_size=window_size, mask_align=mask_align,
+        compressed_causal=compressed_causal, softmax_scale=softmax_scale, scale_q=scale_q,
+        scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o, return_lse=return_lse,
+        out=out, lse=lse, out_dtype=out_dtype, backend=backend, persistent=persistent,
+        tile_mn=tile_mn,
+    )
+
+
+class FusedAttention:
+    """Attention prepared once for a fixed configuration, run many times into preallocated
+    outputs (cuDNN's / the seed's host API).
+
+    The sample tensors fix everything but the data: dtypes, shapes, device, mask, scales,
+    whether LSE is written, and for varlen B, T_q, T_k and the max sequence lengths (the
+    cu_seqlens values may change between executions). Strides may differ if still valid.
+    The object keeps references to the samples (a kernel backend may inspect them).
+
+        fa = FusedAttention(q, k, v, o, causal=True)
+        fa.check_support()   # True, or UnsupportedError listing why no kernel applies
+        fa.compile()
+        fa.execute(q, k, v, o)
+    """
+
+    def __init__(
+        self, sample_q, sample_k, sample_v, sample_o, sample_lse=None, *,
+        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+        causal=False, window_size=(None, None), mask_align="top_left", compressed_causal=False,
+        softmax_scale=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
+        backend="auto", persistent=None, tile_mn=None,
+    ):
+        _check_backend_name(backend)
+        self._varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+        self._kwargs = dict(
+            causal=causal, window_size=window_size, mask_align=mask_align,
+            compressed_causal=compressed_causal, softmax_scale=softmax_scale, scale_q=scale_q,
+            scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o,
+        )
+        self.problem = self._validate(sample_q, sample_k, sample_v, sample_o, sample_lse,
+                                      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        self.options = kernel_options(persistent, tile_mn)
+        self._backend_arg = backend
+        self._samples = (sample_q, sample_k, sample_v, sample_o, sample_lse,
+                         cu_seqlens_q, cu_seqlens_k)
+        self._backend = None
+        self._runner = None
+
+    def _validate(self, q, k, v, o, lse, cu_q, cu_k, max_q, max_k) -> AttentionProblem:
+        if o is None:
+            raise TypeError("o must be a preallocated torch.Tensor")
+        return validate(
+            q, k, v, varlen=self._varlen, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+            max_seqlen_q=max_q, max_seqlen_k=max_k, out=o, lse=lse, **self._kwargs,
+        )
+
+    @property
+    def backend_name(self) -> Optional[str]:
+        """What compile() chose ('reference' or a kernel backend's name); None before."""
+        return None if self._backend is None else self._backend.name
+
+    def check_support(self) -> bool:
+        """True if a kernel runs this configuration (or backend='reference' was asked for);
+        otherwise raise UnsupportedError with every reason."""
+        if self._backend_arg == "reference":
+            return True
+        chosen, reasons = unsupported_reasons(self.problem, self.options, self._samples)
+        if chosen is None:
+            raise UnsupportedError(reasons)
+        return True
+
+    def compile(self) -> "FusedAttention":
+        """Choose the backend (falling back to the reference under 'auto') and prepare it."""
+        self._backend = select_backend(self._backend_arg, self.problem, self.options,
+                                       self._samples)
+        self._runner = get_runner(self._backend, self.problem, self.options)
+        return self
+
+    def execute(self, q, k, v, o, lse=None, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
+        """Write attention of q, k, v into ``o`` (and ``lse``); compiles on first use."""
+        problem = self._validate(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
+                                 self.problem.seqlen_q if self._varlen else None,
+                                 self.problem.seqlen_k if self._varlen else None)
+        if problem != self.problem:
+            diffs = [
+                f"{f.name}: {getattr(problem, f.name)} (samples: {getattr(self.problem, f.name)})"
+                for f in dataclasses.fields(problem)
+                if getattr(problem, f.name) != getattr(self.problem, f.name)
+            ]
+            raise ValueError(
+                "execute() tensors do not match the samples this FusedAttention was built for: "
+                + "; ".join(diffs)
+            )
+        if self._runner is None:
+            self.compile()
+        self._runner(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)

@@ -1,0 +1,195 @@
+"""Choosing what runs a validated problem: a GPU kernel backend, or the PyTorch reference.
+
+A kernel backend is any object with
+
+- ``name: str``
+- ``why_unsupported(problem, options, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k) -> list[str]``:
+  every reason it cannot run this call (empty: it can). Only asked once the platform checks pass
+  (tensors on a CUDA device of an SM90 GPU), so it may assume CUDA.
+- ``cache_key(problem, options) -> Hashable``: which prepared runner can serve this problem. The
+  dispatcher reuses a runner for every problem with the same key, so the key must hold
+  everything the runner takes from the ``problem`` it was prepared with rather than from the
+  tensors it is called with (sizes come from the tensors, so they stay out of the key and a
+  change of sizes does not recompile).
+- ``prepare(problem, options) -> runner``: compiles. ``runner(q, k, v, out, lse, cu_seqlens_q,
+  cu_seqlens_k)`` writes ``out`` (and ``lse`` unless it is None) in place and returns nothing.
+
+Kernel backends are imported lazily (the CuTe DSL costs about a second to import) and only
+when the tensors are on a GPU, or when the caller asks for the reasons.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .problem import AttentionProblem, KernelOptions
+from .reference import attention_reference, cast_output
+
+__all__ = [
+    "BACKENDS",
+    "UnsupportedError",
+    "ReferenceBackend",
+    "kernel_backends",
+    "unsupported_reasons",
+    "select_backend",
+    "get_runner",
+    "clear_cache",
+]
+
+logger = logging.getLogger("fmha")
+
+#: the values of the public ``backend=`` argument
+BACKENDS = ("auto", "kernel", "reference")
+
+Runner = Callable[..., None]
+
+
+class UnsupportedError(NotImplementedError):
+    """No kernel backend can run this (valid) call. A ``NotImplementedError``, hence a
+    ``RuntimeError``: the arguments are fine, the library lacks a kernel for them. ``reasons``
+    lists every reason, one string each."""
+
+    def __init__(self, reasons: Sequence[str]):
+        self.reasons = list(reasons)
+        super().__init__(
+            "no fmha kernel supports this call:\n" + "\n".join(f"  - {r}" for r in self.reasons)
+            + "\n(backend='auto' or 'reference' runs the PyTorch reference instead)"
+        )
+
+
+class ReferenceBackend:
+    """The PyTorch reference behind the kernel interface: supports everything, computes in fp32
+    and casts into ``out``."""
+
+    name = "reference"
+
+    def why_unsupported(self, problem, options, *tensors) -> List[str]:
+        return []
+
+    def cache_key(self, problem: AttentionProblem, options: KernelOptions) -> Hashable:
+        return (problem.mask, problem.softmax_scale, problem.scale_q, problem.scale_k,
+                problem.scale_v, problem.inv_scale_o)
+
+    def prepare(self, problem: AttentionProblem, options: KernelOptions) -> Runner:
+        def run(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k):
+            with torch.no_grad():
+                o, l = attention_reference(
+                    q, k, v, cu_seqlens_q, cu_seqlens_k,
+                    mask=problem.mask, softmax_scale=problem.softmax_scale,
+                    scale_q=problem.scale_q, scale_k=problem.scale_k,
+                    scale_v=problem.scale_v, inv_scale_o=problem.inv_scale_o,
+                )
+                out.copy_(cast_output(o, out.dtype))
+                if lse is not None:
+                    lse.copy_(l)
+
+        return run
+
+
+REFERENCE = ReferenceBackend()
+
+
+@functools.lru_cache(maxsize=None)
+def _load_kernel_backends() -> Tuple[tuple, tuple]:
+    """(backends, reasons some could not be loaded); imported once per process."""
+    backends, reasons = [], []
+    try:
+        from fmha.kernels.hopper.backend import HopperBackend
+    except ImportError as e:  # ModuleNotFoundError included
+        reasons.append(f"the Hopper kernel could not be imported: {e}")
+    else:
+        backends.append(HopperBackend())
+    return tuple(backends), tuple(reasons)
+
+
+def kernel_backends() -> Tuple[tuple, tuple]:
+    return _load_kernel_backends()
+
+
+def _platform_reasons(q: torch.Tensor) -> List[str]:
+    """Reasons no kernel can run, whatever the backend: the kernels are CUDA SM90 code."""
+    reasons = []
+    if q.device.type != "cuda":
+        reasons.append(f"inputs are on the {'CPU' if q.device.type == 'cpu' else q.device}"
+                       " (the kernels need CUDA tensors)")
+    if not torch.cuda.is_available():
+        reasons.append("no CUDA device is available (torch.cuda.is_available() is False)")
+    elif q.device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(q.device)
+        if (major, minor) != (9, 0):
+            reasons.append(
+                f"the GPU {torch.cuda.get_device_name(q.device)} is SM{major}{minor}; "
+                "the kernels need SM90 (Hopper)"
+            )
+    return reasons
+
+
+def unsupported_reasons(problem, options, tensors: Sequence, every_reason: bool = True
+                        ) -> Tuple[Optional[object], List[str]]:
+    """The first kernel backend that supports the call, or None and the reasons none does.
+
+    ``tensors`` is (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k). With ``every_reason`` False,
+    a platform that no kernel can run on is reason enough: the kernel modules (and the DSL) are
+    then not imported at all."""
+    platform = _platform_reasons(tensors[0])
+    if platform and not every_reason:
+        return None, platform
+    backends, load_reasons = kernel_backends()
+    reasons = platform + list(load_reasons)
+    if platform:
+        return None, reasons
+    for backend in backends:
+        why = backend.why_unsupported(problem, options, *tensors)
+        if not why:
+            return backend, []
+        reasons += [f"{backend.name}: {r}" for r in why]
+    return None, reasons
+
+
+_logged_reasons: set = set()
+
+
+def _log_fallback(reasons: Sequence[str]) -> None:
+    for r in reasons:
+        # Once per distinct reason: a training loop must not print this every step.
+        if r not in _logged_reasons:
+            _logged_reasons.add(r)
+            logger.warning("fmha: using the PyTorch reference: %s", r)
+
+
+def select_backend(backend: str, problem, options, tensors: Sequence):
+    """The backend object for ``backend=`` ('auto', 'kernel' or 'reference')."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    if backend == "reference":
+        return REFERENCE
+    chosen, reasons = unsupported_reasons(problem, options, tensors,
+                                          every_reason=backend == "kernel")
+    if chosen is not None:
+        return chosen
+    if backend == "kernel":
+        raise UnsupportedError(reasons)
+    _log_fallback(reasons)
+    return REFERENCE
+
+
+_runners: Dict[Hashable, Runner] = {}
+
+
+def get_runner(backend_obj, problem: AttentionProblem, options: KernelOptions) -> Runner:
+    """The prepared runner for this problem, compiling only on the first use of its key."""
+    key = (backend_obj.name, backend_obj.cache_key(problem, options))
+    runner = _runners.get(key)
+    if runner is None:
+        runner = backend_obj.prepare(problem, options)
+        _runners[key] = runner
+    return runner
+
+
+def clear_cache() -> None:
+    """Forget every prepared runner (the next call of each configuration compiles again)."""
+    _runners.clear()

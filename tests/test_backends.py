@@ -1,0 +1,148 @@
+"""Dispatch and the compile cache, with a fake kernel backend standing in for the GPU one."""
+
+import logging
+
+import pytest
+import torch
+
+import fmha
+from fmha import backends
+from fmha.masking import MaskSpec
+from fmha.reference import attention_reference
+
+
+class FakeKernel:
+    """Follows the kernel backend interface; computes with the reference so results can be
+    checked, counts compilations, and refuses head dim 128."""
+
+    name = "fake"
+
+    def __init__(self):
+        self.prepared = []
+        self.calls = 0
+
+    def why_unsupported(self, problem, options, q, k, v, out, lse, cu_q, cu_k):
+        return ["head dim 128 is not built"] if problem.head_dim == 128 else []
+
+    def cache_key(self, problem, options):
+        return (problem.dtype, problem.head_dim, problem.mask, problem.softmax_scale)
+
+    def prepare(self, problem, options):
+        self.prepared.append(problem)
+
+        def run(q, k, v, out, lse, cu_q, cu_k):
+            self.calls += 1
+            o, l = attention_reference(q, k, v, cu_q, cu_k, mask=problem.mask,
+                                       softmax_scale=problem.softmax_scale)
+            out.copy_(o)
+            if lse is not None:
+                lse.copy_(l)
+
+        return run
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """A GPU-less world in which the fake kernel backend is the only one and the platform fits."""
+    kernel = FakeKernel()
+    monkeypatch.setattr(backends, "kernel_backends", lambda: ((kernel,), ()))
+    monkeypatch.setattr(backends, "_platform_reasons", lambda q: [])
+    monkeypatch.setattr(backends, "_runners", {})
+    monkeypatch.setattr(backends, "_logged_reasons", set())
+    return kernel
+
+
+def qkv(s=32, d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, s, 2, d, generator=g).half() for _ in range(3)]
+
+
+def test_auto_uses_supporting_kernel(fake):
+    q, k, v = qkv()
+    o = fmha.attention(q, k, v, causal=True)
+    assert fake.calls == 1
+    want = attention_reference(q, k, v, mask=MaskSpec.from_args(causal=True))[0].half()
+    assert torch.equal(o, want)
+
+
+def test_second_call_with_other_sizes_does_not_recompile(fake):
+    for s in (32, 48, 80):
+        fmha.attention(*qkv(s=s), causal=True)
+    assert fake.calls == 3 and len(fake.prepared) == 1
+    fmha.attention(*qkv(), causal=False)  # another mask: another key
+    assert len(fake.prepared) == 2
+
+
+def test_fused_attention_shares_the_cache(fake):
+    q, k, v = qkv()
+    fmha.attention(q, k, v)
+    fa = fmha.FusedAttention(q, k, v, torch.empty_like(q))
+    assert fa.check_support() is True
+    fa.compile()
+    assert fa.backend_name == "fake" and len(fake.prepared) == 1
+
+
+def test_kernel_backend_reports_backend_reasons(fake):
+    with pytest.raises(fmha.UnsupportedError, match="fake: head dim 128 is not built"):
+        fmha.attention(*qkv(d=128), backend="kernel")
+    assert fake.prepared == []
+
+
+def test_auto_falls_back_when_backend_refuses(fake, caplog):
+    q, k, v = qkv(d=128)
+    with caplog.at_level(logging.WARNING, logger="fmha"):
+        o1 = fmha.attention(q, k, v)
+        fmha.attention(q, k, v)
+    assert fake.calls == 0
+    assert torch.equal(o1, attention_reference(q, k, v)[0].half())
+    logged = [r.getMessage() for r in caplog.records]
+    assert logged == ["fmha: using the PyTorch reference: fake: head dim 128 is not built"]
+
+
+def test_reference_backend_is_forced(fake):
+    fmha.attention(*qkv(), backend="reference")
+    assert fake.calls == 0
+
+
+def test_import_failure_is_a_reason(monkeypatch):
+    monkeypatch.setattr(backends, "_platform_reasons", lambda q: [])
+    monkeypatch.setattr(backends, "kernel_backends",
+                        lambda: ((), ("the Hopper kernel could not be imported: boom",)))
+    with pytest.raises(fmha.UnsupportedError, match="could not be imported: boom"):
+        fmha.attention(*qkv(), backend="kernel")
+
+
+def test_load_kernel_backends_turns_import_errors_into_reasons(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def failing_import(name, *args, **kwargs):
+        if name.startswith("fmha.kernels"):
+            raise ImportError("no module for you")
+        return real_import(name, *args, **kwargs)
+
+    backends._load_kernel_backends.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", failing_import)
+    try:
+        loaded, reasons = backends._load_kernel_backends()
+    finally:
+        backends._load_kernel_backends.cache_clear()
+    assert loaded == () and reasons == ("the Hopper kernel could not be imported: no module for you",)
+
+
+def test_platform_reasons_on_cpu():
+    reasons = backends._platform_reasons(torch.zeros(1))
+    assert reasons[0].startswith("inputs are on the CPU")
+    if not torch.cuda.is_available():
+        assert "torch.cuda.is_available() is False" in reasons[1]
+
+
+def test_auto_on_cpu_does_not_import_kernels(monkeypatch):
+    def no_import():
+        raise AssertionError("kernel modules imported for CPU tensors")
+
+    monkeypatch.setattr(backends, "kernel_backends", no_import)
+    assert fmha.attention(*qkv()).shape == (1, 32, 2, 64)
+    with pytest.raises(AssertionError, match="kernel modules imported"):
+        fmha.attention(*qkv(), backend="kernel")  # wants every reason, so it does look
