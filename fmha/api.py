@@ -45,9 +45,8 @@ def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqle
     )
     options = kernel_options(persistent, tile_mn)
     out, lse = _allocate(q, problem, out, lse)
-    tensors = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-    chosen = select_backend(backend, problem, options, tensors)
-    get_runner(chosen, problem, options)(*tensors)
+    chosen = select_backend(backend, problem, options)
+    get_runner(chosen, problem, options)(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     return (out, lse) if return_lse else out
 
 
@@ -105,7 +104,7 @@ class FusedAttention:
     The sample tensors fix everything but the data: dtypes, shapes, device, mask, scales,
     whether LSE is written, and for varlen B, T_q, T_k and the max sequence lengths (the
     cu_seqlens values may change between executions). Strides may differ if still valid.
-    The object keeps references to the samples (a kernel backend may inspect them).
+    The samples are only inspected, not kept.
 
         fa = FusedAttention(q, k, v, o, causal=True)
         fa.check_support()   # True, or UnsupportedError listing why no kernel applies
@@ -131,8 +130,6 @@ class FusedAttention:
                                       cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         self.options = kernel_options(persistent, tile_mn)
         self._backend_arg = backend
-        self._samples = (sample_q, sample_k, sample_v, sample_o, sample_lse,
-                         cu_seqlens_q, cu_seqlens_k)
         self._backend = None
         self._runner = None
 
@@ -154,15 +151,14 @@ class FusedAttention:
         otherwise raise UnsupportedError with every reason."""
         if self._backend_arg == "reference":
             return True
-        chosen, reasons = unsupported_reasons(self.problem, self.options, self._samples)
+        chosen, reasons = unsupported_reasons(self.problem, self.options)
         if chosen is None:
             raise UnsupportedError(reasons)
         return True
 
     def compile(self) -> "FusedAttention":
         """Choose the backend (falling back to the reference under 'auto') and prepare it."""
-        self._backend = select_backend(self._backend_arg, self.problem, self.options,
-                                       self._samples)
+        self._backend = select_backend(self._backend_arg, self.problem, self.options)
         self._runner = get_runner(self._backend, self.problem, self.options)
         return self
 
@@ -183,4 +179,4 @@ class FusedAttention:
             )
         if self._runner is None:
             self.compile()
-        self._runner(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+        self._runner(problem, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)

@@ -3,16 +3,16 @@
 A kernel backend is any object with
 
 - ``name: str``
-- ``why_unsupported(problem, options, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k) -> list[str]``:
-  every reason it cannot run this call (empty: it can). Only asked once the platform checks pass
-  (tensors on a CUDA device of an SM90 GPU), so it may assume CUDA.
+- ``why_unsupported(problem, options) -> list[str]``: every reason it cannot run this
+  configuration (empty: it can). Only asked once the platform checks pass (tensors on a CUDA
+  device of an SM90 GPU); validation has already checked the tensors' layouts.
 - ``cache_key(problem, options) -> Hashable``: which prepared runner can serve this problem. The
-  dispatcher reuses a runner for every problem with the same key, so the key must hold
-  everything the runner takes from the ``problem`` it was prepared with rather than from the
-  tensors it is called with (sizes come from the tensors, so they stay out of the key and a
-  change of sizes does not recompile).
-- ``prepare(problem, options) -> runner``: compiles. ``runner(q, k, v, out, lse, cu_seqlens_q,
-  cu_seqlens_k)`` writes ``out`` (and ``lse`` unless it is None) in place and returns nothing.
+  dispatcher reuses one runner for every problem with the same key (kept per backend name), so
+  the key holds what is compiled in (dtypes, head dim, mask kind, ...) and leaves out what the
+  runner reads per call (sizes, scales, window lengths): new sizes then do not recompile.
+- ``prepare(problem, options) -> runner``: compiles. ``runner(problem, q, k, v, out, lse,
+  cu_seqlens_q, cu_seqlens_k)`` runs the call described by ``problem`` (whose key equals the
+  prepared one), writes ``out`` (and ``lse`` unless it is None) in place and returns nothing.
 
 Kernel backends are imported lazily (the CuTe DSL costs about a second to import) and only
 when the tensors are on a GPU, or when the caller asks for the reasons.
@@ -67,27 +67,27 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def why_unsupported(self, problem, options, *tensors) -> List[str]:
+    def why_unsupported(self, problem, options) -> List[str]:
         return []
 
     def cache_key(self, problem: AttentionProblem, options: KernelOptions) -> Hashable:
-        return (problem.mask, problem.softmax_scale, problem.scale_q, problem.scale_k,
-                problem.scale_v, problem.inv_scale_o)
+        return ()
 
     def prepare(self, problem: AttentionProblem, options: KernelOptions) -> Runner:
-        def run(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k):
-            with torch.no_grad():
-                o, l = attention_reference(
-                    q, k, v, cu_seqlens_q, cu_seqlens_k,
-                    mask=problem.mask, softmax_scale=problem.softmax_scale,
-                    scale_q=problem.scale_q, scale_k=problem.scale_k,
-                    scale_v=problem.scale_v, inv_scale_o=problem.inv_scale_o,
-                )
-                out.copy_(cast_output(o, out.dtype))
-                if lse is not None:
-                    lse.copy_(l)
+        return self.run
 
-        return run
+    @staticmethod
+    def run(problem: AttentionProblem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k) -> None:
+        with torch.no_grad():
+            o, l = attention_reference(
+                q, k, v, cu_seqlens_q, cu_seqlens_k,
+                mask=problem.mask, softmax_scale=problem.softmax_scale,
+                scale_q=problem.scale_q, scale_k=problem.scale_k,
+                scale_v=problem.scale_v, inv_scale_o=problem.inv_scale_o,
+            )
+            out.copy_(cast_output(o, out.dtype))
+            if lse is not None:
+                lse.copy_(l)
 
 
 REFERENCE = ReferenceBackend()
@@ -110,32 +110,31 @@ def kernel_backends() -> Tuple[tuple, tuple]:
     return _load_kernel_backends()
 
 
-def _platform_reasons(q: torch.Tensor) -> List[str]:
+def _platform_reasons(device: torch.device) -> List[str]:
     """Reasons no kernel can run, whatever the backend: the kernels are CUDA SM90 code."""
     reasons = []
-    if q.device.type != "cuda":
-        reasons.append(f"inputs are on the {'CPU' if q.device.type == 'cpu' else q.device}"
+    if device.type != "cuda":
+        reasons.append(f"inputs are on the {'CPU' if device.type == 'cpu' else device}"
                        " (the kernels need CUDA tensors)")
     if not torch.cuda.is_available():
         reasons.append("no CUDA device is available (torch.cuda.is_available() is False)")
-    elif q.device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(q.device)
+    elif device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) != (9, 0):
             reasons.append(
-                f"the GPU {torch.cuda.get_device_name(q.device)} is SM{major}{minor}; "
+                f"the GPU {torch.cuda.get_device_name(device)} is SM{major}{minor}; "
                 "the kernels need SM90 (Hopper)"
             )
     return reasons
 
 
-def unsupported_reasons(problem, options, tensors: Sequence, every_reason: bool = True
-                        ) -> Tuple[Optional[object], List[str]]:
+def unsupported_reasons(problem: AttentionProblem, options: KernelOptions,
+                        every_reason: bool = True) -> Tuple[Optional[object], List[str]]:
     """The first kernel backend that supports the call, or None and the reasons none does.
 
-    ``tensors`` is (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k). With ``every_reason`` False,
-    a platform that no kernel can run on is reason enough: the kernel modules (and the DSL) are
-    then not imported at all."""
-    platform = _platform_reasons(tensors[0])
+    With ``every_reason`` False, a platform that no kernel can run on is reason enough: the
+    kernel modules (and the DSL) are then not imported at all."""
+    platform = _platform_reasons(problem.device)
     if platform and not every_reason:
         return None, platform
     backends, load_reasons = kernel_backends()
@@ -143,7 +142,7 @@ def unsupported_reasons(problem, options, tensors: Sequence, every_reason: bool 
     if platform:
         return None, reasons
     for backend in backends:
-        why = backend.why_unsupported(problem, options, *tensors)
+        why = backend.why_unsupported(problem, options)
         if not why:
             return backend, []
         reasons += [f"{backend.name}: {r}" for r in why]
@@ -161,14 +160,13 @@ def _log_fallback(reasons: Sequence[str]) -> None:
             logger.warning("fmha: using the PyTorch reference: %s", r)
 
 
-def select_backend(backend: str, problem, options, tensors: Sequence):
+def select_backend(backend: str, problem: AttentionProblem, options: KernelOptions):
     """The backend object for ``backend=`` ('auto', 'kernel' or 'reference')."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
     if backend == "reference":
         return REFERENCE
-    chosen, reasons = unsupported_reasons(problem, options, tensors,
-                                          every_reason=backend == "kernel")
+    chosen, reasons = unsupported_reasons(problem, options, every_reason=backend == "kernel")
     if chosen is not None:
         return chosen
     if backend == "kernel":

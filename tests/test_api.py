@@ -1,6 +1,8 @@
 """The public API on the CPU (reference path) and, where a GPU is present, on CUDA."""
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -194,3 +196,11 @@ def test_gpu_auto_matches_reference(causal, dtype):
     tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
     torch.testing.assert_close(o.float(), want_o, atol=tol, rtol=tol)
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
+
+
+def test_host_path_does_not_import_cutlass():
+    # the CuTe DSL costs about a second to import: only kernel compilation may pull it in
+    code = ("import sys, torch, fmha; q = torch.randn(1, 8, 1, 32).half(); "
+            "fmha.attention(q, q, q); fmha.FusedAttention(q, q, q, q).compile(); "
+            "assert 'cutlass' not in sys.modules, 'cutlass imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

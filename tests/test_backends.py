@@ -21,16 +21,16 @@ class FakeKernel:
         self.prepared = []
         self.calls = 0
 
-    def why_unsupported(self, problem, options, q, k, v, out, lse, cu_q, cu_k):
+    def why_unsupported(self, problem, options):
         return ["head dim 128 is not built"] if problem.head_dim == 128 else []
 
     def cache_key(self, problem, options):
-        return (problem.dtype, problem.head_dim, problem.mask, problem.softmax_scale)
+        return (problem.dtype, problem.head_dim, problem.mask.kind)
 
     def prepare(self, problem, options):
         self.prepared.append(problem)
 
-        def run(q, k, v, out, lse, cu_q, cu_k):
+        def run(problem, q, k, v, out, lse, cu_q, cu_k):
             self.calls += 1
             o, l = attention_reference(q, k, v, cu_q, cu_k, mask=problem.mask,
                                        softmax_scale=problem.softmax_scale)
@@ -46,7 +46,7 @@ def fake(monkeypatch):
     """A GPU-less world in which the fake kernel backend is the only one and the platform fits."""
     kernel = FakeKernel()
     monkeypatch.setattr(backends, "kernel_backends", lambda: ((kernel,), ()))
-    monkeypatch.setattr(backends, "_platform_reasons", lambda q: [])
+    monkeypatch.setattr(backends, "_platform_reasons", lambda device: [])
     monkeypatch.setattr(backends, "_runners", {})
     monkeypatch.setattr(backends, "_logged_reasons", set())
     return kernel
@@ -69,6 +69,12 @@ def test_second_call_with_other_sizes_does_not_recompile(fake):
     for s in (32, 48, 80):
         fmha.attention(*qkv(s=s), causal=True)
     assert fake.calls == 3 and len(fake.prepared) == 1
+    # scales reach the runner with each call's problem, not the one it was prepared with
+    q, k, v = qkv()
+    o = fmha.attention(q, k, v, causal=True, softmax_scale=0.01)
+    assert len(fake.prepared) == 1
+    want = attention_reference(q, k, v, mask=MaskSpec.from_args(causal=True), softmax_scale=0.01)
+    assert torch.equal(o, want[0].half())
     fmha.attention(*qkv(), causal=False)  # another mask: another key
     assert len(fake.prepared) == 2
 
@@ -105,7 +111,7 @@ def test_reference_backend_is_forced(fake):
 
 
 def test_import_failure_is_a_reason(monkeypatch):
-    monkeypatch.setattr(backends, "_platform_reasons", lambda q: [])
+    monkeypatch.setattr(backends, "_platform_reasons", lambda device: [])
     monkeypatch.setattr(backends, "kernel_backends",
                         lambda: ((), ("the Hopper kernel could not be imported: boom",)))
     with pytest.raises(fmha.UnsupportedError, match="could not be imported: boom"):
@@ -132,7 +138,7 @@ def test_load_kernel_backends_turns_import_errors_into_reasons(monkeypatch):
 
 
 def test_platform_reasons_on_cpu():
-    reasons = backends._platform_reasons(torch.zeros(1))
+    reasons = backends._platform_reasons(torch.device("cpu"))
     assert reasons[0].startswith("inputs are on the CPU")
     if not torch.cuda.is_available():
         assert "torch.cuda.is_available() is False" in reasons[1]
