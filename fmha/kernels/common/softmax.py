@@ -44,11 +44,11 @@ class OnlineSoftmax:
         self.row_sum.fill(0.0)
 
     @cute.jit
-    def step(self, acc_s: cute.Tensor, acc_o: cute.Tensor):
-        """Turn scores ``acc_s`` into unnormalized probabilities in place, fold them into the
-        running max/sum, and rescale the output accumulator ``acc_o`` accordingly."""
+    def update(self, acc_s: cute.Tensor, row_scale: cute.Tensor):
+        """Turn scores ``acc_s`` into unnormalized probabilities in place and fold them into the
+        running max/sum. ``row_scale`` receives the factor the output accumulator must be
+        multiplied by (``rescale``) before this tile's P.V is added to it."""
         s = as_rows_cols(acc_s)
-        o = as_rows_cols(acc_o)
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
             prev_max = self.row_max[r]
             cur_max = prev_max
@@ -68,8 +68,14 @@ class OnlineSoftmax:
                 s[r, c] = p
                 row_total += p
             self.row_sum[r] = self.row_sum[r] * correction + row_total
+            row_scale[r] = correction
+
+    @cute.jit
+    def rescale(self, acc_o: cute.Tensor, row_scale: cute.Tensor):
+        o = as_rows_cols(acc_o)
+        for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
-                o[r, c] = o[r, c] * correction
+                o[r, c] = o[r, c] * row_scale[r]
 
     @cute.jit
     def finalize(self, acc_o: cute.Tensor, output_scale: Float32, lse_out: cute.Tensor):

@@ -37,6 +37,9 @@ class HopperConfig:
     persistent: bool
     tile_m: int = TILE_M
     tile_n: int = TILE_N
+    # mainloop variants, kept selectable so that benchmarks can measure what each one buys
+    overlap: bool = True
+    pingpong: bool = True
 
     @property
     def kv_stages(self) -> int:
@@ -155,6 +158,8 @@ def compile_kernel(cfg: HopperConfig, extra_options: str = ""):
         tile_m=cfg.tile_m,
         tile_n=cfg.tile_n,
         kv_stages=cfg.kv_stages,
+        overlap=cfg.overlap,
+        pingpong=cfg.pingpong,
     )
     q, k, v, o, lse, cu_q, cu_k = _fake_tensors(cfg)
     return cute.compile(

@@ -33,6 +33,8 @@ from ..common.softmax import OnlineSoftmax
 from .wgmma import issue_gemm
 
 _WG = 128  # threads per warpgroup
+# Named barriers 1 and 2: the consumer warpgroups' turns to issue GEMMs (0 is __syncthreads).
+_TURN_BARRIER = 1
 
 
 def _bshd_to_sdhb(t: cute.Tensor, varlen: bool, d_first: bool = False) -> cute.Tensor:
@@ -64,6 +66,8 @@ class HopperAttentionForward:
         tile_m: int = 128,
         tile_n: int = 128,
         kv_stages: int = 4,
+        overlap: bool = True,
+        pingpong: bool = True,
     ):
         assert tile_m % 64 == 0 and tile_n % 16 == 0
         self.head_dim = head_dim
@@ -77,6 +81,11 @@ class HopperAttentionForward:
         self.tile_n = tile_n
         # K and V share one ring; K_n, V_n occupy two consecutive stages.
         self.kv_stages = kv_stages
+        # overlap: the S GEMM of tile n+1 and the P.V GEMM of tile n run while the softmax of
+        # tile n+1 computes. pingpong: the two consumer warpgroups take turns issuing GEMMs, so
+        # one's softmax hides under the other's tensor-core work.
+        self.overlap = overlap
+        self.pingpong = pingpong and overlap and tile_m // 64 == 2
         self.num_consumer_wgs = tile_m // 64
         self.num_threads = _WG * (1 + self.num_consumer_wgs)
         self.producer_regs, self.consumer_regs = {2: (24, 240), 1: (56, 256)}[self.num_consumer_wgs]
@@ -300,12 +309,28 @@ class HopperAttentionForward:
                 cute.copy(tma_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_handle.barrier)
 
                 sched = self.tile_schedule(m_block, seqlen_q, seqlen_k, window_left, window_right)
-                for i in cutlass.range(sched.total, unroll=1):
-                    n_block = sched.start + i
-                    k_handle = kv_producer.acquire_and_advance()
-                    cute.copy(tma_k, tKgK[None, n_block], tKsK[None, k_handle.index], tma_bar_ptr=k_handle.barrier)
-                    v_handle = kv_producer.acquire_and_advance()
-                    cute.copy(tma_v, tVgV[None, n_block], tVsV[None, v_handle.index], tma_bar_ptr=v_handle.barrier)
+                # The ring is filled in the order the consumers wait on it.
+                if const_expr(self.overlap):
+                    # K_0, then (K_i, V_i-1) pairs, then the last V.
+                    if sched.total > 0:
+                        handle = kv_producer.acquire_and_advance()
+                        cute.copy(tma_k, tKgK[None, sched.start], tKsK[None, handle.index], tma_bar_ptr=handle.barrier)
+                        for i in cutlass.range(1, sched.total, unroll=1):
+                            n_block = sched.start + i
+                            handle = kv_producer.acquire_and_advance()
+                            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, handle.index], tma_bar_ptr=handle.barrier)
+                            handle = kv_producer.acquire_and_advance()
+                            cute.copy(tma_v, tVgV[None, n_block - 1], tVsV[None, handle.index], tma_bar_ptr=handle.barrier)
+                        handle = kv_producer.acquire_and_advance()
+                        cute.copy(tma_v, tVgV[None, sched.start + sched.total - 1], tVsV[None, handle.index],
+                                  tma_bar_ptr=handle.barrier)
+                else:
+                    for i in cutlass.range(sched.total, unroll=1):
+                        n_block = sched.start + i
+                        handle = kv_producer.acquire_and_advance()
+                        cute.copy(tma_k, tKgK[None, n_block], tKsK[None, handle.index], tma_bar_ptr=handle.barrier)
+                        handle = kv_producer.acquire_and_advance()
+                        cute.copy(tma_v, tVgV[None, n_block], tVsV[None, handle.index], tma_bar_ptr=handle.barrier)
             tile_idx = scheduler.next(tile_idx)
 
     # ------------------------------------------------------------------ consumer warpgroups
@@ -330,8 +355,18 @@ class HopperAttentionForward:
         tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
 
-        softmax = OnlineSoftmax.create(scale_log2, cute.size(as_rows_cols(acc_o), mode=[0]))
-        lse_rows = cute.make_rmem_tensor(cute.size(as_rows_cols(acc_o), mode=[0]), Float32)
+        num_rows = cute.size(as_rows_cols(acc_o), mode=[0])
+        softmax = OnlineSoftmax.create(scale_log2, num_rows)
+        row_scale = cute.make_rmem_tensor(num_rows, Float32)
+        lse_rows = cute.make_rmem_tensor(num_rows, Float32)
+        acc_s = cute.make_rmem_tensor(s_shape, Float32)
+        p = cute.make_rmem_tensor_like(acc_s, self.dtype)  # P of the tile whose P.V is pending
+        frags = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, acc_s, p, acc_o, row_scale)
+        wg = tidx // _WG
+        if const_expr(self.pingpong):
+            if wg == 0:
+                # Warpgroup 0 issues first: pre-arrive on its own turn barrier.
+                cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER, number_of_threads=2 * _WG)
 
         tile_idx = scheduler.first()
         num_tiles = scheduler.num_tiles
@@ -347,50 +382,100 @@ class HopperAttentionForward:
                 softmax.reset()
                 acc_o.fill(0.0)
                 q_handle = q_consumer.wait_and_advance()
-                n_block = sched.start
-                for _ in cutlass.range(sched.leading_masked, unroll=1):
-                    kv_consumer = self.attend_kv_tile(True, n_block, row_base, mask, tiled_mma_qk, tiled_mma_pv,
-                                        tSrQ, tSrK, tOrV, s_shape, tScS, acc_o, softmax, kv_consumer)
-                    n_block += 1
-                for _ in cutlass.range(sched.unmasked, unroll=1):
-                    kv_consumer = self.attend_kv_tile(False, n_block, row_base, mask, tiled_mma_qk, tiled_mma_pv,
-                                        tSrQ, tSrK, tOrV, s_shape, tScS, acc_o, softmax, kv_consumer)
-                    n_block += 1
-                for _ in cutlass.range(sched.trailing_masked, unroll=1):
-                    kv_consumer = self.attend_kv_tile(True, n_block, row_base, mask, tiled_mma_qk, tiled_mma_pv,
-                                        tSrQ, tSrK, tOrV, s_shape, tScS, acc_o, softmax, kv_consumer)
-                    n_block += 1
+                if const_expr(self.overlap):
+                    kv_consumer = self.mainloop_overlapped(sched, row_base, mask, softmax, frags, kv_consumer, wg)
+                else:
+                    kv_consumer = self.mainloop_serial(sched, row_base, mask, softmax, frags, kv_consumer)
                 q_handle.release()
                 softmax.finalize(acc_o, output_scale, lse_rows)
                 self.epilogue(acc_o, lse_rows, tOcO, mO, mLSE, m_block, head, batch, offset_q, seqlen_q)
             tile_idx = scheduler.next(tile_idx)
 
     @cute.jit
-    def attend_kv_tile(
-        self, masked: cutlass.Constexpr, n_block: Int32, row_base: Int32, mask: FragmentMask,
-        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-        tSrQ: cute.Tensor, tSrK: cute.Tensor, tOrV: cute.Tensor, s_shape, tScS: cute.Tensor,
-        acc_o: cute.Tensor, softmax: OnlineSoftmax, kv_consumer: pipeline.PipelineConsumer,
-    ):
-        """One K/V tile: S = Q K^T, (mask), online softmax, O += P V."""
-        k_handle = kv_consumer.wait_and_advance()
-        acc_s = cute.make_rmem_tensor(s_shape, Float32)
-        issue_gemm(tiled_mma_qk, acc_s, tSrQ[None, None, None, 0], tSrK[None, None, None, k_handle.index], True)
-        warpgroup.wait_group(0)
-        k_handle.release()
+    def mainloop_serial(self, sched, row_base: Int32, mask: FragmentMask, softmax: OnlineSoftmax,
+                        frags, kv_consumer: pipeline.PipelineConsumer):
+        """One K/V tile at a time: S = Q K^T, wait, softmax, O += P V, wait."""
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, acc_s, p, acc_o, row_scale = frags
+        n_block = sched.start
+        for i in cutlass.range(sched.total, unroll=1):
+            k_handle = kv_consumer.wait_and_advance()
+            issue_gemm(tiled_mma_qk, acc_s, tSrQ[None, None, None, 0], tSrK[None, None, None, k_handle.index], True)
+            warpgroup.wait_group(0)
+            k_handle.release()
+            # Masking every tile of this loop would be correct; only boundary tiles need it.
+            if i < sched.leading_masked or i >= sched.leading_masked + sched.unmasked:
+                mask.apply(acc_s, tScS, row_base, n_block * self.tile_n)
+            softmax.update(acc_s, row_scale)
+            softmax.rescale(acc_o, row_scale)
+            p.store(acc_s.load().to(self.dtype))
+            v_handle = kv_consumer.wait_and_advance()
+            issue_gemm(tiled_mma_pv, acc_o, as_operand_a(p), tOrV[None, None, None, v_handle.index], False)
+            warpgroup.wait_group(0)
+            v_handle.release()
+            n_block += 1
+        return kv_consumer
 
+    @cute.jit
+    def mainloop_overlapped(self, sched, row_base: Int32, mask: FragmentMask, softmax: OnlineSoftmax,
+                            frags, kv_consumer: pipeline.PipelineConsumer, wg: Int32):
+        """Software-pipelined over K/V tiles: while the softmax of tile n runs, the tensor cores
+        compute P_{n-1} V_{n-1}. The ring order (K_0, K_1, V_0, K_2, V_1, ..., V_last) matches."""
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, acc_s, p, acc_o, row_scale = frags
+        if sched.total > 0:
+            # Prologue: S_0 alone. It is always masked: the cost is one tile, and it spares a
+            # dynamic choice of code path.
+            k_handle = kv_consumer.wait_and_advance()
+            issue_gemm(tiled_mma_qk, acc_s, tSrQ[None, None, None, 0], tSrK[None, None, None, k_handle.index], True)
+            warpgroup.wait_group(0)
+            k_handle.release()
+            mask.apply(acc_s, tScS, row_base, sched.start * self.tile_n)
+            softmax.update(acc_s, row_scale)  # O is still zero: no rescale
+            p.store(acc_s.load().to(self.dtype))
+            # Tile 0 came out of the first non-empty group of the schedule.
+            first_leading = cutlass.min(sched.leading_masked, 1)
+            first_unmasked = cutlass.min(sched.unmasked, 1 - first_leading)
+            leading = sched.leading_masked - first_leading
+            unmasked = sched.unmasked - first_unmasked
+            trailing = sched.trailing_masked - (1 - first_leading - first_unmasked)
+            n_block = sched.start + 1
+            for _ in cutlass.range(leading, unroll=1):
+                kv_consumer = self.overlapped_step(True, n_block, row_base, mask, softmax, frags, kv_consumer, wg)
+                n_block += 1
+            for _ in cutlass.range(unmasked, unroll=1):
+                kv_consumer = self.overlapped_step(False, n_block, row_base, mask, softmax, frags, kv_consumer, wg)
+                n_block += 1
+            for _ in cutlass.range(trailing, unroll=1):
+                kv_consumer = self.overlapped_step(True, n_block, row_base, mask, softmax, frags, kv_consumer, wg)
+                n_block += 1
+            # Epilogue: the last P.V.
+            v_handle = kv_consumer.wait_and_advance()
+            issue_gemm(tiled_mma_pv, acc_o, as_operand_a(p), tOrV[None, None, None, v_handle.index], False)
+            warpgroup.wait_group(0)
+            v_handle.release()
+        return kv_consumer
+
+    @cute.jit
+    def overlapped_step(self, masked: cutlass.Constexpr, n_block: Int32, row_base: Int32,
+                        mask: FragmentMask, softmax: OnlineSoftmax, frags,
+                        kv_consumer: pipeline.PipelineConsumer, wg: Int32):
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, acc_s, p, acc_o, row_scale = frags
+        k_handle = kv_consumer.wait_and_advance()
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=_TURN_BARRIER + wg, number_of_threads=2 * _WG)
+        issue_gemm(tiled_mma_qk, acc_s, tSrQ[None, None, None, 0], tSrK[None, None, None, k_handle.index], True)
+        v_handle = kv_consumer.wait_and_advance()
+        issue_gemm(tiled_mma_pv, acc_o, as_operand_a(p), tOrV[None, None, None, v_handle.index], False)
+        if const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER + 1 - wg, number_of_threads=2 * _WG)
+        warpgroup.wait_group(1)  # S_n is ready; P_{n-1} V_{n-1} may still run
+        k_handle.release()
         if const_expr(masked):
             mask.apply(acc_s, tScS, row_base, n_block * self.tile_n)
-        softmax.step(acc_s, acc_o)
-
-        p = cute.make_rmem_tensor_like(acc_s, self.dtype)
-        p.store(acc_s.load().to(self.dtype))
-        p_operand = as_operand_a(p)
-
-        v_handle = kv_consumer.wait_and_advance()
-        issue_gemm(tiled_mma_pv, acc_o, p_operand, tOrV[None, None, None, v_handle.index], False)
+        softmax.update(acc_s, row_scale)
         warpgroup.wait_group(0)
         v_handle.release()
+        softmax.rescale(acc_o, row_scale)
+        p.store(acc_s.load().to(self.dtype))
         # Returned so the caller rebinds it: pipeline state advanced here must be a plain local
         # of the enclosing staged loop.
         return kv_consumer
