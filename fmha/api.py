@@ -162,8 +162,18 @@ class FusedAttention:
         self._runner = get_runner(self._backend, self.problem, self.options)
         return self
 
-    def execute(self, q, k, v, o, lse=None, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
-        """Write attention of q, k, v into ``o`` (and ``lse``); compiles on first use."""
+    def execute(self, q, k, v, o, lse=None, cu_seqlens_q=None, cu_seqlens_k=None, *,
+                check: bool = True) -> None:
+        """Write attention of q, k, v into ``o`` (and ``lse``); compiles on first use.
+
+        ``check=False`` skips validating the tensors against the samples, and with it the
+        host sync that varlen checks need (for timing loops and CUDA graph capture): the caller
+        then vouches that they match, cu_seqlens values included."""
+        if not check:
+            if self._runner is None:
+                self.compile()
+            self._runner(self.problem, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+            return
         problem = self._validate(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
                                  self.problem.seqlen_q if self._varlen else None,
                                  self.problem.seqlen_k if self._varlen else None)

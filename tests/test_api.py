@@ -204,3 +204,11 @@ def test_host_path_does_not_import_cutlass():
             "fmha.attention(q, q, q); fmha.FusedAttention(q, q, q, q).compile(); "
             "assert 'cutlass' not in sys.modules, 'cutlass imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_fused_attention_unchecked_execute():
+    q, k, v = qkv()
+    o = torch.empty_like(q)
+    fa = fmha.FusedAttention(q, k, v, o, backend="reference")
+    fa.execute(q, k, v, o, check=False)
+    assert fa.backend_name == "reference" and torch.equal(o, ref(q, k, v)[0].half())

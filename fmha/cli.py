@@ -1,0 +1,275 @@
+"""``python -m fmha``: run one attention configuration on random inputs, check it against the
+fp64 reference, and time it (the seed's example driver).
+
+Exit status: 0 verified (or check skipped), 1 check failed, 2 bad arguments or, with
+``--backend kernel``, no kernel for the configuration.
+
+Varlen: ``--varlen_q``/``--varlen_k`` give the per-sequence lengths; B of both shapes must equal the
+number of lengths, and the shape's S is used only for a side whose list is not given (every
+sequence then has that length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import List, Optional
+
+import torch
+
+from .api import FusedAttention
+from .backends import UnsupportedError
+from .problem import default_out_dtype
+from .reference import attention_reference
+from .validation import lse_shape, out_shape
+
+DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+#: default --tolerance (relative L2 error of O) by output dtype: a few ulps of the output format
+TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 2e-2, torch.float8_e4m3fn: 1e-1}
+#: fp8 inputs: P is rounded to fp8 with a running (not the final) row max in a kernel
+FP8_INPUT_TOLERANCE = 5e-2
+
+
+def _ints(text: str, count: Optional[int] = None) -> List[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if count is not None and len(values) != count:
+        raise argparse.ArgumentTypeError(f"expected {count} comma-separated integers, got {text!r}")
+    return values
+
+
+def _shape(text):
+    return _ints(text, 4)
+
+
+def _pair(text):
+    return _ints(text, 2)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m fmha", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--q_shape", type=_shape, required=True, metavar="B,S,H,D")
+    p.add_argument("--k_shape", type=_shape, default=None, metavar="B,S,H,D",
+                   help="default: q_shape")
+    p.add_argument("--is_causal", action="store_true")
+    p.add_argument("--is_persistent", action="store_true",
+                   help="ask for the persistent kernel (default: the backend's choice)")
+    p.add_argument("--window_size", type=_pair, default=None, metavar="L,R",
+                   help="sliding window; -1 = unbounded side")
+    p.add_argument("--bottom_right_align", action="store_true")
+    p.add_argument("--compressed_causal", action="store_true")
+    p.add_argument("--in_dtype", choices=DTYPES, default="float16")
+    p.add_argument("--out_dtype", choices=DTYPES, default=None,
+                   help="default: the input dtype (bfloat16 for fp8 input)")
+    for name in ("scale_q", "scale_k", "scale_v", "inv_scale_o"):
+        p.add_argument(f"--{name}", type=float, default=1.0)
+    p.add_argument("--scale_softmax", type=float, default=None, help="default: 1/sqrt(D)")
+    p.add_argument("--mma_tiler_mn", type=_pair, default=None, metavar="M,N")
+    p.add_argument("--varlen_q", type=_ints, default=None, metavar="L1,L2,...")
+    p.add_argument("--varlen_k", type=_ints, default=None, metavar="L1,L2,...")
+    p.add_argument("--lse", action="store_true", help="also compute and check the LSE")
+    p.add_argument("--backend", choices=("auto", "kernel", "reference"), default="auto")
+    p.add_argument("--warmup_iterations", type=int, default=1)
+    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--skip_ref_check", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="max relative L2 error of O (default: by dtype)")
+    args = p.parse_args(argv)
+    if args.k_shape is None:
+        args.k_shape = list(args.q_shape)
+    if args.iterations < 1 or args.warmup_iterations < 0:
+        p.error("--iterations must be >= 1 and --warmup_iterations >= 0")
+    for flag in ("varlen_q", "varlen_k"):
+        lens = getattr(args, flag)
+        if lens is not None and any(n < 0 for n in lens):
+            p.error(f"--{flag} lengths must be >= 0")
+    return args
+
+
+def _random(shape, dtype, gen, device):
+    if dtype == torch.float8_e4m3fn:
+        # fp8 has no randn; a symmetric range keeps scores of both signs and away from all-zero
+        x = torch.empty(shape).uniform_(-2.0, 2.0, generator=gen)
+    else:
+        x = torch.randn(shape, generator=gen)
+    return x.to(dtype).to(device)
+
+
+def _seq_lengths(args):
+    """(lens_q, lens_k) for varlen, else None."""
+    if args.varlen_q is None and args.varlen_k is None:
+        return None
+    bq, bk = args.q_shape[0], args.k_shape[0]
+    lens_q = args.varlen_q if args.varlen_q is not None else [args.q_shape[1]] * bq
+    lens_k = args.varlen_k if args.varlen_k is not None else [args.k_shape[1]] * bk
+    if not len(lens_q) == len(lens_k) == bq == bk:
+        raise ValueError(
+            f"varlen: B of --q_shape ({bq}) and --k_shape ({bk}) must equal the number of "
+            f"lengths in --varlen_q ({len(lens_q)}) and --varlen_k ({len(lens_k)})"
+        )
+    return lens_q, lens_k
+
+
+def _make_inputs(args, device):
+    gen = torch.Generator().manual_seed(args.seed)
+    dtype = DTYPES[args.in_dtype]
+    _, sq, hq, d = args.q_shape
+    _, sk, hk, dk = args.k_shape
+    lens = _seq_lengths(args)
+    if lens is None:
+        q_shape, kv_shape, cu_q, cu_k = tuple(args.q_shape), tuple(args.k_shape), None, None
+    else:
+        q_shape, kv_shape = (sum(lens[0]), hq, d), (sum(lens[1]), hk, dk)
+        cu_q, cu_k = (
+            torch.tensor([0] + list(_cumsum(ls)), dtype=torch.int32, device=device) for ls in lens
+        )
+    q = _random(q_shape, dtype, gen, device)
+    k = _random(kv_shape, dtype, gen, device)
+    v = _random(kv_shape, dtype, gen, device)
+    return q, k, v, cu_q, cu_k, lens
+
+
+def _cumsum(values):
+    total = 0
+    for x in values:
+        total += x
+        yield total
+
+
+def _special_mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Positions where a and b disagree on being NaN, +inf or -inf."""
+    bad = torch.zeros(a.shape, dtype=torch.bool, device=a.device)
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        bad |= test(a) != test(b)
+    return int(bad.sum())
+
+
+def check(out, lse, ref_o, ref_lse, tolerance: float) -> tuple:
+    """(passed, one-line summary) comparing outputs with the fp64 reference."""
+    o = out.to(torch.float64)
+    ref_o = ref_o.to(o.device)
+    special = _special_mismatches(o, ref_o)
+    both = torch.isfinite(o) & torch.isfinite(ref_o)
+    diff = torch.where(both, o - ref_o, torch.zeros_like(o))
+    ref_norm = float(torch.where(both, ref_o, torch.zeros_like(o)).norm())
+    rel_l2 = float(diff.norm()) / ref_norm if ref_norm > 0 else float(diff.norm())
+    max_abs = float(diff.abs().max()) if diff.numel() else 0.0
+    passed = special == 0 and rel_l2 <= tolerance
+    parts = [f"O rel L2 err {rel_l2:.3e} (tol {tolerance:.1e})", f"max abs err {max_abs:.3e}"]
+    if lse is not None:
+        l = lse.to(torch.float64)
+        ref_lse = ref_lse.to(l.device)
+        special += _special_mismatches(l, ref_lse)
+        fin = torch.isfinite(l) & torch.isfinite(ref_lse)
+        lse_err = float((l - ref_lse)[fin].abs().max()) if bool(fin.any()) else 0.0
+        scale = max(1.0, float(ref_lse[fin].abs().max())) if bool(fin.any()) else 1.0
+        lse_tol = 1e-3 * scale
+        passed = passed and special == 0 and lse_err <= lse_tol
+        parts.append(f"LSE max abs err {lse_err:.3e} (tol {lse_tol:.1e})")
+    parts.append("NaN/inf patterns agree" if special == 0 else f"{special} NaN/inf mismatches")
+    return passed, ", ".join(parts)
+
+
+def _time_per_call(fn, warmup: int, iterations: int, device) -> tuple:
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iterations):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / iterations, "CUDA events"
+    t0 = time.perf_counter()
+    for _ in range(iterations):
+        fn()
+    return (time.perf_counter() - t0) / iterations, "perf_counter"
+
+
+def run(args) -> int:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    q, k, v, cu_q, cu_k, lens = _make_inputs(args, device)
+    window = (None, None)
+    if args.window_size is not None:
+        window = tuple(None if w == -1 else w for w in args.window_size)
+    out_dtype = DTYPES[args.out_dtype] if args.out_dtype else default_out_dtype(q.dtype)
+    kwargs = dict(
+        causal=args.is_causal, window_size=window,
+        mask_align="bottom_right" if args.bottom_right_align else "top_left",
+        compressed_causal=args.compressed_causal, softmax_scale=args.scale_softmax,
+        scale_q=args.scale_q, scale_k=args.scale_k, scale_v=args.scale_v,
+        inv_scale_o=args.inv_scale_o,
+    )
+    o = torch.empty(out_shape(q, v.shape[-1]), dtype=out_dtype, device=device)
+    lse = None
+    if args.lse:
+        lse = torch.empty(lse_shape(q, lens is not None), dtype=torch.float32, device=device)
+    fa = FusedAttention(q, k, v, o, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                        backend=args.backend, persistent=True if args.is_persistent else None,
+                        tile_mn=tuple(args.mma_tiler_mn) if args.mma_tiler_mn else None, **kwargs)
+    problem = fa.problem
+    print(f"fmha: {problem.describe()}")
+    if device.type == "cpu":
+        print("no CUDA GPU: running the PyTorch reference on the CPU")
+    reasons = []
+    if args.backend != "reference":
+        try:
+            fa.check_support()
+        except UnsupportedError as e:
+            reasons = e.reasons
+    fa.compile()
+    print(f"backend: {fa.backend_name}")
+    if reasons:
+        print("kernel not used:\n" + "\n".join(f"  - {r}" for r in reasons))
+
+    fa.execute(q, k, v, o, lse, cu_q, cu_k)  # checked once; the timed calls skip the checks
+
+    def call():
+        fa.execute(q, k, v, o, lse, cu_q, cu_k, check=False)
+
+    seconds, clock = _time_per_call(call, args.warmup_iterations, args.iterations, device)
+    flops = problem.flops(*(lens if lens is not None else (None, None)))
+    print(f"time: {seconds * 1e3:.3f} ms per call ({clock}, {args.iterations} iterations after "
+          f"{args.warmup_iterations} warmup), {flops / seconds / 1e12:.3f} TFLOP/s")
+
+    if args.skip_ref_check:
+        print("reference check skipped")
+        return 0
+    if fa.backend_name == "reference":
+        print("note: the backend is the fp32 reference, so the check compares it with itself in fp64")
+    ref_o, ref_lse = attention_reference(
+        q, k, v, cu_q, cu_k, mask=problem.mask, softmax_scale=problem.softmax_scale,
+        scale_q=problem.scale_q, scale_k=problem.scale_k, scale_v=problem.scale_v,
+        inv_scale_o=problem.inv_scale_o, compute_dtype=torch.float64,
+    )
+    tolerance = args.tolerance
+    if tolerance is None:
+        tolerance = TOLERANCE[problem.out_dtype]
+        if problem.is_fp8:
+            tolerance = max(tolerance, FP8_INPUT_TOLERANCE)
+    passed, summary = check(o, lse, ref_o, ref_lse, tolerance)
+    print(f"check vs fp64 reference: {summary}")
+    print("verified" if passed else "FAILED: outside tolerance")
+    return 0 if passed else 1
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # run() prints why the kernel was not used; the library's fallback warnings would repeat it.
+    logging.getLogger("fmha").setLevel(logging.ERROR)
+    try:
+        return run(args)
+    except (UnsupportedError, ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,69 @@
+"""``python -m fmha`` end to end (subprocess) and its checker."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fmha.cli import check
+
+
+def fmha_cli(*args):
+    return subprocess.run([sys.executable, "-m", "fmha", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_readme_command_verifies():
+    r = fmha_cli("--q_shape", "2,300,4,64", "--k_shape", "2,300,2,64", "--is_causal")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[-1] == "verified"
+    assert any(line.startswith("backend: ") for line in lines)
+    assert "TFLOP/s" in r.stdout and "mask=causal(top_left)" in r.stdout
+    if not torch.cuda.is_available():
+        assert "running the PyTorch reference on the CPU" in r.stdout
+        assert "inputs are on the CPU" in r.stdout
+
+
+def test_varlen_fp8_window_lse():
+    r = fmha_cli("--q_shape", "3,0,4,64", "--k_shape", "3,0,2,64", "--varlen_q", "17,0,40",
+                 "--varlen_k", "30,5,1", "--window_size", "8,-1", "--bottom_right_align",
+                 "--in_dtype", "float8_e4m3fn", "--lse", "--scale_q", "0.5", "--inv_scale_o", "2")
+    assert r.returncode == 0, r.stderr
+    assert "varlen B=3" in r.stdout and "window(8,None,bottom_right)" in r.stdout
+    assert "LSE max abs err" in r.stdout and r.stdout.splitlines()[-1] == "verified"
+
+
+def test_failed_check_exits_nonzero():
+    r = fmha_cli("--q_shape", "1,64,2,32", "--tolerance", "0")
+    assert r.returncode == 1 and "FAILED" in r.stdout
+
+
+def test_bad_arguments_exit_2():
+    r = fmha_cli("--q_shape", "1,64,2,48")
+    assert r.returncode == 2 and "unsupported head dim 48" in r.stderr
+    r = fmha_cli("--q_shape", "2,64,2,32", "--varlen_q", "1,2,3")
+    assert r.returncode == 2 and "must equal the number of lengths" in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the kernel may run on a GPU")
+def test_kernel_backend_without_gpu_exits_2():
+    r = fmha_cli("--q_shape", "1,64,2,32", "--backend", "kernel")
+    assert r.returncode == 2 and "no fmha kernel supports this call" in r.stderr
+
+
+def test_check_flags_nan_and_lse_pattern():
+    ref_o = torch.ones(2, 3, dtype=torch.float64)
+    ref_lse = torch.tensor([0.5, -math.inf], dtype=torch.float64)
+    ok, _ = check(ref_o.half(), ref_lse.float(), ref_o, ref_lse, 1e-3)
+    assert ok
+    bad_o = ref_o.clone()
+    bad_o[0, 0] = math.nan
+    ok, summary = check(bad_o.half(), None, ref_o, None, 1e-3)
+    assert not ok and "1 NaN/inf mismatches" in summary
+    ok, summary = check(ref_o.half(), torch.tensor([0.5, 0.0]), ref_o, ref_lse, 1e-3)
+    assert not ok and "1 NaN/inf mismatches" in summary
+    ok, summary = check(ref_o.half(), torch.tensor([0.6, -math.inf]), ref_o, ref_lse, 1e-3)
+    assert not ok and "LSE max abs err 1.000e-01" in summary
