@@ -1,0 +1,48 @@
+"""A small causal case (and a small varlen one) through the kernel, for compute-sanitizer:
+
+    compute-sanitizer --tool racecheck python scripts/sanitize_case.py
+    compute-sanitizer --tool memcheck  python scripts/sanitize_case.py
+
+Exits 1 if the output disagrees with the reference (the sanitizer reports its own findings)."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+import fmha
+from fmha.masking import MaskSpec
+from fmha.reference import attention_reference
+
+
+def main():
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    ok = True
+    q = torch.randn(1, 200, 2, 64, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(1, 200, 1, 64, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(1, 200, 1, 64, device=dev, dtype=torch.bfloat16)
+    o, lse = fmha.attention(q, k, v, causal=True, return_lse=True, backend="kernel")
+    ref, ref_lse = attention_reference(q, k, v, mask=MaskSpec.from_args(causal=True))
+    err = ((o.float() - ref).norm() / ref.norm()).item()
+    print(f"dense causal: rel L2 {err:.2e}, lse max abs {(lse - ref_lse).abs().max().item():.2e}")
+    ok &= err < 1e-2
+
+    lens = [0, 1, 77, 130]
+    cu = torch.tensor([0, 0, 1, 78, 208], dtype=torch.int32, device=dev)
+    qv = torch.randn(208, 2, 64, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(208, 1, 64, device=dev, dtype=torch.bfloat16)
+    vv = torch.randn(208, 1, 64, device=dev, dtype=torch.bfloat16)
+    o = fmha.attention_varlen(qv, kv, vv, cu, cu, max(lens), max(lens), causal=True, backend="kernel")
+    ref, _ = attention_reference(qv, kv, vv, cu, cu, mask=MaskSpec.from_args(causal=True))
+    err = ((o.float() - ref).norm() / ref.norm()).item()
+    print(f"varlen causal: rel L2 {err:.2e}")
+    ok &= err < 1e-2
+    torch.cuda.synchronize()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
