@@ -9,8 +9,8 @@ from typing import Optional
 import torch
 
 from .backends import (
-    BACKENDS,
     UnsupportedError,
+    check_backend_name,
     get_runner,
     select_backend,
     unsupported_reasons,
@@ -19,11 +19,6 @@ from .problem import AttentionProblem
 from .validation import kernel_options, lse_shape, out_shape, validate
 
 __all__ = ["attention", "attention_varlen", "FusedAttention"]
-
-
-def _check_backend_name(backend) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
 
 
 def _allocate(q: torch.Tensor, problem: AttentionProblem, out, lse):
@@ -37,7 +32,7 @@ def _allocate(q: torch.Tensor, problem: AttentionProblem, out, lse):
 
 def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqlen_k,
          return_lse, out, lse, out_dtype, backend, persistent, tile_mn, **mask_and_scales):
-    _check_backend_name(backend)
+    check_backend_name(backend)
     problem = validate(
         q, k, v, varlen=varlen, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse,
@@ -119,7 +114,7 @@ class FusedAttention:
         softmax_scale=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
         backend="auto", persistent=None, tile_mn=None,
     ):
-        _check_backend_name(backend)
+        check_backend_name(backend)
         self._varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
         self._kwargs = dict(
             causal=causal, window_size=window_size, mask_align=mask_align,

@@ -35,6 +35,7 @@ __all__ = [
     "ReferenceBackend",
     "kernel_backends",
     "unsupported_reasons",
+    "check_backend_name",
     "select_backend",
     "get_runner",
     "clear_cache",
@@ -160,10 +161,15 @@ def _log_fallback(reasons: Sequence[str]) -> None:
             logger.warning("fmha: using the PyTorch reference: %s", r)
 
 
+def check_backend_name(backend) -> None:
+    if backend not in BACKENDS:
+        choices = ", ".join(map(repr, BACKENDS))
+        raise ValueError(f"backend must be one of {choices}, got {backend!r}")
+
+
 def select_backend(backend: str, problem: AttentionProblem, options: KernelOptions):
     """The backend object for ``backend=`` ('auto', 'kernel' or 'reference')."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    check_backend_name(backend)
     if backend == "reference":
         return REFERENCE
     chosen, reasons = unsupported_reasons(problem, options, every_reason=backend == "kernel")

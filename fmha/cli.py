@@ -247,7 +247,7 @@ def run(args) -> int:
         print("reference check skipped")
         return 0
     if fa.backend_name == "reference":
-        print("note: the backend is the fp32 reference, so the check compares it with itself in fp64")
+        print("note: the backend is the fp32 reference: the check compares it with the fp64 one")
     ref_o, ref_lse = attention_reference(
         q, k, v, cu_q, cu_k, mask=problem.mask, softmax_scale=problem.softmax_scale,
         scale_q=problem.scale_q, scale_k=problem.scale_k, scale_v=problem.scale_v,

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .masking import MaskKind, MaskSpec, row_key_bounds
+from .masking import MaskSpec, row_key_bounds
 
 __all__ = ["attention_reference", "cast_output", "DEFAULT_CHUNK_BYTES", "FP8_MAX"]
 
@@ -85,8 +85,8 @@ def _attend_sequence(q, k, v, o, lse, mask, score_scale, out_scale, fp8_p, cdt, 
             qc = q[r0:r1, h0:h1].to(cdt)
             s = torch.einsum("rhd,khd->hrk", qc, kc[k0:k1]) * score_scale
             s.masked_fill_(~keep, -math.inf)
-            m = s.amax(dim=-1, keepdim=True) if k1 > k0 else s.new_full(s.shape[:2] + (1,), -math.inf)
             # A row with nothing kept has max -inf; subtracting 0 keeps exp() at 0 instead of NaN.
+            m = s.amax(dim=-1, keepdim=True) if k1 > k0 else s.new_zeros(s.shape[:2] + (1,))
             m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
             p = s.sub_(m).exp_()
             row_sum = p.sum(dim=-1, keepdim=True)

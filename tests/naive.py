@@ -57,7 +57,8 @@ def naive_sequence(q, k, v, mask, softmax_scale=None, scale_q=1.0, scale_k=1.0, 
 
 
 def naive_attention(q, k, v, mask, cu_q=None, cu_k=None, **kw):
-    """Dense (B, S, H, D) or varlen (T, H, D) with cu_seqlens lists; same layout as the reference."""
+    """Dense (B, S, H, D), or varlen (T, H, D) with cu_seqlens as lists; laid out like the
+    reference's results."""
     if cu_q is None:
         outs = [naive_sequence(q[b], k[b], v[b], mask, **kw) for b in range(q.shape[0])]
         return torch.stack([o for o, _ in outs]), torch.stack([l for _, l in outs])

@@ -58,7 +58,8 @@ def test_preallocated_bhsd_out():
 
 def test_out_dtype():
     q, k, v = qkv()
-    assert fmha.attention(q, k, v, out_dtype=torch.bfloat16, backend="reference").dtype == torch.bfloat16
+    o = fmha.attention(q, k, v, out_dtype=torch.bfloat16, backend="reference")
+    assert o.dtype == torch.bfloat16
     f8 = [x.to(torch.float8_e4m3fn) for x in (q, k, v)]
     assert fmha.attention(*f8, backend="reference").dtype == torch.bfloat16
     o8 = fmha.attention(*f8, out_dtype=torch.float8_e4m3fn, inv_scale_o=4.0, backend="reference")
@@ -75,12 +76,11 @@ def test_bhsd_view_input():
 
 
 def test_varlen():
-    lens_q, lens_k = [5, 0, 9], [7, 2, 9]
     g = torch.Generator().manual_seed(3)
     q = torch.randn(14, 4, 32, generator=g).half()
     k, v = (torch.randn(18, 1, 32, generator=g).half() for _ in range(2))
-    cu_q = torch.tensor([0, 5, 5, 14], dtype=torch.int32)
-    cu_k = torch.tensor([0, 7, 9, 18], dtype=torch.int32)
+    cu_q = torch.tensor([0, 5, 5, 14], dtype=torch.int32)  # lengths 5, 0, 9
+    cu_k = torch.tensor([0, 7, 9, 18], dtype=torch.int32)  # lengths 7, 2, 9
     o, lse = fmha.attention_varlen(q, k, v, cu_q, cu_k, 9, 9, causal=True,
                                    mask_align="bottom_right", return_lse=True, backend="reference")
     assert o.shape == (14, 4, 32) and lse.shape == (4, 14)

@@ -68,7 +68,8 @@ def test_compressed_causal(sq, sk):
     assert torch.isneginf(lse[:, :, : c - 1]).all() and (o[:, : c - 1] == 0).all()
 
 
-@pytest.mark.parametrize("hq,hk", [(4, 4), (4, 2), (8, 2), (4, 1)], ids=["MHA", "GQA2", "GQA4", "MQA"])
+@pytest.mark.parametrize("hq,hk", [(4, 4), (4, 2), (8, 2), (4, 1)],
+                         ids=["MHA", "GQA2", "GQA4", "MQA"])
 def test_gqa(hq, hk):
     q, k, v = qkv(2, 40, 50, hq, hk, 64, dtype=torch.bfloat16)
     assert_matches_naive(q, k, v, dict(causal=True))
@@ -168,7 +169,8 @@ def test_chunking_matches_unchunked(budget, mask_args):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("sq,sk,heads", [(16384, 16384, 8), (100, 7, 3), (5000, 1, 64), (1, 10**7, 2)])
+@pytest.mark.parametrize("sq,sk,heads",
+                         [(16384, 16384, 8), (100, 7, 3), (5000, 1, 64), (1, 10**7, 2)])
 def test_chunk_sizes_respect_budget(sq, sk, heads):
     budget = 256 << 20
     rows, hs = _chunk_sizes(sq, sk, heads, 4, budget)

@@ -276,7 +276,8 @@ def test_lse_device():
 
 
 def test_lse_contiguous():
-    raises(ValueError, "lse must be contiguous", run, lse=t(B, S, H, dtype=torch.float32).transpose(1, 2))
+    raises(ValueError, "lse must be contiguous", run,
+           lse=t(B, S, H, dtype=torch.float32).transpose(1, 2))
 
 
 def test_out_dtype_unsupported():
