@@ -4,8 +4,9 @@ A kernel backend is any object with
 
 - ``name: str``
 - ``why_unsupported(problem, options) -> list[str]``: every reason it cannot run this
-  configuration (empty: it can). Only asked once the platform checks pass (tensors on a CUDA
-  device of an SM90 GPU); validation has already checked the tensors' layouts.
+  configuration (empty: it can). The dispatcher checks the platform (CUDA tensors, SM90) itself
+  and validation the tensors' layouts, so this is about the configuration only, and must answer
+  without a GPU.
 - ``cache_key(problem, options) -> Hashable``: which prepared runner can serve this problem. The
   dispatcher reuses one runner for every problem with the same key (kept per backend name), so
   the key holds what is compiled in (dtypes, head dim, mask kind, ...) and leaves out what the
@@ -140,11 +141,9 @@ def unsupported_reasons(problem: AttentionProblem, options: KernelOptions,
         return None, platform
     backends, load_reasons = kernel_backends()
     reasons = platform + list(load_reasons)
-    if platform:
-        return None, reasons
     for backend in backends:
         why = backend.why_unsupported(problem, options)
-        if not why:
+        if not why and not platform:
             return backend, []
         reasons += [f"{backend.name}: {r}" for r in why]
     return None, reasons

@@ -153,3 +153,35 @@ def test_auto_on_cpu_does_not_import_kernels(monkeypatch):
     assert fmha.attention(*qkv()).shape == (1, 32, 2, 64)
     with pytest.raises(AssertionError, match="kernel modules imported"):
         fmha.attention(*qkv(), backend="kernel")  # wants every reason, so it does look
+
+
+def test_hopper_backend_through_the_dispatcher(monkeypatch):
+    """The real kernel backend speaks the interface (without compiling, so no GPU needed)."""
+    from fmha.problem import KernelOptions
+    from fmha.validation import validate
+
+    loaded, reasons = backends._load_kernel_backends()
+    assert [b.name for b in loaded] == ["hopper"], reasons
+    monkeypatch.setattr(backends, "_platform_reasons", lambda device: [])
+    small = validate(*qkv(s=32), causal=True)
+    large = validate(*qkv(s=80), causal=True, softmax_scale=0.5)
+    chosen, why = backends.unsupported_reasons(small, KernelOptions())
+    assert chosen is loaded[0] and why == []
+    # sizes and scales are per call: the same compiled kernel serves both
+    assert chosen.cache_key(small, KernelOptions()) == chosen.cache_key(large, KernelOptions())
+    chosen, why = backends.unsupported_reasons(small, KernelOptions(tile_m=3, tile_n=5))
+    assert chosen is None and why and all(r.startswith("hopper: ") for r in why)
+
+
+def test_every_reason_includes_the_backends_on_a_wrong_platform(monkeypatch):
+    kernel = FakeKernel()
+    monkeypatch.setattr(backends, "kernel_backends", lambda: ((kernel,), ()))
+    fa = fmha.FusedAttention(*qkv(d=128), torch.empty(1, 32, 2, 128, dtype=torch.float16))
+    with pytest.raises(fmha.UnsupportedError) as info:
+        fa.check_support()
+    assert info.value.reasons[0].startswith("inputs are on the CPU")
+    assert "fake: head dim 128 is not built" in info.value.reasons
+    # a supported configuration on the CPU is still not run by the kernel
+    fa = fmha.FusedAttention(*qkv(), torch.empty(1, 32, 2, 64, dtype=torch.float16))
+    with pytest.raises(fmha.UnsupportedError, match="inputs are on the CPU"):
+        fa.check_support()
