@@ -110,8 +110,8 @@ def _check_layout(name: str, t: torch.Tensor) -> None:
         )
     elem = t.element_size()
     for dim in range(t.dim() - 1):
-        # The stride of a size-1 dim is never used to address memory.
-        if t.shape[dim] > 1 and (t.stride(dim) * elem) % ALIGN_BYTES:
+        # Size-1 dims too: kernels are compiled assuming every stride is aligned.
+        if (t.stride(dim) * elem) % ALIGN_BYTES:
             raise ValueError(
                 f"{name} rows are not {ALIGN_BYTES}-byte aligned: stride({dim}) = "
                 f"{t.stride(dim)} elements = {t.stride(dim) * elem} bytes; call .contiguous() "

@@ -146,6 +146,12 @@ def test_rows_misaligned():
     raises(ValueError, r"k rows are not 16-byte aligned.*call \.contiguous\(\)", run, k=k)
 
 
+def test_rows_misaligned_in_a_size_one_dim():
+    q = torch.empty(1, S, H, D, dtype=torch.float16).as_strided((1, S, H, D), (7, H * D, D, 1))
+    raises(ValueError, r"q rows are not 16-byte aligned: stride\(0\) = 7", run,
+           q=q.normal_(), k=t(1, S, H, D), v=t(1, S, H, D))
+
+
 def test_data_pointer_misaligned():
     n = B * S * H * D
     q = t(n + 1)[1:].view(B, S, H, D)  # 2 bytes past an aligned allocation
