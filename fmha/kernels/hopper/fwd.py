@@ -359,9 +359,11 @@ class HopperAttentionForward:
         softmax = OnlineSoftmax.create(scale_log2, num_rows)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
         lse_rows = cute.make_rmem_tensor(num_rows, Float32)
-        acc_s = cute.make_rmem_tensor(s_shape, Float32)
-        p = cute.make_rmem_tensor_like(acc_s, self.dtype)  # P of the tile whose P.V is pending
-        frags = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, acc_s, p, acc_o, row_scale)
+        # P of the tile whose P.V is pending; S itself is allocated per tile (a score fragment
+        # that outlived its tile would stay live across the loop and crowd out the registers the
+        # in-flight GEMMs need).
+        p = cute.make_rmem_tensor(s_shape, self.dtype)
+        frags = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, s_shape, p, acc_o, row_scale)
         wg = tidx // _WG
         if const_expr(self.pingpong):
             if wg == 0:
@@ -395,14 +397,15 @@ class HopperAttentionForward:
     def mainloop_serial(self, sched, row_base: Int32, mask: FragmentMask, softmax: OnlineSoftmax,
                         frags, kv_consumer: pipeline.PipelineConsumer):
         """One K/V tile at a time: S = Q K^T, wait, softmax, O += P V, wait."""
-        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, acc_s, p, acc_o, row_scale = frags
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, s_shape, p, acc_o, row_scale = frags
         n_block = sched.start
         for i in cutlass.range(sched.total, unroll=1):
             k_handle = kv_consumer.wait_and_advance()
+            acc_s = cute.make_rmem_tensor(s_shape, Float32)
             issue_gemm(tiled_mma_qk, acc_s, tSrQ[None, None, None, 0], tSrK[None, None, None, k_handle.index], True)
             warpgroup.wait_group(0)
             k_handle.release()
-            # Masking every tile of this loop would be correct; only boundary tiles need it.
+            # Only the boundary tiles of the schedule pay for the element-wise mask.
             if i < sched.leading_masked or i >= sched.leading_masked + sched.unmasked:
                 mask.apply(acc_s, tScS, row_base, n_block * self.tile_n)
             softmax.update(acc_s, row_scale)
@@ -420,11 +423,12 @@ class HopperAttentionForward:
                             frags, kv_consumer: pipeline.PipelineConsumer, wg: Int32):
         """Software-pipelined over K/V tiles: while the softmax of tile n runs, the tensor cores
         compute P_{n-1} V_{n-1}. The ring order (K_0, K_1, V_0, K_2, V_1, ..., V_last) matches."""
-        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, acc_s, p, acc_o, row_scale = frags
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, s_shape, p, acc_o, row_scale = frags
         if sched.total > 0:
             # Prologue: S_0 alone. It is always masked: the cost is one tile, and it spares a
             # dynamic choice of code path.
             k_handle = kv_consumer.wait_and_advance()
+            acc_s = cute.make_rmem_tensor(s_shape, Float32)
             issue_gemm(tiled_mma_qk, acc_s, tSrQ[None, None, None, 0], tSrK[None, None, None, k_handle.index], True)
             warpgroup.wait_group(0)
             k_handle.release()
@@ -458,10 +462,11 @@ class HopperAttentionForward:
     def overlapped_step(self, masked: cutlass.Constexpr, n_block: Int32, row_base: Int32,
                         mask: FragmentMask, softmax: OnlineSoftmax, frags,
                         kv_consumer: pipeline.PipelineConsumer, wg: Int32):
-        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, acc_s, p, acc_o, row_scale = frags
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, s_shape, p, acc_o, row_scale = frags
         k_handle = kv_consumer.wait_and_advance()
         if const_expr(self.pingpong):
             cute.arch.barrier(barrier_id=_TURN_BARRIER + wg, number_of_threads=2 * _WG)
+        acc_s = cute.make_rmem_tensor(s_shape, Float32)
         issue_gemm(tiled_mma_qk, acc_s, tSrQ[None, None, None, 0], tSrK[None, None, None, k_handle.index], True)
         v_handle = kv_consumer.wait_and_advance()
         issue_gemm(tiled_mma_pv, acc_o, as_operand_a(p), tOrV[None, None, None, v_handle.index], False)
