@@ -131,6 +131,8 @@ def _seqlens_from_cu(name: str, cu, total: int, q_dev: torch.device) -> List[int
     _check_device(name, cu, q_dev)
     if cu.dim() != 1 or cu.numel() < 1:
         raise ValueError(f"{name} must be 1-D of length B + 1, got shape {tuple(cu.shape)}")
+    if not cu.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (stride {cu.stride(0)}); call .contiguous()")
     offsets = cu.tolist()  # host sync, see module docstring
     if offsets[0] != 0:
         raise ValueError(f"{name} must start at 0, got {offsets[0]}")

@@ -184,6 +184,12 @@ def test_cu_seqlens_not_1d():
            cu_seqlens_q=cu(LENS_Q).view(2, 2))
 
 
+def test_cu_seqlens_contiguous():
+    strided = torch.tensor([0, -1, 3, -1, 3, -1, 8], dtype=torch.int32)[::2]
+    raises(ValueError, r"cu_seqlens_q must be contiguous \(stride 2\)", run_varlen,
+           cu_seqlens_q=strided)
+
+
 def test_cu_seqlens_length_mismatch():
     raises(ValueError, "cu_seqlens_q has 4 entries but cu_seqlens_k has 5", run_varlen,
            cu_seqlens_k=cu(LENS_K + [0]))
