@@ -56,9 +56,11 @@ def build_grid(name: str) -> list[Point]:
     return pts
 
 
-def _kernel_variant(overlap: bool, pingpong: bool) -> Callable:
-    """fmha's Hopper kernel with a chosen mainloop, called below the public API: to measure what
-    each mainloop technique buys."""
+def _kernel_variant(**overrides) -> Callable:
+    """fmha's Hopper kernel with some compile-time choices overridden (mainloop, scheduling,
+    tile), called below the public API: to measure what each technique buys."""
+    import dataclasses
+
     from fmha.kernels.hopper.backend import HopperConfig, HopperRunner, compile_kernel
     from fmha.problem import KernelOptions
     from fmha.validation import validate
@@ -67,10 +69,7 @@ def _kernel_variant(overlap: bool, pingpong: bool) -> Callable:
 
     def fn(q, k, v, causal):
         problem = validate(q, k, v, causal=causal)
-        cfg = HopperConfig.from_problem(problem, KernelOptions())
-        import dataclasses
-
-        cfg = dataclasses.replace(cfg, overlap=overlap, pingpong=pingpong)
+        cfg = dataclasses.replace(HopperConfig.from_problem(problem, KernelOptions()), **overrides)
         if cfg not in runners:
             runners[cfg] = HopperRunner(cfg, compile_kernel(cfg))
         out = q.new_empty(q.shape)
@@ -78,6 +77,15 @@ def _kernel_variant(overlap: bool, pingpong: bool) -> Callable:
         return out
 
     return fn
+
+
+# name -> compile-time overrides of the default kernel, timed with --variants
+VARIANTS = {
+    "fmha_serial": dict(overlap=False, pingpong=False),
+    "fmha_nopingpong": dict(pingpong=False),
+    "fmha_nonpersistent": dict(persistent=False),
+    "fmha_tile128": dict(tile_m=128),
+}
 
 
 def _implementations(torch, variants: bool = False) -> dict[str, Callable]:
@@ -88,8 +96,8 @@ def _implementations(torch, variants: bool = False) -> dict[str, Callable]:
         "fmha": lambda q, k, v, causal: fmha.attention(q, k, v, causal=causal, backend="kernel"),
     }
     if variants:
-        impls["fmha_serial"] = _kernel_variant(False, False)
-        impls["fmha_overlap_nopingpong"] = _kernel_variant(True, False)
+        for name, overrides in VARIANTS.items():
+            impls[name] = _kernel_variant(**overrides)
     try:
         from flash_attn.cute import flash_attn_func
 

@@ -51,11 +51,12 @@ class Case:
     varlen_k: Optional[tuple] = None
     layout: str = "bshd"  # bshd | bhsd (a transposed view)
     out_dtype: Optional[str] = None
+    tile_m: Optional[int] = None  # None: the backend's default for the head dim
 
     def config_key(self):
         return (self.dtype, self.out_dtype, self.head_dim, self.mask, self.align,
                 self.window[0] is not None, self.window[1] is not None,
-                self.varlen_q is not None, self.lse, self.persistent)
+                self.varlen_q is not None, self.lse, self.persistent, self.tile_m)
 
     def name(self):
         shape = (f"varlen q{list(self.varlen_q)} k{list(self.varlen_k)}" if self.varlen_q
@@ -64,7 +65,8 @@ class Case:
         if self.mask in ("causal", "window"):
             mask += f"({self.align}" + (f",{self.window}" if self.mask == "window" else "") + ")"
         return (f"{self.dtype} D{self.head_dim} {mask} {shape} H{self.heads_q}/{self.heads_k} "
-                f"lse={int(self.lse)} pers={int(self.persistent)} {self.layout}")
+                f"lse={int(self.lse)} pers={int(self.persistent)} {self.layout}"
+                + (f" tile_m={self.tile_m}" if self.tile_m else ""))
 
 
 def mask_spec(case: Case):
@@ -128,6 +130,8 @@ def build_suite(name: str) -> list[Case]:
     for d, (sq, sk) in itertools.product(dims, [(300, 300), (300, 150), (1024, 64), (1000, 31)]):
         cases.append(Case("bfloat16", d, "compressed", batch=2, seqlen_q=sq, seqlen_k=sk, heads_q=4, heads_k=1))
     cases.append(Case("float16", 128, "causal", out_dtype="bfloat16", batch=2, seqlen_q=300, seqlen_k=300, heads_q=2, heads_k=2))
+    for m, al in [("none", "top_left"), ("causal", "bottom_right")]:  # the non-default D=64 tile
+        cases.append(Case("bfloat16", 64, m, al, tile_m=128, batch=2, seqlen_q=1000, seqlen_k=777, heads_q=4, heads_k=2))
     return cases
 
 
@@ -244,7 +248,7 @@ def run_group(cases: list[Case]) -> list[dict]:
         import torch as _t
         q, k, _, _, _ = _make_inputs(first, _t, _t.device("cuda"))
         cfg = HopperConfig.from_problem(_problem(first, q, k, mask_spec(first), _t),
-                                        KernelOptions(persistent=first.persistent))
+                                        KernelOptions(persistent=first.persistent, tile_m=first.tile_m))
         t0 = time.time()
         runner = HopperRunner(cfg, compile_kernel(cfg))
         compile_s = time.time() - t0

@@ -68,7 +68,7 @@ def report(cfg) -> dict:
 def main(argv=None):
     import torch
 
-    from fmha.kernels.hopper.backend import HopperConfig
+    from fmha.kernels.hopper.backend import HopperConfig, default_tile_m
     from fmha.masking import MaskKind
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -84,8 +84,8 @@ def main(argv=None):
             kind, wl, wr = masks[m]
             for overlap, pingpong in variants:
                 cfg = HopperConfig(torch.bfloat16, torch.bfloat16, d, kind, wl, wr, False, False, True, True,
-                                   overlap=overlap, pingpong=pingpong)
-                print(f"D={d} {m:10s} overlap={int(overlap)} pingpong={int(pingpong)}: {report(cfg)}", flush=True)
+                                   tile_m=default_tile_m(d), overlap=overlap, pingpong=pingpong)
+                print(f"D={d} tile_m={cfg.tile_m} {m:10s} overlap={int(overlap)} pingpong={int(pingpong)}: {report(cfg)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,17 @@ from fmha.problem import AttentionProblem, KernelOptions
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_OUT_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128)
-TILE_M = 128
 TILE_N = 128
+
+
+def default_tile_m(head_dim: int) -> int:
+    """Query rows per CTA: 64 per consumer warpgroup. Small heads leave registers for a third
+    warpgroup (S 64 + O 32 + P 32 registers per thread fit its 160-register budget)."""
+    return 192 if head_dim <= 64 else 128
+
+
+def allowed_tile_m(head_dim: int) -> tuple:
+    return (128, 192) if head_dim <= 64 else (128,)
 
 
 @dataclass(frozen=True)
@@ -35,7 +44,7 @@ class HopperConfig:
     varlen: bool
     has_lse: bool
     persistent: bool
-    tile_m: int = TILE_M
+    tile_m: int = 128
     tile_n: int = TILE_N
     # mainloop variants, kept selectable so that benchmarks can measure what each one buys
     overlap: bool = True
@@ -60,7 +69,7 @@ class HopperConfig:
             varlen=problem.varlen,
             has_lse=problem.return_lse,
             persistent=True if options.persistent is None else bool(options.persistent),
-            tile_m=options.tile_m or TILE_M,
+            tile_m=options.tile_m or default_tile_m(problem.head_dim),
             tile_n=options.tile_n or TILE_N,
         )
 
@@ -87,10 +96,11 @@ def why_unsupported(problem: AttentionProblem, options: KernelOptions) -> list[s
             "the Hopper kernel needs softmax_scale * scale_q * scale_k to be a positive finite "
             f"number, got {problem.score_scale}"
         )
-    if options.tile_m not in (None, TILE_M) or options.tile_n not in (None, TILE_N):
+    tile_ms = allowed_tile_m(problem.head_dim)
+    if options.tile_m not in (None, *tile_ms) or options.tile_n not in (None, TILE_N):
         reasons.append(
-            f"the Hopper kernel has tiles {TILE_M}x{TILE_N}; got "
-            f"{options.tile_m}x{options.tile_n}"
+            f"the Hopper kernel's tiles for head dim {problem.head_dim} are "
+            f"{' or '.join(f'{m}x{TILE_N}' for m in tile_ms)}; got {options.tile_m}x{options.tile_n}"
         )
     return reasons
 

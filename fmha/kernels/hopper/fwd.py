@@ -33,7 +33,7 @@ from ..common.softmax import OnlineSoftmax
 from .wgmma import issue_gemm
 
 _WG = 128  # threads per warpgroup
-# Named barriers 1 and 2: the consumer warpgroups' turns to issue GEMMs (0 is __syncthreads).
+# Named barriers 1, 2 (, 3): the consumer warpgroups' turns to issue GEMMs (0 is __syncthreads).
 _TURN_BARRIER = 1
 
 
@@ -82,13 +82,16 @@ class HopperAttentionForward:
         # K and V share one ring; K_n, V_n occupy two consecutive stages.
         self.kv_stages = kv_stages
         # overlap: the S GEMM of tile n+1 and the P.V GEMM of tile n run while the softmax of
-        # tile n+1 computes. pingpong: the two consumer warpgroups take turns issuing GEMMs, so
-        # one's softmax hides under the other's tensor-core work.
+        # tile n+1 computes. pingpong: the consumer warpgroups take turns (round robin) issuing
+        # GEMMs, so one's softmax hides under another's tensor-core work.
         self.overlap = overlap
-        self.pingpong = pingpong and overlap and tile_m // 64 == 2
+        self.pingpong = pingpong and overlap and tile_m // 64 >= 2
         self.num_consumer_wgs = tile_m // 64
         self.num_threads = _WG * (1 + self.num_consumer_wgs)
-        self.producer_regs, self.consumer_regs = {2: (24, 240), 1: (56, 256)}[self.num_consumer_wgs]
+        # setmaxnreg budgets: the producer warpgroup gives registers to the consumers; the sums
+        # fit the 64K-register file (e.g. 128 * 24 + 256 * 240 <= 65536).
+        self.producer_regs, self.consumer_regs = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[
+            self.num_consumer_wgs]
         # Causal-like masks give later query tiles more work: start those first.
         self.longest_first = mask_kind == MaskKind.COMPRESSED_CAUSAL or (
             mask_kind == MaskKind.WINDOW and not window_left_bounded
@@ -471,7 +474,8 @@ class HopperAttentionForward:
         v_handle = kv_consumer.wait_and_advance()
         issue_gemm(tiled_mma_pv, acc_o, as_operand_a(p), tOrV[None, None, None, v_handle.index], False)
         if const_expr(self.pingpong):
-            cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER + 1 - wg, number_of_threads=2 * _WG)
+            cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER + (wg + 1) % self.num_consumer_wgs,
+                                     number_of_threads=2 * _WG)
         warpgroup.wait_group(1)  # S_n is ready; P_{n-1} V_{n-1} may still run
         k_handle.release()
         if const_expr(masked):
