@@ -27,6 +27,7 @@ __all__ = [
     "row_key_bounds",
     "kv_tile_schedule",
     "num_q_tiles",
+    "later_rows_cost_more",
 ]
 
 
@@ -204,6 +205,12 @@ def kv_tile_schedule(
     full_start = imin(imax(full_start, start), end)
     full_end = imax(imin(full_end, end), full_start)
     return KvTileSchedule(start, full_start - start, full_end - full_start, end - full_end)
+
+
+def later_rows_cost_more(kind: MaskKind, window_left_bounded: bool) -> bool:
+    """Whether the keys kept per row grow with the row (causal-like masks): later query tiles
+    are then costlier, which schedulers use to start the longest work first."""
+    return kind == MaskKind.COMPRESSED_CAUSAL or (kind == MaskKind.WINDOW and not window_left_bounded)
 
 
 def num_q_tiles(seqlen_q: Any, tile_m: int):

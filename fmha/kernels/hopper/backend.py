@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from fmha.masking import MaskKind
+from fmha.masking import MaskKind, later_rows_cost_more
 from fmha.problem import AttentionProblem, KernelOptions
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -58,6 +59,12 @@ class HopperConfig:
     @staticmethod
     def from_problem(problem: AttentionProblem, options: KernelOptions) -> "HopperConfig":
         m = problem.mask
+        persistent = options.persistent
+        if persistent is None:
+            # Measured on the H200 (docs/PERFORMANCE.md): with uneven tile costs (causal-like
+            # masks) one CTA per tile in longest-first order balances better than a static
+            # persistent split; with even costs the persistent grid is as fast or faster.
+            persistent = not later_rows_cost_more(m.kind, m.window_left is not None)
         return HopperConfig(
             dtype=problem.dtype,
             out_dtype=problem.out_dtype,
@@ -68,7 +75,7 @@ class HopperConfig:
             bottom_right=m.bottom_right if m.kind == MaskKind.WINDOW else False,
             varlen=problem.varlen,
             has_lse=problem.return_lse,
-            persistent=True if options.persistent is None else bool(options.persistent),
+            persistent=bool(persistent),
             tile_m=options.tile_m or default_tile_m(problem.head_dim),
             tile_n=options.tile_n or TILE_N,
         )
@@ -149,9 +156,26 @@ def _fake_tensors(cfg: HopperConfig):
     return q, k, v, o, lse, cu_q, cu_k
 
 
+@contextlib.contextmanager
+def _targeting_sm90a():
+    """Make the DSL emit sm_90a code for this compile. Without a GPU it would target its default
+    (sm_100a); the package sets CUTE_DSL_ARCH, but only if it is imported before the DSL."""
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    envar = CuTeDSL._get_dsl().envar
+    previous = envar.arch
+    if previous.startswith("sm_90"):
+        yield
+        return
+    envar.arch = "sm_90a"
+    try:
+        yield
+    finally:
+        envar.arch = previous
+
+
 def compile_kernel(cfg: HopperConfig, extra_options: str = ""):
     """Compile for sm_90a; works without a GPU (fake tensors, TVM FFI environment stream)."""
-    import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
@@ -172,18 +196,19 @@ def compile_kernel(cfg: HopperConfig, extra_options: str = ""):
         pingpong=cfg.pingpong,
     )
     q, k, v, o, lse, cu_q, cu_k = _fake_tensors(cfg)
-    return cute.compile(
-        kernel,
-        q, k, v, o, lse, cu_q, cu_k,
-        Int32(1),  # max_seqlen_q
-        Float32(1.0),  # scale_log2
-        Float32(1.0),  # output_scale
-        Int32(0) if cfg.window_left_bounded else None,
-        Int32(0) if cfg.window_right_bounded else None,
-        Int32(1),  # num_ctas
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-        options=("--enable-tvm-ffi " + extra_options).strip(),
-    )
+    with _targeting_sm90a():
+        return cute.compile(
+            kernel,
+            q, k, v, o, lse, cu_q, cu_k,
+            Int32(1),  # max_seqlen_q
+            Float32(1.0),  # scale_log2
+            Float32(1.0),  # output_scale
+            Int32(0) if cfg.window_left_bounded else None,
+            Int32(0) if cfg.window_right_bounded else None,
+            Int32(1),  # num_ctas
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options=("--enable-tvm-ffi " + extra_options).strip(),
+        )
 
 
 _SM_COUNT: dict = {}

@@ -24,7 +24,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from fmha.masking import MaskKind, kv_tile_schedule, num_q_tiles
+from fmha.masking import MaskKind, kv_tile_schedule, later_rows_cost_more, num_q_tiles
 
 from ..common.fragments import as_operand_a, as_rows_cols
 from ..common.mask import FragmentMask
@@ -93,9 +93,7 @@ class HopperAttentionForward:
         self.producer_regs, self.consumer_regs = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[
             self.num_consumer_wgs]
         # Causal-like masks give later query tiles more work: start those first.
-        self.longest_first = mask_kind == MaskKind.COMPRESSED_CAUSAL or (
-            mask_kind == MaskKind.WINDOW and not window_left_bounded
-        )
+        self.longest_first = later_rows_cost_more(mask_kind, window_left_bounded)
 
     # ------------------------------------------------------------------ host-side JIT
     @cute.jit
