@@ -1,14 +1,16 @@
 """Hopper (SM90) fused attention forward, warp specialized.
 
-Roles (one CTA = one 128-row query tile at a time):
+Roles (one CTA works on one query tile of 64 rows per consumer warpgroup at a time):
 
 * warpgroup 0, the **producer**: its first warp issues TMA loads of the Q tile and of the K and V
-  tiles into a ring of shared-memory stages (one mbarrier pipeline; K_n and V_n take consecutive
-  stages in the order the consumers need them). It gives most of its registers away.
-* warpgroups 1 and 2, the **consumers**: one tiled ``wgmma`` over both, each warpgroup owning 64
-  query rows. Per K/V tile: S = Q K^T (both operands in shared memory), mask if the tile is
-  partially kept, online softmax in registers, P converted in registers and used directly as the
-  A operand of O += P V. After the last tile: normalize, write O and the LSE.
+  tiles into a ring of shared-memory stages (one mbarrier pipeline; K and V tiles take stages in
+  the order the consumers wait for them). It gives most of its registers away (setmaxnreg).
+* warpgroups 1..n (n = 2, or 3 for head dim 64), the **consumers**: one tiled ``wgmma`` over
+  all, each warpgroup owning 64 query rows. Per K/V tile: S = Q K^T (both operands in shared
+  memory), mask if the tile is partially kept, online softmax in registers, P converted in
+  registers and used directly as the A operand of O += P V. The default mainloop is software
+  pipelined (the S GEMM of tile n+1 and the P.V GEMM of tile n run under the softmax of tile n+1)
+  and the warpgroups take turns issuing GEMMs. After the last tile: normalize, write O and LSE.
 
 K/V tiles the mask leaves empty are never loaded; only the boundary tiles pay for element-wise
 masking (``fmha.masking.kv_tile_schedule``, shared with the host and the tests).
@@ -156,10 +158,10 @@ class HopperAttentionForward:
 
         self.shared_storage = SharedStorage
 
-        num_heads = q.shape[2]
         num_batches = mCuSeqlensQ.shape[0] - 1 if const_expr(varlen) else q.shape[3]
         seqlen_q = max_seqlen_q if const_expr(varlen) else q.shape[0]
-        num_tiles = num_q_tiles(seqlen_q, tile_m) * num_heads * num_batches
+        num_m_blocks = num_q_tiles(seqlen_q, tile_m)
+        num_tiles = num_m_blocks * q.shape[2] * num_batches
         grid_x = num_tiles
         if const_expr(self.persistent):
             grid_x = cutlass.min(num_tiles, num_ctas)
@@ -167,7 +169,7 @@ class HopperAttentionForward:
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v,
-            q, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, max_seqlen_q,
+            q, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, num_m_blocks, num_batches,
             scale_log2, output_scale, window_left, window_right,
             sQ_layout, sK_layout, sV_layout,
         ).launch(
@@ -195,7 +197,8 @@ class HopperAttentionForward:
         mLSE: Optional[cute.Tensor],
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
-        max_seqlen_q: Int32,
+        num_m_blocks: Int32,
+        num_batches: Int32,
         scale_log2: Float32,
         output_scale: Float32,
         window_left: Optional[Int32],
@@ -229,14 +232,8 @@ class HopperAttentionForward:
         # V stages alias K stages: the ring holds whichever the schedule put there.
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
 
-        num_heads = mQ_sdhb.shape[2]
-        num_batches = mQ_sdhb.shape[3]
-        seqlen_q_static = mQ_sdhb.shape[0]
-        if const_expr(self.varlen):
-            num_batches = mCuSeqlensQ.shape[0] - 1
-            seqlen_q_static = max_seqlen_q
         scheduler = StaticTileScheduler.create(
-            num_q_tiles(seqlen_q_static, self.tile_m), num_heads, num_batches, self.longest_first)
+            num_m_blocks, mQ_sdhb.shape[2], num_batches, self.longest_first)
         pipeline.pipeline_init_wait()
 
         if warp_idx < 4:
