@@ -69,16 +69,15 @@ class Case:
                 + (f" tile_m={self.tile_m}" if self.tile_m else ""))
 
 
-def mask_spec(case: Case):
-    from fmha.masking import MaskSpec
-
+def mask_kwargs(case: Case) -> dict:
+    """The public API's mask keywords for this case."""
     if case.mask == "none":
-        return MaskSpec.from_args()
+        return {}
     if case.mask == "causal":
-        return MaskSpec.from_args(causal=True, mask_align=case.align)
+        return dict(causal=True, mask_align=case.align)
     if case.mask == "window":
-        return MaskSpec.from_args(window_size=case.window, mask_align=case.align)
-    return MaskSpec.from_args(compressed_causal=True)
+        return dict(window_size=case.window, mask_align=case.align)
+    return dict(compressed_causal=True)
 
 
 def build_suite(name: str) -> list[Case]:
@@ -173,22 +172,13 @@ def _poisoned_outputs(case: Case, q, torch, out_dtype):
     return obuf, obuf[:, :sq], lbuf, lbuf[:, :, :sq]
 
 
-def _problem(case, q, k, mask, torch):
-    from fmha.problem import AttentionProblem
+def _problem(case, q, k, v, cu_q, cu_k, torch):
+    """The problem exactly as the public API's validation builds it."""
+    from fmha.validation import validate
 
-    varlen = case.varlen_q is not None
-    out_dtype = getattr(torch, case.out_dtype or case.dtype)
-    return AttentionProblem(
-        dtype=q.dtype, out_dtype=out_dtype, head_dim=case.head_dim, head_dim_v=case.head_dim,
-        num_heads_q=case.heads_q, num_heads_k=case.heads_k, mask=mask, varlen=varlen,
-        return_lse=case.lse,
-        batch=len(case.varlen_q) if varlen else case.batch,
-        seqlen_q=max(case.varlen_q, default=0) if varlen else case.seqlen_q,
-        seqlen_k=max(case.varlen_k, default=0) if varlen else case.seqlen_k,
-        total_q=q.shape[0] if varlen else case.batch * case.seqlen_q,
-        total_k=k.shape[0] if varlen else case.batch * case.seqlen_k,
-        softmax_scale=1.0 / math.sqrt(case.head_dim), device=q.device,
-    )
+    return validate(q, k, v, varlen=case.varlen_q is not None, cu_seqlens_q=cu_q,
+                    cu_seqlens_k=cu_k, return_lse=case.lse,
+                    out_dtype=getattr(torch, case.out_dtype or case.dtype), **mask_kwargs(case))
 
 
 def run_case(runner, case: Case, torch, device="cuda") -> dict:
@@ -196,8 +186,8 @@ def run_case(runner, case: Case, torch, device="cuda") -> dict:
 
     device = torch.device(device)
     q, k, v, cu_q, cu_k = _make_inputs(case, torch, device)
-    mask = mask_spec(case)
-    problem = _problem(case, q, k, mask, torch)
+    problem = _problem(case, q, k, v, cu_q, cu_k, torch)
+    mask = problem.mask
     obuf, out, lbuf, lse = _poisoned_outputs(case, q, torch, problem.out_dtype)
     runner(problem, q, k, v, out, lse if case.lse else None, cu_q, cu_k)
     if device.type == "cuda":
@@ -246,8 +236,7 @@ def run_group(cases: list[Case]) -> list[dict]:
     first = cases[0]
     try:
         import torch as _t
-        q, k, _, _, _ = _make_inputs(first, _t, _t.device("cuda"))
-        cfg = HopperConfig.from_problem(_problem(first, q, k, mask_spec(first), _t),
+        cfg = HopperConfig.from_problem(_problem(first, *_make_inputs(first, _t, _t.device("cuda")), _t),
                                         KernelOptions(persistent=first.persistent, tile_m=first.tile_m))
         t0 = time.time()
         runner = HopperRunner(cfg, compile_kernel(cfg))
