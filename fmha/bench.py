@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 REL_L2_LIMIT = 2e-2  # bf16 outputs against the fp32 reference
 

@@ -11,7 +11,6 @@ ptxas knows; the report then rewrites the version line, which is enough for thes
 """
 
 import argparse
-import dataclasses
 import glob
 import os
 import re

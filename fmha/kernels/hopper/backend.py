@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
