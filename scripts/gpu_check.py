@@ -29,6 +29,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 O_TOL = {"bfloat16": 1e-2, "float16": 5e-3}
+FP8_TOL = 5e-2  # fp8 inputs (any output dtype): against the reference on the same fp8 values
 LSE_TOL = 1e-3
 GUARD = 3  # poisoned rows after each sequence's output that must stay NaN
 
@@ -52,11 +53,15 @@ class Case:
     layout: str = "bshd"  # bshd | bhsd (a transposed view)
     out_dtype: Optional[str] = None
     tile_m: Optional[int] = None  # None: the backend's default for the head dim
+    scales: Optional[tuple] = None  # (scale_q, scale_k, scale_v, inv_scale_o), default all 1
 
     def config_key(self):
         return (self.dtype, self.out_dtype, self.head_dim, self.mask, self.align,
                 self.window[0] is not None, self.window[1] is not None,
                 self.varlen_q is not None, self.lse, self.persistent, self.tile_m)
+
+    def out_name(self):
+        return self.out_dtype or ("bfloat16" if self.dtype == "float8_e4m3fn" else self.dtype)
 
     def name(self):
         shape = (f"varlen q{list(self.varlen_q)} k{list(self.varlen_k)}" if self.varlen_q
@@ -66,6 +71,8 @@ class Case:
             mask += f"({self.align}" + (f",{self.window}" if self.mask == "window" else "") + ")"
         return (f"{self.dtype} D{self.head_dim} {mask} {shape} H{self.heads_q}/{self.heads_k} "
                 f"lse={int(self.lse)} pers={int(self.persistent)} {self.layout}"
+                + (f" out={self.out_dtype}" if self.out_dtype else "")
+                + (f" scales={self.scales}" if self.scales else "")
                 + (f" tile_m={self.tile_m}" if self.tile_m else ""))
 
 
@@ -93,6 +100,8 @@ def build_suite(name: str) -> list[Case]:
         (1, 17, 4096, 2, 1),
         (1, 4096, 1000, 1, 1),
     ]
+    varlens = [((0, 1, 17, 300, 1024, 77), (0, 1, 17, 300, 1024, 77)),
+               ((5, 0, 129, 1), (300, 7, 0, 1))]
     dtypes = ["bfloat16", "float16"]
     dims = [64, 128]
     masks = [("none", "top_left"), ("causal", "top_left"), ("causal", "bottom_right")]
@@ -100,6 +109,12 @@ def build_suite(name: str) -> list[Case]:
         for dt, d, (m, al) in itertools.product(["bfloat16"], dims, masks):
             for b, sq, sk, hq, hk in shapes[:4]:
                 cases.append(Case(dt, d, m, al, batch=b, seqlen_q=sq, seqlen_k=sk, heads_q=hq, heads_k=hk))
+        for dt, d in [("bfloat16", 32), ("bfloat16", 256), ("float8_e4m3fn", 64), ("float8_e4m3fn", 128),
+                      ("float8_e4m3fn", 256)]:
+            for b, sq, sk, hq, hk in shapes[2:6]:
+                cases.append(Case(dt, d, "causal", "bottom_right", (None, 0), batch=b, seqlen_q=sq,
+                                  seqlen_k=sk, heads_q=hq, heads_k=hk))
+            cases.append(Case(dt, d, "none", varlen_q=varlens[0][0], varlen_k=varlens[0][1], heads_q=4, heads_k=1))
         return cases
     # The kernel issue's matrix: every dtype x head dim x mask x LSE x scheduling mode, each on
     # several shapes (rotating through the list so every shape meets every configuration kind).
@@ -112,8 +127,6 @@ def build_suite(name: str) -> list[Case]:
             cases.append(Case(dt, d, m, al, lse=lse, persistent=pers, batch=b, seqlen_q=sq,
                               seqlen_k=sk, heads_q=hq, heads_k=hk, layout=layout))
     # Beyond the first kernel issue: varlen, windows, compressed causal, other out dtype.
-    varlens = [((0, 1, 17, 300, 1024, 77), (0, 1, 17, 300, 1024, 77)),
-               ((5, 0, 129, 1), (300, 7, 0, 1))]
     for d, (m, al, w) in itertools.product(dims, [
         ("none", "top_left", (None, None)), ("causal", "top_left", (None, 0)),
         ("causal", "bottom_right", (None, 0)), ("window", "top_left", (100, 37)),
@@ -131,6 +144,50 @@ def build_suite(name: str) -> list[Case]:
     cases.append(Case("float16", 128, "causal", out_dtype="bfloat16", batch=2, seqlen_q=300, seqlen_k=300, heads_q=2, heads_k=2))
     for m, al in [("none", "top_left"), ("causal", "bottom_right")]:  # the non-default D=64 tile
         cases.append(Case("bfloat16", 64, m, al, tile_m=128, batch=2, seqlen_q=1000, seqlen_k=777, heads_q=4, heads_k=2))
+    cases += coverage_cases(shapes, varlens)
+    return cases
+
+
+def coverage_cases(shapes, varlens) -> list[Case]:
+    """Head dims 32 and 256, fp8 inputs (every head dim), fp8 output, the fp8 scale factors:
+    each crossed with masks, alignments, GQA 1/4, varlen and scheduling modes."""
+    cases = []
+    masks = [("none", "top_left", (None, None)), ("causal", "top_left", (None, 0)),
+             ("causal", "bottom_right", (None, 0))]
+    new = [(dt, d) for dt in ("bfloat16", "float16") for d in (32, 256)]
+    new += [("float8_e4m3fn", d) for d in (32, 64, 128, 256)]
+    for i, ((dt, d), (m, al, w), pers) in enumerate(itertools.product(new, masks, [True, False])):
+        for j in range(0, len(shapes), 3):
+            b, sq, sk, hq, hk = shapes[(i + j) % len(shapes)]
+            cases.append(Case(dt, d, m, al, w, lse=(i + j) % 3 != 0, persistent=pers, batch=b,
+                              seqlen_q=sq, seqlen_k=sk, heads_q=hq, heads_k=hk,
+                              layout="bhsd" if (i + j) % 4 == 0 else "bshd"))
+    extra_masks = masks + [("window", "top_left", (100, 37)), ("window", "bottom_right", (64, 0))]
+    for (dt, d), (m, al, w) in itertools.product(new, extra_masks):
+        if dt == "float16":
+            continue
+        for lq, lk in varlens:
+            cases.append(Case(dt, d, m, al, w, varlen_q=lq, varlen_k=lk, heads_q=4, heads_k=1))
+    for (dt, d), al, w in itertools.product([("bfloat16", 32), ("bfloat16", 256), ("float8_e4m3fn", 64),
+                                              ("float8_e4m3fn", 128)],
+                                             ["top_left", "bottom_right"],
+                                             [(0, 0), (64, 0), (None, 0), (100, 37), (0, None)]):
+        for b, sq, sk, hq, hk in [(2, 300, 300, 4, 1), (1, 129, 1000, 1, 1)]:
+            cases.append(Case(dt, d, "window", al, w, batch=b, seqlen_q=sq, seqlen_k=sk, heads_q=hq, heads_k=hk))
+    for (dt, d), (sq, sk) in itertools.product([("bfloat16", 32), ("bfloat16", 256), ("float8_e4m3fn", 128)],
+                                               [(300, 300), (1024, 64), (1000, 31)]):
+        cases.append(Case(dt, d, "compressed", batch=2, seqlen_q=sq, seqlen_k=sk, heads_q=4, heads_k=1))
+    for d in (64, 128):  # fp8 output, and the seed's de/quantization factors
+        for m, al, w in masks[:2]:
+            cases.append(Case("float8_e4m3fn", d, m, al, w, out_dtype="float8_e4m3fn", batch=2,
+                              seqlen_q=1000, seqlen_k=1000, heads_q=4, heads_k=1))
+            cases.append(Case("float8_e4m3fn", d, m, al, w, out_dtype="float16", batch=2, seqlen_q=300,
+                              seqlen_k=777, heads_q=2, heads_k=2, scales=(0.5, 2.0, 1.5, 0.25)))
+        cases.append(Case("float8_e4m3fn", d, "causal", "bottom_right", (None, 0), out_dtype="float8_e4m3fn",
+                          varlen_q=varlens[0][0], varlen_k=varlens[0][1], heads_q=4, heads_k=1,
+                          scales=(2.0, 0.5, 4.0, 0.125)))
+    cases.append(Case("bfloat16", 32, "causal", "bottom_right", (None, 0), tile_m=128, batch=2,
+                      seqlen_q=1000, seqlen_k=777, heads_q=4, heads_k=2))
     return cases
 
 
@@ -176,13 +233,16 @@ def _problem(case, q, k, v, cu_q, cu_k, torch):
     """The problem exactly as the public API's validation builds it."""
     from fmha.validation import validate
 
+    scales = {}
+    if case.scales:
+        scales = dict(zip(("scale_q", "scale_k", "scale_v", "inv_scale_o"), case.scales))
     return validate(q, k, v, varlen=case.varlen_q is not None, cu_seqlens_q=cu_q,
                     cu_seqlens_k=cu_k, return_lse=case.lse,
-                    out_dtype=getattr(torch, case.out_dtype or case.dtype), **mask_kwargs(case))
+                    out_dtype=getattr(torch, case.out_name()), **scales, **mask_kwargs(case))
 
 
 def run_case(runner, case: Case, torch, device="cuda") -> dict:
-    from fmha.reference import attention_reference
+    from fmha.reference import attention_reference, cast_output
 
     device = torch.device(device)
     q, k, v, cu_q, cu_k = _make_inputs(case, torch, device)
@@ -192,7 +252,12 @@ def run_case(runner, case: Case, torch, device="cuda") -> dict:
     runner(problem, q, k, v, out, lse if case.lse else None, cu_q, cu_k)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    ref_o, ref_lse = attention_reference(q, k, v, cu_q, cu_k, mask=mask, compute_dtype=torch.float32)
+    ref_o, ref_lse = attention_reference(
+        q, k, v, cu_q, cu_k, mask=mask, compute_dtype=torch.float32,
+        **dict(zip(("scale_q", "scale_k", "scale_v", "inv_scale_o"), case.scales or ())))
+    if problem.out_dtype == torch.float8_e4m3fn:
+        # Compare like with like: the reference output rounded (and saturated) as the kernel's is.
+        ref_o = cast_output(ref_o, torch.float8_e4m3fn).float()
     res = {}
     o = out.float()
     res["nan_in_o"] = int(torch.isnan(o).sum())
@@ -216,7 +281,7 @@ def run_case(runner, case: Case, torch, device="cuda") -> dict:
         res["lse_max_abs"] = (l[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
         guard_l = lbuf[:, q.shape[0]:] if case.varlen_q is not None else lbuf[:, :, q.shape[1]:]
         res["guard_written"] += int((~torch.isnan(guard_l)).sum())
-    tol = O_TOL[case.out_dtype or case.dtype]
+    tol = FP8_TOL if case.dtype == "float8_e4m3fn" else O_TOL[case.out_name()]
     ok = (res["nan_in_o"] == 0 and res["guard_written"] == 0 and res["o_rel_l2"] < tol
           and res["empty_rows_nonzero_o"] == 0)
     if case.lse:

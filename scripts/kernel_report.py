@@ -59,7 +59,7 @@ def report(cfg) -> dict:
         nvd = _nvdisasm()
         if nvd and os.path.exists(cubin):
             sass = subprocess.run([nvd, "-c", cubin], capture_output=True, text=True).stdout
-            for ins in ("HGMMA", "UTMALDG", "UTMASTG", "LDL", "STL"):
+            for ins in ("HGMMA", "QGMMA", "UTMALDG", "UTMASTG", "LDL", "STL"):
                 out[ins] = len(re.findall(rf"\b{ins}\b", sass))
         return out
 
@@ -67,24 +67,30 @@ def report(cfg) -> dict:
 def main(argv=None):
     import torch
 
-    from fmha.kernels.hopper.backend import HopperConfig, default_tile_m
+    from fmha.kernels.hopper.backend import HopperConfig, default_tile
     from fmha.masking import MaskKind
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--head-dim", type=int, nargs="*", default=[64, 128])
     ap.add_argument("--mask", nargs="*", default=["none", "causal"])
+    ap.add_argument("--dtype", nargs="*", default=["bfloat16"], help="bfloat16 float16 float8_e4m3fn")
     ap.add_argument("--variants", action="store_true", help="also the serial / no-ping-pong mainloops")
     args = ap.parse_args(argv)
     masks = {"none": (MaskKind.NONE, False, False), "causal": (MaskKind.WINDOW, False, True),
              "window": (MaskKind.WINDOW, True, True), "compressed": (MaskKind.COMPRESSED_CAUSAL, False, False)}
     variants = [(True, True)] + ([(True, False), (False, False)] if args.variants else [])
-    for d in args.head_dim:
-        for m in args.mask:
-            kind, wl, wr = masks[m]
-            for overlap, pingpong in variants:
-                cfg = HopperConfig(torch.bfloat16, torch.bfloat16, d, kind, wl, wr, False, False, True, True,
-                                   tile_m=default_tile_m(d), overlap=overlap, pingpong=pingpong)
-                print(f"D={d} tile_m={cfg.tile_m} {m:10s} overlap={int(overlap)} pingpong={int(pingpong)}: {report(cfg)}", flush=True)
+    for dt in args.dtype:
+        dtype = getattr(torch, dt)
+        out_dtype = torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype
+        for d in args.head_dim:
+            for m in args.mask:
+                kind, wl, wr = masks[m]
+                for overlap, pingpong in variants:
+                    tm, tn = default_tile(dtype, d)
+                    cfg = HopperConfig(dtype, out_dtype, d, kind, wl, wr, False, False, True, True,
+                                       tile_m=tm, tile_n=tn, overlap=overlap, pingpong=pingpong)
+                    print(f"{dt} D={d} tile={tm}x{tn} stages={cfg.kv_stages} {m:10s} overlap={int(overlap)} "
+                          f"pingpong={int(pingpong)}: {report(cfg)}", flush=True)
 
 
 if __name__ == "__main__":

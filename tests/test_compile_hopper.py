@@ -1,6 +1,10 @@
 """Compile the Hopper kernel for sm_90a without a GPU (fake tensors, TVM FFI environment stream)
-for every supported dtype x head dim x mask kind x scheduling mode, and check that the machine
-code has warpgroup MMAs and TMA loads: a change that breaks compilation fails here, in CI."""
+and check that the machine code has warpgroup MMAs and TMA loads: a change that breaks
+compilation fails here, in CI.
+
+Coverage: every mask kind and both scheduling modes for every (input dtype, head dim) pair
+(rotating the mask so each pair meets two kinds and each kind meets every pair), plus varlen
+with bottom-right alignment, no LSE and a different output dtype for each pair."""
 
 import itertools
 
@@ -13,8 +17,8 @@ from fmha.kernels.hopper.backend import (  # noqa: E402
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
     HopperConfig,
+    allowed_tiles,
     compile_kernel,
-    default_tile_m,
 )
 from fmha.masking import MaskKind  # noqa: E402
 
@@ -24,36 +28,65 @@ MASKS = {
     "causal": (MaskKind.WINDOW, False, True, False),
     "causal_bottom_right": (MaskKind.WINDOW, False, True, True),
     "window": (MaskKind.WINDOW, True, True, False),
+    "left_window": (MaskKind.WINDOW, True, False, False),
     "compressed_causal": (MaskKind.COMPRESSED_CAUSAL, False, False, False),
 }
+FP8 = torch.float8_e4m3fn
 
 
-def _config(dtype, head_dim, mask, persistent, varlen=False, lse=True, out_dtype=None):
+def _config(dtype, head_dim, mask, persistent, varlen=False, lse=True, out_dtype=None, tile=None):
     kind, wl, wr, br = MASKS[mask]
-    return HopperConfig(dtype, out_dtype or dtype, head_dim, kind, wl, wr, br, varlen, lse,
-                        persistent, tile_m=default_tile_m(head_dim))
+    tm, tn = tile or allowed_tiles(dtype, head_dim)[0]
+    out = out_dtype or (torch.bfloat16 if dtype == FP8 else dtype)
+    return HopperConfig(dtype, out, head_dim, kind, wl, wr, br, varlen, lse, persistent,
+                        tile_m=tm, tile_n=tn)
 
 
-@pytest.mark.parametrize(
-    "dtype,head_dim,mask,persistent",
-    list(itertools.product(SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, ["none", "causal", "window", "compressed_causal"], [True, False])),
-    ids=lambda x: str(x).replace("torch.", ""),
-)
+_PAIRS = list(itertools.product(SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS))
+_KINDS = ["none", "causal", "window", "compressed_causal"]
+_MAIN = [(dt, d, _KINDS[(i + j) % 4], bool(j)) for i, (dt, d) in enumerate(_PAIRS) for j in range(2)]
+
+
+@pytest.mark.parametrize("dtype,head_dim,mask,persistent", _MAIN,
+                         ids=lambda x: str(x).replace("torch.", ""))
 def test_compiles(dtype, head_dim, mask, persistent):
     assert compile_kernel(_config(dtype, head_dim, mask, persistent)) is not None
 
 
-@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
-def test_compiles_varlen_bottom_right_no_lse_other_out_dtype(head_dim):
-    cfg = _config(torch.float16, head_dim, "causal_bottom_right", False, varlen=True, lse=False,
-                  out_dtype=torch.bfloat16)
+def test_every_mask_kind_meets_every_dtype_and_head_dim_slot():
+    assert {m for _, _, m, _ in _MAIN} == set(_KINDS)
+    for dt in SUPPORTED_DTYPES:
+        assert {m for d_, _, m, _ in _MAIN if d_ == dt} == set(_KINDS)
+
+
+@pytest.mark.parametrize("dtype,head_dim", _PAIRS, ids=lambda x: str(x).replace("torch.", ""))
+def test_compiles_varlen_bottom_right_no_lse_other_out_dtype(dtype, head_dim):
+    out = {torch.float16: torch.bfloat16, torch.bfloat16: torch.float16, FP8: FP8}[dtype]
+    mask = "causal_bottom_right" if head_dim != 64 else "left_window"
+    cfg = _config(dtype, head_dim, mask, False, varlen=True, lse=False, out_dtype=out)
     assert compile_kernel(cfg) is not None
 
 
+def test_compiles_the_other_small_head_tile():
+    for dtype in (torch.bfloat16, FP8):
+        assert compile_kernel(_config(dtype, 32, "causal", True, tile=(128, 128))) is not None
+
+
+def _ptx(cfg, tmp_path):
+    compile_kernel(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
+    return next(tmp_path.glob("*.ptx")).read_text()
+
+
 def test_machine_code_has_wgmma_and_tma(tmp_path):
-    compile_kernel(_config(torch.bfloat16, 128, "causal", True),
-                   extra_options=f"--keep-ptx --dump-dir={tmp_path}")
-    ptx = next(tmp_path.glob("*.ptx")).read_text()
+    ptx = _ptx(_config(torch.bfloat16, 128, "causal", True), tmp_path)
     assert "wgmma.mma_async" in ptx
     assert "cp.async.bulk.tensor" in ptx
     assert "setmaxnreg" in ptx
+
+
+def test_fp8_machine_code_uses_fp8_wgmma_for_both_products(tmp_path):
+    ptx = _ptx(_config(FP8, 128, "none", True, out_dtype=FP8), tmp_path)
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx  # Q.K^T (N = tile_n)
+    assert ".f32.e4m3.e4m3" in ptx and "m64n128k32" in ptx
+    # P is rounded to fp8 with saturation before P.V, as SPEC.md says
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx

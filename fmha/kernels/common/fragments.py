@@ -42,3 +42,36 @@ def as_operand_a(frag: cute.Tensor) -> cute.Tensor:
     """View an accumulator-shaped fragment (already converted to 16-bit) as the register A
     operand ``((2, 2, 2), M, K_blocks)`` of the next warpgroup MMA."""
     return cute.make_tensor(frag.iterator, _operand_a_layout(frag.layout))
+
+
+# fp8 A operand. Per block of 32 keys a thread (lane t of its row's quad) holds in registers
+# a0..a3 = (row g, keys 4t..4t+3), (row g+8, same), (row g, keys 16+4t..), (row g+8, same); the
+# fp32 accumulator gives it keys 8v + 2t + {0, 1} for v = 0..3 instead. Feeding slot
+# (i, row, h) of the A operand from accumulator column v = 2h + i // 2, pair element i % 2, keeps
+# every value in its thread; slot j = 16h + 4t + i then stands for key FP8_KEY_ORDER[j], and V is
+# staged with its keys in that order (fmha/kernels/hopper/v_staging.py).
+FP8_KEY_ORDER = tuple(
+    16 * h + 8 * (i // 2) + 2 * t + i % 2 for h in range(2) for t in range(4) for i in range(4)
+)
+
+
+def fp8_operand_a_shape(acc_shape) -> tuple:
+    """Register shape of the fp8 P fragment for an accumulator of shape ``((2, 2, V), M, N)``:
+    ``(((2, 2), 2, 2), M, (V / 4, N))``; mode 2 enumerates the 32-key blocks."""
+    (c2, r2, v), m, n = acc_shape
+    assert c2 == 2 and r2 == 2 and v % 4 == 0, acc_shape
+    return (((2, 2), 2, 2), m, (v // 4, n))
+
+
+def as_operand_a_fp8(acc: cute.Tensor) -> cute.Tensor:
+    """View of an fp32 accumulator in the order of ``fp8_operand_a_shape``: element (((p, i1),
+    r, h), m, (kb, n)) is the accumulator's ((p, r, 4 kb + 2 h + i1), m, n). Converting this view
+    element-wise into a compact fp8 tensor of that shape yields the A operand directly."""
+    compact = cute.make_layout(acc.layout.shape)
+    shp, std = compact.shape, compact.stride
+    c2, r2, v = std[0]
+    view = cute.make_layout(
+        (((2, 2), 2, 2), shp[1], (shp[0][2] // 4, shp[2])),
+        stride=(((c2, v), r2, 2 * v), std[1], (4 * v, std[2])),
+    )
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, view))

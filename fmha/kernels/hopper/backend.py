@@ -13,20 +13,44 @@ import torch
 from fmha.masking import MaskKind, later_rows_cost_more
 from fmha.problem import AttentionProblem, KernelOptions
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+from .v_staging import stage_v_fp8
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 SUPPORTED_OUT_DTYPES = (torch.float16, torch.bfloat16)
-SUPPORTED_HEAD_DIMS = (64, 128)
-TILE_N = 128
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
+# Shared memory a CTA may use on SM90 (227 KiB), less room for the mbarriers and alignment.
+_SMEM_BYTES = 227 * 1024 - 2048
+_MAX_KV_STAGES = 8
 
 
-def default_tile_m(head_dim: int) -> int:
-    """Query rows per CTA: 64 per consumer warpgroup. Small heads leave registers for a third
-    warpgroup (S 64 + O 32 + P 32 registers per thread fit its 160-register budget)."""
-    return 192 if head_dim <= 64 else 128
+def _elem_bytes(dtype: torch.dtype) -> int:
+    return 1 if dtype == torch.float8_e4m3fn else 2
 
 
-def allowed_tile_m(head_dim: int) -> tuple:
-    return (128, 192) if head_dim <= 64 else (128,)
+def allowed_tiles(dtype: torch.dtype, head_dim: int) -> tuple:
+    """(tile_m, tile_n) shapes the kernel is built for, the default first.
+
+    64 query rows per consumer warpgroup. Small heads leave registers for a third warpgroup
+    (192 rows: S 64 + O <= 32 + P 32 registers per thread fit its 160-register budget). Head dim
+    256 keeps a 64x256 fp32 O accumulator (128 registers per thread) live, so the key tile
+    shrinks: 80 keys for 16-bit inputs (S 40 registers), 64 for fp8, whose P.V product
+    consumes keys in blocks of 32."""
+    if head_dim <= 64:
+        return ((192, 128), (128, 128))
+    if head_dim == 128:
+        return ((128, 128),)
+    return ((128, 64),) if dtype == torch.float8_e4m3fn else ((128, 80),)
+
+
+def default_tile(dtype: torch.dtype, head_dim: int) -> tuple:
+    return allowed_tiles(dtype, head_dim)[0]
+
+
+def kv_stages_for(dtype: torch.dtype, head_dim: int, tile_m: int, tile_n: int) -> int:
+    """K/V ring depth: as many stages as shared memory holds beside the Q tile, at most 8."""
+    elem = _elem_bytes(dtype)
+    stages = (_SMEM_BYTES - tile_m * head_dim * elem) // (tile_n * head_dim * elem)
+    return int(max(2, min(_MAX_KV_STAGES, stages)))
 
 
 @dataclass(frozen=True)
@@ -45,15 +69,19 @@ class HopperConfig:
     has_lse: bool
     persistent: bool
     tile_m: int = 128
-    tile_n: int = TILE_N
+    tile_n: int = 128
     # mainloop variants, kept selectable so that benchmarks can measure what each one buys
     overlap: bool = True
     pingpong: bool = True
 
     @property
     def kv_stages(self) -> int:
-        # Ring stages of one K or V tile each; bounded by 227 KB of shared memory with the Q tile.
-        return 4 if self.head_dim > 64 else 8
+        return kv_stages_for(self.dtype, self.head_dim, self.tile_m, self.tile_n)
+
+    @property
+    def v_staged(self) -> bool:
+        """fp8: the P.V product needs V key-major; V goes through ``stage_v_fp8`` first."""
+        return self.dtype == torch.float8_e4m3fn
 
     @staticmethod
     def from_problem(problem: AttentionProblem, options: KernelOptions) -> "HopperConfig":
@@ -75,8 +103,8 @@ class HopperConfig:
             varlen=problem.varlen,
             has_lse=problem.return_lse,
             persistent=bool(persistent),
-            tile_m=options.tile_m or default_tile_m(problem.head_dim),
-            tile_n=options.tile_n or TILE_N,
+            tile_m=options.tile_m or default_tile(problem.dtype, problem.head_dim)[0],
+            tile_n=options.tile_n or default_tile(problem.dtype, problem.head_dim)[1],
         )
 
 
@@ -86,11 +114,13 @@ def why_unsupported(problem: AttentionProblem, options: KernelOptions) -> list[s
     reasons = []
     if problem.dtype not in SUPPORTED_DTYPES:
         reasons.append(
-            f"the Hopper kernel supports float16/bfloat16 inputs, not {problem.dtype} "
-            "(fp8 is planned)"
+            f"the Hopper kernel supports float16/bfloat16/float8_e4m3fn inputs, not {problem.dtype}"
         )
-    if problem.out_dtype not in SUPPORTED_OUT_DTYPES:
-        reasons.append(f"the Hopper kernel writes float16/bfloat16 outputs, not {problem.out_dtype}")
+    out_ok = SUPPORTED_OUT_DTYPES + ((torch.float8_e4m3fn,) if problem.dtype == torch.float8_e4m3fn else ())
+    if problem.out_dtype not in out_ok:
+        reasons.append(
+            f"the Hopper kernel writes {'/'.join(str(t).replace('torch.', '') for t in out_ok)} "
+            f"outputs for {problem.dtype} inputs, not {problem.out_dtype}")
     if problem.head_dim not in SUPPORTED_HEAD_DIMS:
         reasons.append(
             f"the Hopper kernel supports head dims {SUPPORTED_HEAD_DIMS}, got {problem.head_dim}"
@@ -102,12 +132,15 @@ def why_unsupported(problem: AttentionProblem, options: KernelOptions) -> list[s
             "the Hopper kernel needs softmax_scale * scale_q * scale_k to be a positive finite "
             f"number, got {problem.score_scale}"
         )
-    tile_ms = allowed_tile_m(problem.head_dim)
-    if options.tile_m not in (None, *tile_ms) or options.tile_n not in (None, TILE_N):
-        reasons.append(
-            f"the Hopper kernel's tiles for head dim {problem.head_dim} are "
-            f"{' or '.join(f'{m}x{TILE_N}' for m in tile_ms)}; got {options.tile_m}x{options.tile_n}"
-        )
+    if problem.head_dim in SUPPORTED_HEAD_DIMS and problem.dtype in SUPPORTED_DTYPES:
+        tiles = allowed_tiles(problem.dtype, problem.head_dim)
+        m0, n0 = tiles[0]
+        asked = (options.tile_m or m0, options.tile_n or n0)
+        if (options.tile_m, options.tile_n) != (None, None) and asked not in tiles:
+            reasons.append(
+                f"the Hopper kernel's tiles for head dim {problem.head_dim} and {problem.dtype} are "
+                f"{' or '.join(f'{m}x{n}' for m, n in tiles)}; got {options.tile_m}x{options.tile_n}"
+            )
     return reasons
 
 
@@ -145,7 +178,13 @@ def _fake_tensors(cfg: HopperConfig):
     d = cfg.head_dim
     q = tensor(in_t, rank, d, 128 // in_t.width)
     k = tensor(in_t, rank, d, 128 // in_t.width)
-    v = tensor(in_t, rank, d, 128 // in_t.width)
+    if cfg.v_staged:
+        # stage_v_fp8's (B, H_k, D, S_pad): keys contiguous, D static.
+        v = cute.runtime.make_fake_tensor(
+            in_t, (cute.sym_int(), cute.sym_int(), d, cute.sym_int()),
+            stride=tuple(cute.sym_int64(divisibility=16) for _ in range(3)) + (1,), assumed_align=16)
+    else:
+        v = tensor(in_t, rank, d, 128 // in_t.width)
     o = tensor(out_t, rank, d, 128 // out_t.width)
     lse = tensor(cutlass.Float32, 2 if cfg.varlen else 3, None, 1) if cfg.has_lse else None
     cu_q = cu_k = None
@@ -191,6 +230,7 @@ def compile_kernel(cfg: HopperConfig, extra_options: str = ""):
         tile_m=cfg.tile_m,
         tile_n=cfg.tile_n,
         kv_stages=cfg.kv_stages,
+        v_staged=cfg.v_staged,
         overlap=cfg.overlap,
         pingpong=cfg.pingpong,
     )
@@ -231,6 +271,8 @@ class HopperRunner:
         cfg = self.cfg
         m = problem.mask
         num_ctas = sm_count(q.device) if cfg.persistent else 1
+        if cfg.v_staged:
+            v = stage_v_fp8(v, cu_seqlens_k if cfg.varlen else None, problem.seqlen_k)
         self.compiled(
             q, k, v, out, lse if cfg.has_lse else None,
             cu_seqlens_q if cfg.varlen else None,

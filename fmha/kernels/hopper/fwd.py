@@ -28,7 +28,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from fmha.masking import MaskKind, kv_tile_schedule, later_rows_cost_more, num_q_tiles
 
-from ..common.fragments import as_operand_a, as_rows_cols
+from ..common.fragments import as_operand_a, as_operand_a_fp8, as_rows_cols, fp8_operand_a_shape
 from ..common.mask import FragmentMask
 from ..common.scheduler import StaticTileScheduler
 from ..common.softmax import OnlineSoftmax
@@ -70,6 +70,7 @@ class HopperAttentionForward:
         kv_stages: int = 4,
         overlap: bool = True,
         pingpong: bool = True,
+        v_staged: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_n % 16 == 0
         self.head_dim = head_dim
@@ -83,6 +84,8 @@ class HopperAttentionForward:
         self.tile_n = tile_n
         # K and V share one ring; K_n, V_n occupy two consecutive stages.
         self.kv_stages = kv_stages
+        # fp8: V arrives key-major and batched, (B, H_k, D, S_pad), from v_staging.stage_v_fp8.
+        self.v_staged = v_staged
         # overlap: the S GEMM of tile n+1 and the P.V GEMM of tile n run while the softmax of
         # tile n+1 computes. pingpong: the consumer warpgroups take turns (round robin) issuing
         # GEMMs, so one's softmax hides under another's tensor-core work.
@@ -121,7 +124,13 @@ class HopperAttentionForward:
         varlen = self.varlen
         q = _bshd_to_sdhb(mQ, varlen)
         k = _bshd_to_sdhb(mK, varlen)
-        v = _bshd_to_sdhb(mV, varlen, d_first=True)  # (D, S, H, B): the MN-major B of P.V
+        if const_expr(self.v_staged):
+            # (B, H, D, S) -> (D, S, H, B), keys contiguous: the K-major B of P.V (fp8 needs it)
+            v = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 3, 1, 0]))
+            v_major, v_smem_major = warpgroup.OperandMajorMode.K, LayoutEnum.ROW_MAJOR
+        else:
+            v = _bshd_to_sdhb(mV, varlen, d_first=True)  # (D, S, H, B): the MN-major B of P.V
+            v_major, v_smem_major = warpgroup.OperandMajorMode.MN, LayoutEnum.COL_MAJOR
         d = self.head_dim
         tile_m, tile_n = self.tile_m, self.tile_n
 
@@ -130,12 +139,12 @@ class HopperAttentionForward:
             Float32, (self.num_consumer_wgs, 1, 1), (64, tile_n),
         )
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, v_major,
             Float32, (self.num_consumer_wgs, 1, 1), (64, d), warpgroup.OperandSource.RMEM,
         )
         sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d), self.dtype, 1)
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d), self.dtype, self.kv_stages)
-        sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (tile_m, d, tile_n), self.dtype, self.kv_stages)
+        sV_layout = sm90_utils.make_smem_layout_b(v_smem_major, (tile_m, d, tile_n), self.dtype, self.kv_stages)
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(
@@ -292,7 +301,10 @@ class HopperAttentionForward:
                 head_kv = head // (mQ_tma.shape[2] // mK_tma.shape[2])
                 mQ_cur = cute.domain_offset((offset_q, 0), mQ_tma[None, None, head, batch_coord])
                 mK_cur = cute.domain_offset((offset_k, 0), mK_tma[None, None, head_kv, batch_coord])
-                mV_cur = cute.domain_offset((0, offset_k), mV_tma[None, None, head_kv, batch_coord])
+                if const_expr(self.v_staged):
+                    mV_cur = mV_tma[None, None, head_kv, batch]  # staged per batch row
+                else:
+                    mV_cur = cute.domain_offset((0, offset_k), mV_tma[None, None, head_kv, batch_coord])
                 gQ = cute.local_tile(mQ_cur, (self.tile_m, self.head_dim), (m_block, 0))
                 gK = cute.local_tile(mK_cur, (self.tile_n, self.head_dim), (None, 0))
                 gV = cute.local_tile(mV_cur, (self.head_dim, self.tile_n), (0, None))
@@ -360,7 +372,10 @@ class HopperAttentionForward:
         # P of the tile whose P.V is pending; S itself is allocated per tile (a score fragment
         # that outlived its tile would stay live across the loop and crowd out the registers the
         # in-flight GEMMs need).
-        p = cute.make_rmem_tensor(s_shape, self.dtype)
+        if const_expr(self.dtype.width == 8):
+            p = cute.make_rmem_tensor(fp8_operand_a_shape(s_shape), self.dtype)
+        else:
+            p = cute.make_rmem_tensor(s_shape, self.dtype)
         frags = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, s_shape, p, acc_o, row_scale)
         wg = tidx // _WG
         if const_expr(self.pingpong):
@@ -408,9 +423,9 @@ class HopperAttentionForward:
                 mask.apply(acc_s, tScS, row_base, n_block * self.tile_n)
             softmax.update(acc_s, row_scale)
             softmax.rescale(acc_o, row_scale)
-            p.store(acc_s.load().to(self.dtype))
+            self.store_p(p, acc_s)
             v_handle = kv_consumer.wait_and_advance()
-            issue_gemm(tiled_mma_pv, acc_o, as_operand_a(p), tOrV[None, None, None, v_handle.index], False)
+            issue_gemm(tiled_mma_pv, acc_o, self.operand_p(p), tOrV[None, None, None, v_handle.index], False)
             warpgroup.wait_group(0)
             v_handle.release()
             n_block += 1
@@ -432,7 +447,7 @@ class HopperAttentionForward:
             k_handle.release()
             mask.apply(acc_s, tScS, row_base, sched.start * self.tile_n)
             softmax.update(acc_s, row_scale)  # O is still zero: no rescale
-            p.store(acc_s.load().to(self.dtype))
+            self.store_p(p, acc_s)
             # Tile 0 came out of the first non-empty group of the schedule.
             first_leading = cutlass.min(sched.leading_masked, 1)
             first_unmasked = cutlass.min(sched.unmasked, 1 - first_leading)
@@ -451,7 +466,7 @@ class HopperAttentionForward:
                 n_block += 1
             # Epilogue: the last P.V.
             v_handle = kv_consumer.wait_and_advance()
-            issue_gemm(tiled_mma_pv, acc_o, as_operand_a(p), tOrV[None, None, None, v_handle.index], False)
+            issue_gemm(tiled_mma_pv, acc_o, self.operand_p(p), tOrV[None, None, None, v_handle.index], False)
             warpgroup.wait_group(0)
             v_handle.release()
         return kv_consumer
@@ -467,7 +482,7 @@ class HopperAttentionForward:
         acc_s = cute.make_rmem_tensor(s_shape, Float32)
         issue_gemm(tiled_mma_qk, acc_s, tSrQ[None, None, None, 0], tSrK[None, None, None, k_handle.index], True)
         v_handle = kv_consumer.wait_and_advance()
-        issue_gemm(tiled_mma_pv, acc_o, as_operand_a(p), tOrV[None, None, None, v_handle.index], False)
+        issue_gemm(tiled_mma_pv, acc_o, self.operand_p(p), tOrV[None, None, None, v_handle.index], False)
         if const_expr(self.pingpong):
             cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER + (wg + 1) % self.num_consumer_wgs,
                                      number_of_threads=2 * _WG)
@@ -479,10 +494,22 @@ class HopperAttentionForward:
         warpgroup.wait_group(0)
         v_handle.release()
         softmax.rescale(acc_o, row_scale)
-        p.store(acc_s.load().to(self.dtype))
+        self.store_p(p, acc_s)
         # Returned so the caller rebinds it: pipeline state advanced here must be a plain local
         # of the enclosing staged loop.
         return kv_consumer
+
+    @cute.jit
+    def store_p(self, p: cute.Tensor, acc_s: cute.Tensor):
+        """Round the probabilities to the input dtype into the P fragment."""
+        if const_expr(self.dtype.width == 8):
+            p.store(as_operand_a_fp8(acc_s).load().to(self.dtype))
+        else:
+            p.store(acc_s.load().to(self.dtype))
+
+    def operand_p(self, p: cute.Tensor) -> cute.Tensor:
+        """P as the register A operand of P.V (the fp8 fragment is already in that shape)."""
+        return p if const_expr(self.dtype.width == 8) else as_operand_a(p)
 
     @cute.jit
     def epilogue(self, acc_o: cute.Tensor, lse_rows: cute.Tensor, tOcO: cute.Tensor,

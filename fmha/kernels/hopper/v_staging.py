@@ -1,0 +1,70 @@
+"""Host-side staging of V for the fp8 kernel.
+
+fp8 ``wgmma`` reads both shared-memory operands K-major. For O += P V the reduction runs over
+keys, so V must arrive with keys contiguous: (B, H_k, D, S_pad) instead of the user's
+(B, S_k, H_k, D). One gather-and-transpose pass on the GPU produces that layout; its cost
+(a read and a write of V, in bytes of fp8) is included in every fp8 timing we report.
+
+The same pass also reorders keys inside each block of 32. The fp8 A operand of the P.V product
+wants, per thread, four consecutive keys of one row, while the S accumulator gives a thread two
+adjacent keys out of every eight. Rather than exchanging bytes between threads, the kernel feeds
+each thread's own P values to the A-operand slots (``as_operand_a_fp8``), and V's keys are
+permuted here to match: slot ``j`` of a block holds key ``FP8_KEY_ORDER[j]`` of that block.
+
+For varlen inputs each sequence is padded to its own batch row (S_pad = max_seqlen_k rounded up
+to 32), so every sequence starts on a block boundary and the kernel indexes V by batch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..common.fragments import FP8_KEY_ORDER
+
+KEY_BLOCK = len(FP8_KEY_ORDER)
+
+_ORDER_CACHE: dict = {}
+
+
+def _padded_key_order(s_pad: int, device: torch.device) -> torch.Tensor:
+    """Source key (within the sequence) of every staged slot 0 .. s_pad - 1."""
+    key = (s_pad, device)
+    if key not in _ORDER_CACHE:
+        order = torch.tensor(FP8_KEY_ORDER, dtype=torch.int64, device=device)
+        blocks = torch.arange(0, s_pad, KEY_BLOCK, dtype=torch.int64, device=device)
+        _ORDER_CACHE[key] = (blocks[:, None] + order[None, :]).reshape(-1)
+    return _ORDER_CACHE[key]
+
+
+def staged_length(seqlen_k: int) -> int:
+    return max(KEY_BLOCK, -(-seqlen_k // KEY_BLOCK) * KEY_BLOCK)
+
+
+def stage_v_fp8(v: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor], max_seqlen_k: int) -> torch.Tensor:
+    """(B, S_k, H_k, D) or varlen (T_k, H_k, D) fp8 -> contiguous (B, H_k, D, S_pad) with keys
+    permuted per block of 32 and zeros past each sequence's end (masked keys must multiply
+    finite values: P is 0 there, and 0 * NaN would not be)."""
+    raw = v.view(torch.uint8)  # fp8 gathers and transposes are byte moves
+    s_pad = staged_length(max_seqlen_k)
+    src = _padded_key_order(s_pad, v.device)
+    if cu_seqlens_k is None:
+        b, s_k, h, d = raw.shape
+        if s_pad != s_k:
+            padded = raw.new_zeros((b, s_pad, h, d))
+            padded[:, :s_k] = raw
+            raw = padded
+        staged = raw.index_select(1, src)  # (B, S_pad, H, D)
+    else:
+        t, h, d = raw.shape
+        starts = cu_seqlens_k[:-1].to(torch.int64)
+        lens = cu_seqlens_k[1:].to(torch.int64) - starts
+        rows = starts[:, None] + src[None, :]  # (B, S_pad)
+        valid = src[None, :] < lens[:, None]
+        if t == 0:
+            staged = raw.new_zeros((rows.shape[0], s_pad, h, d))
+        else:
+            staged = raw[rows.clamp(max=t - 1)]
+            staged.mul_(valid[:, :, None, None].to(torch.uint8))
+    return staged.permute(0, 2, 3, 1).contiguous().view(torch.float8_e4m3fn)

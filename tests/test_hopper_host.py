@@ -1,0 +1,104 @@
+"""Host side of the Hopper kernel, on the CPU: what it supports, its tile and stage choices, and
+the fp8 V staging (layout and key order) that the kernel's register layout relies on."""
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+from fmha.kernels.common.fragments import FP8_KEY_ORDER  # noqa: E402
+from fmha.kernels.hopper import backend as hb  # noqa: E402
+from fmha.kernels.hopper.v_staging import stage_v_fp8, staged_length  # noqa: E402
+from fmha.problem import KernelOptions  # noqa: E402
+from fmha.validation import validate  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def _qkv(d=64, dtype=torch.bfloat16, s=40):
+    g = torch.Generator().manual_seed(d)
+    return [torch.randn(2, s, 4, d, generator=g).to(dtype) for _ in range(3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, FP8])
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+def test_every_spec_dtype_and_head_dim_is_supported(dtype, d):
+    problem = validate(*_qkv(d, dtype), causal=True)
+    assert hb.why_unsupported(problem, KernelOptions()) == []
+    cfg = hb.HopperConfig.from_problem(problem, KernelOptions())
+    assert (cfg.tile_m, cfg.tile_n) == hb.default_tile(dtype, d)
+    assert cfg.v_staged == (dtype == FP8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+def test_tiles_fit_shared_memory_and_the_fp8_key_blocks(dtype, d):
+    elem = 1 if dtype == FP8 else 2
+    for tm, tn in hb.allowed_tiles(dtype, d):
+        stages = hb.kv_stages_for(dtype, d, tm, tn)
+        assert stages >= 3
+        assert (tm + stages * tn) * d * elem <= 227 * 1024 - 2048
+        if dtype == FP8:
+            assert tn % len(FP8_KEY_ORDER) == 0  # P.V consumes keys in blocks of 32
+
+
+def test_fp8_output_only_from_fp8_inputs_and_tiles_are_checked():
+    problem = validate(*_qkv(128, FP8), out_dtype=FP8)
+    assert hb.why_unsupported(problem, KernelOptions()) == []
+    reasons = hb.why_unsupported(validate(*_qkv(256)), KernelOptions(tile_m=128, tile_n=128))
+    assert reasons and "128x80" in reasons[0]
+    assert hb.why_unsupported(validate(*_qkv(64)), KernelOptions(tile_m=128)) == []
+
+
+def test_fp8_key_order_is_a_permutation_of_each_block():
+    assert sorted(FP8_KEY_ORDER) == list(range(32))
+    # a thread's four A-operand slots hold its own accumulator columns: 2t, 2t+1, 8+2t, 9+2t
+    for t in range(4):
+        assert FP8_KEY_ORDER[4 * t:4 * t + 4] == (2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t)
+
+
+def _fp8(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * 4).to(FP8)
+
+
+def _expected(v_seq, s_pad):
+    """(S, H, D) of one sequence -> (H, D, S_pad) in staged key order."""
+    s, h, d = v_seq.shape
+    out = torch.zeros(h, d, s_pad)
+    for slot in range(s_pad):
+        key = slot - slot % 32 + FP8_KEY_ORDER[slot % 32]
+        if key < s:
+            out[:, :, slot] = v_seq[key].float()
+    return out
+
+
+@pytest.mark.parametrize("s", [1, 31, 32, 70])
+def test_stage_v_dense(s):
+    v = _fp8(2, s, 3, 16, seed=s)
+    staged = stage_v_fp8(v, None, s)
+    s_pad = staged_length(s)
+    assert staged.dtype == FP8 and staged.shape == (2, 3, 16, s_pad) and staged.is_contiguous()
+    for b in range(2):
+        assert torch.equal(staged[b].float(), _expected(v[b], s_pad))
+
+
+def test_stage_v_dense_accepts_a_bhsd_view():
+    v = _fp8(2, 3, 40, 16).transpose(1, 2)
+    assert torch.equal(stage_v_fp8(v, None, 40), stage_v_fp8(v.contiguous(), None, 40))
+
+
+def test_stage_v_varlen_pads_each_sequence_from_a_block_boundary():
+    lens = [0, 1, 33, 5]
+    cu = torch.tensor([0, 0, 1, 34, 39], dtype=torch.int32)
+    v = _fp8(sum(lens), 2, 16, seed=3)
+    staged = stage_v_fp8(v, cu, max(lens))
+    assert staged.shape == (4, 2, 16, 64)
+    for b, n in enumerate(lens):
+        assert torch.equal(staged[b].float(), _expected(v[cu[b]:cu[b] + n], 64))
+
+
+def test_stage_v_varlen_with_no_keys_at_all():
+    cu = torch.zeros(3, dtype=torch.int32)
+    staged = stage_v_fp8(_fp8(0, 2, 16), cu, 0)
+    assert staged.shape == (2, 2, 16, 32) and not staged.float().any()
