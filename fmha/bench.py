@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 REL_L2_LIMIT = 2e-2  # bf16 outputs against the fp32 reference
+FP8_REL_L2_LIMIT = 5e-2  # fp8 inputs: against the reference on the same fp8 values
 
 
 @dataclass(frozen=True)
@@ -34,14 +35,41 @@ class Point:
     head_dim: int
     causal: bool
     group: str = "standard"
+    dtype: str = "bfloat16"  # or float8_e4m3fn (fmha only; output bf16)
+    window_left: int | None = None  # sliding window (window_left, 0) when set
+    varlen: tuple | None = None  # per-sequence lengths (THD); batch/seqlen then unused
 
     def flops(self) -> float:
-        f = 4.0 * self.batch * self.heads_q * self.seqlen * self.seqlen * self.head_dim
-        return f / 2 if self.causal else f
+        """4 * H_q * D * (kept query-key pairs); causal with S_q == S_k keeps about half."""
+        if self.varlen:
+            pairs = sum(s * (s + 1) / 2 if self.causal else s * s for s in self.varlen)
+        elif self.window_left is not None:
+            w, s = self.window_left, self.seqlen
+            pairs = self.batch * sum(min(i, w) + 1 for i in range(s))
+        else:
+            pairs = self.batch * self.seqlen * self.seqlen / (2 if self.causal else 1)
+        return 4.0 * self.heads_q * self.head_dim * pairs
 
     def label(self) -> str:
-        return (f"B{self.batch} S{self.seqlen} H{self.heads_q}/{self.heads_k} D{self.head_dim}"
-                f"{' causal' if self.causal else ''}")
+        shape = (f"varlen{len(self.varlen)} T{sum(self.varlen)} max{max(self.varlen)}"
+                 if self.varlen else f"B{self.batch} S{self.seqlen}")
+        return (f"{shape} H{self.heads_q}/{self.heads_k} D{self.head_dim}"
+                f"{' causal' if self.causal else ''}"
+                f"{f' window({self.window_left},0)' if self.window_left is not None else ''}"
+                f"{' fp8' if self.dtype != 'bfloat16' else ''}")
+
+
+def realistic_lengths(total: int = 16384, seed: int = 0) -> tuple:
+    """Document lengths of a packed batch: log-normal (median ~700 tokens, a long tail), cut to
+    ``total`` tokens; includes the short and odd lengths real batches have."""
+    import random
+
+    rng = random.Random(seed)
+    lens = []
+    while sum(lens) < total:
+        lens.append(max(1, min(8192, int(rng.lognormvariate(6.5, 1.0)))))
+    lens[-1] -= sum(lens) - total
+    return tuple(x for x in lens if x > 0)
 
 
 def build_grid(name: str) -> list[Point]:
@@ -52,7 +80,23 @@ def build_grid(name: str) -> list[Point]:
     pts = [Point(16384 // s, s, 2048 // d, 2048 // d, d, c)
            for d in (64, 128) for c in (False, True) for s in seqlens]
     pts += [Point(16384 // s, s, 16, 2, 128, c, "gqa8") for s in (2048, 8192) for c in (False, True)]
+    pts += [Point(16384 // s, s, 8, 8, 256, c, "d256") for s in (2048, 8192) for c in (False, True)]
+    pts += [Point(16384 // s, s, 16, 16, 128, True, "window1024", window_left=1024) for s in (4096, 16384)]
+    pts += [Point(1, 0, 16, 16, 128, c, "varlen", varlen=realistic_lengths()) for c in (False, True)]
+    pts += [Point(16384 // s, s, 16, 16, 128, c, "fp8", dtype="float8_e4m3fn")
+            for s in (4096, 8192, 16384) for c in (False, True)]
     return pts
+
+
+def extras_grid() -> list[Point]:
+    """The non-standard groups only (``--grid extras``)."""
+    return [p for p in build_grid("full") if p.group != "standard"]
+
+
+def _mask_kwargs(p: Point) -> dict:
+    if p.window_left is not None:
+        return dict(window_size=(p.window_left, 0))
+    return dict(causal=p.causal)
 
 
 def _kernel_variant(**overrides) -> Callable:
@@ -66,8 +110,10 @@ def _kernel_variant(**overrides) -> Callable:
 
     runners = {}
 
-    def fn(q, k, v, causal):
-        problem = validate(q, k, v, causal=causal)
+    def fn(q, k, v, p, cu):
+        if p.varlen or p.dtype != "bfloat16":
+            raise NotImplementedError("variants are timed on the dense bf16 points")
+        problem = validate(q, k, v, **_mask_kwargs(p))
         cfg = dataclasses.replace(HopperConfig.from_problem(problem, KernelOptions()), **overrides)
         if cfg not in runners:
             runners[cfg] = HopperRunner(cfg, compile_kernel(cfg))
@@ -88,20 +134,34 @@ VARIANTS = {
 
 
 def _implementations(torch, variants: bool = False) -> dict[str, Callable]:
-    """name -> fn(q, k, v, causal) on BSHD tensors, for the peers importable here."""
+    """name -> fn(q, k, v, point, cu_seqlens) on BSHD (or THD) tensors, for the peers importable
+    here. A peer that cannot run a point raises; the row then records why."""
     import fmha
 
-    impls: dict[str, Callable] = {
-        "fmha": lambda q, k, v, causal: fmha.attention(q, k, v, causal=causal, backend="kernel"),
-    }
+    def ours(q, k, v, p, cu):
+        if p.varlen:
+            m = max(p.varlen)
+            return fmha.attention_varlen(q, k, v, cu, cu, m, m, backend="kernel", **_mask_kwargs(p))
+        return fmha.attention(q, k, v, backend="kernel", **_mask_kwargs(p))
+
+    impls: dict[str, Callable] = {"fmha": ours}
     if variants:
         for name, overrides in VARIANTS.items():
             impls[name] = _kernel_variant(**overrides)
     try:
-        from flash_attn.cute import flash_attn_func
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
-        def fa4(q, k, v, causal):
-            out = flash_attn_func(q, k, v, causal=causal)
+        def fa4(q, k, v, p, cu):
+            if p.dtype != "bfloat16":
+                raise NotImplementedError("FA4 has no fp8 forward on SM90")
+            window = (p.window_left, 0) if p.window_left is not None else (None, None)
+            causal = p.causal and p.window_left is None
+            if p.varlen:
+                m = max(p.varlen)
+                out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m,
+                                             max_seqlen_k=m, causal=causal, window_size=window)
+            else:
+                out = flash_attn_func(q, k, v, causal=causal, window_size=window)
             return out[0] if isinstance(out, tuple) else out
 
         impls["fa4"] = fa4
@@ -111,11 +171,13 @@ def _implementations(torch, variants: bool = False) -> dict[str, Callable]:
     import torch.nn.functional as F
 
     def sdpa(backend):
-        def fn(q, k, v, causal):
+        def fn(q, k, v, p, cu):
+            if p.varlen or p.window_left is not None or p.dtype != "bfloat16":
+                raise NotImplementedError("SDPA takes dense bf16 with is_causal only")
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(
-                    qt, kt, vt, is_causal=causal, enable_gqa=qt.shape[1] != kt.shape[1]
+                    qt, kt, vt, is_causal=p.causal, enable_gqa=qt.shape[1] != kt.shape[1]
                 ).transpose(1, 2)
         return fn
 
@@ -124,32 +186,44 @@ def _implementations(torch, variants: bool = False) -> dict[str, Callable]:
     return impls
 
 
-def _reference(q, k, v, causal, torch):
+def _inputs(p: Point, torch):
+    dev = torch.device("cuda")
+    dt = getattr(torch, p.dtype)
+    rows = (sum(p.varlen),) if p.varlen else (p.batch, p.seqlen)
+    q = torch.randn(*rows, p.heads_q, p.head_dim, device=dev).to(dt)
+    k = torch.randn(*rows, p.heads_k, p.head_dim, device=dev).to(dt)
+    v = torch.randn(*rows, p.heads_k, p.head_dim, device=dev).to(dt)
+    cu = None
+    if p.varlen:
+        cu = torch.tensor([0, *__import__("itertools").accumulate(p.varlen)], dtype=torch.int32, device=dev)
+    return q, k, v, cu
+
+
+def _reference(p: Point, q, k, v, cu, torch):
     from fmha.masking import MaskSpec
     from fmha.reference import attention_reference
 
-    o, _ = attention_reference(q, k, v, mask=MaskSpec.from_args(causal=causal))
+    mask = MaskSpec.from_args(**_mask_kwargs(p))
+    o, _ = attention_reference(q, k, v, cu, cu, mask=mask)
     return o
 
 
 def run_point(p: Point, impls: dict, torch, do_bench) -> list[dict]:
-    dev = torch.device("cuda")
-    q = torch.randn(p.batch, p.seqlen, p.heads_q, p.head_dim, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(p.batch, p.seqlen, p.heads_k, p.head_dim, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(p.batch, p.seqlen, p.heads_k, p.head_dim, device=dev, dtype=torch.bfloat16)
-    ref = _reference(q, k, v, p.causal, torch)
+    q, k, v, cu = _inputs(p, torch)
+    ref = _reference(p, q, k, v, cu, torch)
+    limit = FP8_REL_L2_LIMIT if p.dtype != "bfloat16" else REL_L2_LIMIT
     rows = []
     for name, fn in impls.items():
         row = dict(point=asdict(p), impl=name)
         try:
-            out = fn(q, k, v, p.causal)
+            out = fn(q, k, v, p, cu)
             torch.cuda.synchronize()
             err = ((out.float() - ref).norm() / ref.norm()).item()
             row["rel_l2"] = err
-            if not err < REL_L2_LIMIT:
+            if not err < limit:
                 row["error"] = f"wrong output (rel L2 {err:.3g})"
             else:
-                ms = do_bench(lambda: fn(q, k, v, p.causal), warmup=50, rep=200, return_mode="median")
+                ms = do_bench(lambda: fn(q, k, v, p, cu), warmup=50, rep=200, return_mode="median")
                 row["ms"] = ms
                 row["tflops"] = p.flops() / (ms * 1e-3) / 1e12
         except Exception as e:  # a peer may not support a configuration
@@ -170,10 +244,11 @@ def write_reports(rows: list[dict], out_dir: str, meta: dict) -> str:
         head += " | fmha / fa4"
     if "cudnn" in impls:
         head += " | fmha / cudnn"
-    lines = [f"# Forward attention, bf16, {meta['device']}", "",
+    lines = [f"# Forward attention, {meta['device']}", "",
              f"{meta['date']}; command: `{meta['command']}`", "", head + " |",
              "|" + "---|" * (head.count("|"))]
     ratios = {"fa4": [], "cudnn": []}
+    extra_ratios = {"fa4": [], "cudnn": []}
     for pk in points:
         p = Point(**json.loads(pk))
         cells = []
@@ -184,15 +259,27 @@ def write_reports(rows: list[dict], out_dir: str, meta: dict) -> str:
             if peer in impls:
                 a, b = by.get((pk, "fmha"), {}), by.get((pk, peer), {})
                 if "tflops" in a and "tflops" in b:
-                    ratios[peer].append(a["tflops"] / b["tflops"])
+                    (ratios if p.group == "standard" else extra_ratios)[peer].append(a["tflops"] / b["tflops"])
                     cells.append(f"{a['tflops'] / b['tflops']:.2f}")
                 else:
                     cells.append("-")
         lines.append(f"| {p.label()} | " + " | ".join(cells) + " |")
     summary = []
-    for peer, rs in ratios.items():
-        if rs:
-            summary.append(f"fmha/{peer}: median {statistics.median(rs):.2f}, min {min(rs):.2f} over {len(rs)} points")
+    for what, table in (("standard grid", ratios), ("other groups", extra_ratios)):
+        for peer, rs in table.items():
+            if rs:
+                summary.append(f"- {what}, fmha/{peer}: median {statistics.median(rs):.2f}, "
+                               f"min {min(rs):.2f} over {len(rs)} points")
+    # fp8 against our own bf16 on the same shape (the standard grid's D=128 points)
+    for pk in points:
+        p = Point(**json.loads(pk))
+        if p.dtype == "bfloat16":
+            continue
+        twin = json.dumps(asdict(Point(p.batch, p.seqlen, p.heads_q, p.heads_k, p.head_dim, p.causal)),
+                          sort_keys=True)
+        a, b = by.get((pk, "fmha"), {}), by.get((twin, "fmha"), {})
+        if "tflops" in a and "tflops" in b:
+            summary.append(f"- fp8 / bf16 (fmha, {p.label()}): {a['tflops'] / b['tflops']:.2f}")
     lines += ["", *summary]
     errs = [f"- {r['impl']} {Point(**r['point']).label()}: {r['error']}" for r in rows if "error" in r]
     if errs:
@@ -235,11 +322,86 @@ def _plot(rows, impls, path, meta):
     fig.savefig(path, dpi=110)
 
 
+_FIRST_CALL = r"""
+import json, sys, time
+import torch
+q, k, v = (torch.randn(1, 128, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+if sys.argv[1] == "fmha":
+    import fmha
+    o = fmha.attention(q, k, v, causal=True, backend="kernel")
+else:
+    from flash_attn.cute import flash_attn_func
+    o = flash_attn_func(q, k, v, causal=True)
+torch.cuda.synchronize()
+print(json.dumps({"first_call_s": time.perf_counter() - t0}))
+"""
+
+
+def measure_startup(impls: dict, torch) -> list[dict]:
+    """Time to first result (library import + compile or cache load + run, in a fresh process),
+    cold and then warm with the same on-disk cache directory; and the per-call cost of a small
+    problem (B=1, H=8, S=128, D=128), where host overhead dominates: CUDA events around 500
+    back-to-back calls."""
+    import subprocess
+    import tempfile
+
+    rows = []
+    for impl in [i for i in ("fmha", "fa4") if i in impls]:
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, CUTE_DSL_CACHE_DIR=cache, FMHA_CACHE_DIR=os.path.join(cache, "fmha"))
+            for run in ("cold", "warm"):
+                res = subprocess.run([sys.executable, "-c", _FIRST_CALL, impl], env=env,
+                                     capture_output=True, text=True, timeout=600)
+                row = dict(kind="first_call", impl=impl, run=run)
+                try:
+                    row.update(json.loads(res.stdout.strip().splitlines()[-1]))
+                except Exception:
+                    row["error"] = (res.stderr or res.stdout).strip().splitlines()[-1:]
+                rows.append(row)
+    p = Point(1, 128, 8, 8, 128, False, "small")
+    q, k, v, cu = _inputs(p, torch)
+    for impl in [i for i in ("fmha", "fa4", "cudnn") if i in impls]:
+        fn = impls[impl]
+        try:
+            fn(q, k, v, p, cu)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            n = 500
+            start.record()
+            for _ in range(n):
+                fn(q, k, v, p, cu)
+            end.record()
+            torch.cuda.synchronize()
+            rows.append(dict(kind="small_call", impl=impl, point=asdict(p), us_per_call=start.elapsed_time(end) * 1e3 / n))
+        except Exception as e:
+            rows.append(dict(kind="small_call", impl=impl, error=f"{type(e).__name__}: {e}"[:200]))
+    return rows
+
+
+def startup_table(rows: list[dict]) -> str:
+    lines = ["| measurement | fmha | fa4 | cudnn | fmha / fa4 |", "|---|---|---|---|---|"]
+    get = lambda kind, impl, key, run=None: next(
+        (r.get(key) for r in rows if r["kind"] == kind and r["impl"] == impl and r.get("run") == run), None)
+    for run in ("cold", "warm"):
+        a, b = get("first_call", "fmha", "first_call_s", run), get("first_call", "fa4", "first_call_s", run)
+        lines.append(f"| first call in a fresh process, {run} cache (s) | {a if a is None else f'{a:.2f}'} | "
+                     f"{b if b is None else f'{b:.2f}'} | - | {f'{a / b:.2f}' if a and b else '-'} |")
+    a, b, c = (get("small_call", i, "us_per_call") for i in ("fmha", "fa4", "cudnn"))
+    fmt = lambda x: "-" if x is None else f"{x:.1f}"
+    lines.append(f"| B=1 H=8 S=128 D=128, whole call (us) | {fmt(a)} | {fmt(b)} | {fmt(c)} | "
+                 f"{f'{a / b:.2f}' if a and b else '-'} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--grid", default="full", choices=["full", "quick"])
+    ap.add_argument("--grid", default="full", choices=["full", "quick", "extras"])
     ap.add_argument("--out", default=os.path.join("results", "bench"))
     ap.add_argument("--impls", default="", help="comma-separated subset of implementations")
+    ap.add_argument("--startup", action="store_true",
+                    help="only measure time to first result (cold/warm cache) and small-call overhead")
     ap.add_argument("--variants", action="store_true",
                     help="also time fmha's other mainloop variants (serial, overlap without ping-pong)")
     args = ap.parse_args(argv)
@@ -253,8 +415,20 @@ def main(argv=None):
     impls = _implementations(torch, args.variants)
     if args.impls:
         impls = {k: v for k, v in impls.items() if k in args.impls.split(",")}
+    if args.startup:
+        rows = measure_startup(impls, torch)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "startup.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"),
+                       "rows": rows}, f, indent=1)
+        table = startup_table(rows)
+        with open(os.path.join(args.out, "startup.md"), "w") as f:
+            f.write(f"# Time to first result and small-call overhead, {torch.cuda.get_device_name()}\n\n"
+                    f"command: `python -m fmha.bench --startup`\n\n" + table)
+        print(table)
+        return 0
     rows = []
-    for p in build_grid(args.grid):
+    for p in (extras_grid() if args.grid == "extras" else build_grid(args.grid)):
         rows += run_point(p, impls, torch, do_bench)
         got = {r["impl"]: (f"{r['tflops']:.0f}" if "tflops" in r else r.get("error", "?")[:40]) for r in rows[-len(impls):]}
         print(p.label(), got, flush=True)

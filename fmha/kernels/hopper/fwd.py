@@ -127,19 +127,19 @@ class HopperAttentionForward:
         if const_expr(self.v_staged):
             # (B, H, D, S) -> (D, S, H, B), keys contiguous: the K-major B of P.V (fp8 needs it)
             v = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 3, 1, 0]))
-            v_major, v_smem_major = warpgroup.OperandMajorMode.K, LayoutEnum.ROW_MAJOR
+            v_major, v_smem_major = cute.nvgpu.OperandMajorMode.K, LayoutEnum.ROW_MAJOR
         else:
             v = _bshd_to_sdhb(mV, varlen, d_first=True)  # (D, S, H, B): the MN-major B of P.V
-            v_major, v_smem_major = warpgroup.OperandMajorMode.MN, LayoutEnum.COL_MAJOR
+            v_major, v_smem_major = cute.nvgpu.OperandMajorMode.MN, LayoutEnum.COL_MAJOR
         d = self.head_dim
         tile_m, tile_n = self.tile_m, self.tile_n
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             Float32, (self.num_consumer_wgs, 1, 1), (64, tile_n),
         )
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, v_major,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, v_major,
             Float32, (self.num_consumer_wgs, 1, 1), (64, d), warpgroup.OperandSource.RMEM,
         )
         sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d), self.dtype, 1)
