@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -54,6 +54,10 @@ class AttentionProblem:
     scale_v: float = 1.0
     inv_scale_o: float = 1.0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # varlen: each sequence's lengths, read from cu_seqlens on the host by validation (schedulers
+    # use them to enumerate only the query tiles that exist, costliest first); None when dense
+    seqlens_q: Optional[Tuple[int, ...]] = None
+    seqlens_k: Optional[Tuple[int, ...]] = None
 
     @property
     def qhead_per_kvhead(self) -> int:

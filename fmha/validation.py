@@ -314,6 +314,8 @@ def validate(
         softmax_scale=softmax_scale,
         device=q.device,
         **scales,
+        seqlens_q=tuple(lens_q) if varlen else None,
+        seqlens_k=tuple(lens_k) if varlen else None,
     )
 
 

@@ -31,6 +31,9 @@ if ROOT not in sys.path:
 O_TOL = {"bfloat16": 1e-2, "float16": 5e-3}
 FP8_TOL = 5e-2  # fp8 inputs (any output dtype): against the reference on the same fp8 values
 LSE_TOL = 1e-3
+# Hopper's fp8 MMAs accumulate with fewer mantissa bits than fp32 (observed LSE error up to
+# 1.5e-3 at D=256 on the H200, where the scores sum 256 products): a looser LSE bound for fp8.
+LSE_TOL_FP8 = 5e-3
 GUARD = 3  # poisoned rows after each sequence's output that must stay NaN
 
 
@@ -54,6 +57,7 @@ class Case:
     out_dtype: Optional[str] = None
     tile_m: Optional[int] = None  # None: the backend's default for the head dim
     scales: Optional[tuple] = None  # (scale_q, scale_k, scale_v, inv_scale_o), default all 1
+    lens_unread: bool = False  # varlen as FusedAttention.execute(check=False) runs it
 
     def config_key(self):
         return (self.dtype, self.out_dtype, self.head_dim, self.mask, self.align,
@@ -73,6 +77,7 @@ class Case:
                 f"lse={int(self.lse)} pers={int(self.persistent)} {self.layout}"
                 + (f" out={self.out_dtype}" if self.out_dtype else "")
                 + (f" scales={self.scales}" if self.scales else "")
+                + (" lens_unread" if self.lens_unread else "")
                 + (f" tile_m={self.tile_m}" if self.tile_m else ""))
 
 
@@ -186,6 +191,9 @@ def coverage_cases(shapes, varlens) -> list[Case]:
         cases.append(Case("float8_e4m3fn", d, "causal", "bottom_right", (None, 0), out_dtype="float8_e4m3fn",
                           varlen_q=varlens[0][0], varlen_k=varlens[0][1], heads_q=4, heads_k=1,
                           scales=(2.0, 0.5, 4.0, 0.125)))
+    for m, al, w in masks:
+        cases.append(Case("bfloat16", 128, m, al, w, varlen_q=varlens[1][0], varlen_k=varlens[1][1],
+                          heads_q=4, heads_k=2, lens_unread=True))
     cases.append(Case("bfloat16", 32, "causal", "bottom_right", (None, 0), tile_m=128, batch=2,
                       seqlen_q=1000, seqlen_k=777, heads_q=4, heads_k=2))
     return cases
@@ -247,6 +255,10 @@ def run_case(runner, case: Case, torch, device="cuda") -> dict:
     device = torch.device(device)
     q, k, v, cu_q, cu_k = _make_inputs(case, torch, device)
     problem = _problem(case, q, k, v, cu_q, cu_k, torch)
+    if case.lens_unread:
+        import dataclasses
+
+        problem = dataclasses.replace(problem, seqlens_q=None, seqlens_k=None)
     mask = problem.mask
     obuf, out, lbuf, lse = _poisoned_outputs(case, q, torch, problem.out_dtype)
     runner(problem, q, k, v, out, lse if case.lse else None, cu_q, cu_k)
@@ -285,7 +297,7 @@ def run_case(runner, case: Case, torch, device="cuda") -> dict:
     ok = (res["nan_in_o"] == 0 and res["guard_written"] == 0 and res["o_rel_l2"] < tol
           and res["empty_rows_nonzero_o"] == 0)
     if case.lse:
-        ok = ok and res["nan_in_lse"] == 0 and res["lse_inf_mismatch"] == 0 and res["lse_max_abs"] < LSE_TOL
+        ok = ok and res["nan_in_lse"] == 0 and res["lse_inf_mismatch"] == 0 and res["lse_max_abs"] < (LSE_TOL_FP8 if case.dtype == "float8_e4m3fn" else LSE_TOL)
     res["ok"] = bool(ok)
     return res
 

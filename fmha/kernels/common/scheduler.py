@@ -47,3 +47,30 @@ class StaticTileScheduler:
         if cutlass.const_expr(self.longest_first):
             m = self.num_m_blocks - 1 - m
         return m, rest % self.num_heads, rest // self.num_heads
+
+
+@dataclass(frozen=True)
+class TileTableScheduler:
+    """Varlen: walks the host's list of (batch, m_block) work tiles (``fmha.work_tiles``, costliest
+    first) with the heads varying fastest, so CTAs running together share a sequence's K/V
+    (in L2) and only query tiles that hold rows are launched. Same interface and grid
+    conventions as ``StaticTileScheduler``."""
+
+    table: cute.Tensor  # (N, 2) int32: batch, m_block
+    num_heads: Int32
+    num_tiles: Int32
+
+    @staticmethod
+    def create(table: cute.Tensor, num_heads) -> "TileTableScheduler":
+        return TileTableScheduler(table, num_heads, table.shape[0] * num_heads)
+
+    def first(self) -> Int32:
+        return Int32(cute.arch.block_idx()[0])
+
+    def next(self, idx: Int32) -> Int32:
+        return idx + Int32(cute.arch.grid_dim()[0])
+
+    def decode(self, idx: Int32):
+        """-> (m_block, head, batch)"""
+        entry = idx // self.num_heads
+        return self.table[entry, 1], idx % self.num_heads, self.table[entry, 0]

@@ -13,6 +13,8 @@ import torch
 from fmha.masking import MaskKind, later_rows_cost_more
 from fmha.problem import AttentionProblem, KernelOptions
 
+from fmha.work_tiles import work_tile_table
+
 from .v_staging import stage_v_fp8
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
@@ -187,11 +189,12 @@ def _fake_tensors(cfg: HopperConfig):
         v = tensor(in_t, rank, d, 128 // in_t.width)
     o = tensor(out_t, rank, d, 128 // out_t.width)
     lse = tensor(cutlass.Float32, 2 if cfg.varlen else 3, None, 1) if cfg.has_lse else None
-    cu_q = cu_k = None
+    cu_q = cu_k = tiles = None
     if cfg.varlen:
         cu_q = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
         cu_k = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
-    return q, k, v, o, lse, cu_q, cu_k
+        tiles = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=4)
+    return q, k, v, o, lse, cu_q, cu_k, tiles
 
 
 @contextlib.contextmanager
@@ -234,11 +237,11 @@ def compile_kernel(cfg: HopperConfig, extra_options: str = ""):
         overlap=cfg.overlap,
         pingpong=cfg.pingpong,
     )
-    q, k, v, o, lse, cu_q, cu_k = _fake_tensors(cfg)
+    q, k, v, o, lse, cu_q, cu_k, tiles = _fake_tensors(cfg)
     with _targeting_sm90a():
         return cute.compile(
             kernel,
-            q, k, v, o, lse, cu_q, cu_k,
+            q, k, v, o, lse, cu_q, cu_k, tiles,
             Int32(1),  # max_seqlen_q
             Float32(1.0),  # scale_log2
             Float32(1.0),  # output_scale
@@ -273,10 +276,17 @@ class HopperRunner:
         num_ctas = sm_count(q.device) if cfg.persistent else 1
         if cfg.v_staged:
             v = stage_v_fp8(v, cu_seqlens_k if cfg.varlen else None, problem.seqlen_k)
+        tiles = None
+        if cfg.varlen:
+            lens_q, lens_k = problem.seqlens_q, problem.seqlens_k
+            if lens_q is None:  # lengths not read on the host: every tile up to the max lengths
+                lens_q, lens_k = (problem.seqlen_q,) * problem.batch, (problem.seqlen_k,) * problem.batch
+            tiles = work_tile_table(lens_q, lens_k, problem.mask, cfg.tile_m, cfg.tile_n, q.device)
         self.compiled(
             q, k, v, out, lse if cfg.has_lse else None,
             cu_seqlens_q if cfg.varlen else None,
             cu_seqlens_k if cfg.varlen else None,
+            tiles,
             problem.seqlen_q,
             problem.score_scale_log2,
             problem.output_scale,

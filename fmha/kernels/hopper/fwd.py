@@ -30,7 +30,7 @@ from fmha.masking import MaskKind, kv_tile_schedule, later_rows_cost_more, num_q
 
 from ..common.fragments import as_operand_a, as_operand_a_fp8, as_rows_cols, fp8_operand_a_shape
 from ..common.mask import FragmentMask
-from ..common.scheduler import StaticTileScheduler
+from ..common.scheduler import StaticTileScheduler, TileTableScheduler
 from ..common.softmax import OnlineSoftmax
 from .wgmma import issue_gemm
 
@@ -111,6 +111,7 @@ class HopperAttentionForward:
         mLSE: Optional[cute.Tensor],
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
+        mTileTable: Optional[cute.Tensor],
         max_seqlen_q: Int32,
         scale_log2: Float32,
         output_scale: Float32,
@@ -170,7 +171,10 @@ class HopperAttentionForward:
         num_batches = mCuSeqlensQ.shape[0] - 1 if const_expr(varlen) else q.shape[3]
         seqlen_q = max_seqlen_q if const_expr(varlen) else q.shape[0]
         num_m_blocks = num_q_tiles(seqlen_q, tile_m)
-        num_tiles = num_m_blocks * q.shape[2] * num_batches
+        if const_expr(varlen):
+            num_tiles = mTileTable.shape[0] * q.shape[2]  # only the query tiles that hold rows
+        else:
+            num_tiles = num_m_blocks * q.shape[2] * num_batches
         grid_x = num_tiles
         if const_expr(self.persistent):
             grid_x = cutlass.min(num_tiles, num_ctas)
@@ -178,7 +182,7 @@ class HopperAttentionForward:
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v,
-            q, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, num_m_blocks, num_batches,
+            q, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mTileTable, num_m_blocks, num_batches,
             scale_log2, output_scale, window_left, window_right,
             sQ_layout, sK_layout, sV_layout,
         ).launch(
@@ -206,6 +210,7 @@ class HopperAttentionForward:
         mLSE: Optional[cute.Tensor],
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
+        mTileTable: Optional[cute.Tensor],
         num_m_blocks: Int32,
         num_batches: Int32,
         scale_log2: Float32,
@@ -241,8 +246,11 @@ class HopperAttentionForward:
         # V stages alias K stages: the ring holds whichever the schedule put there.
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
 
-        scheduler = StaticTileScheduler.create(
-            num_m_blocks, mQ_sdhb.shape[2], num_batches, self.longest_first)
+        if const_expr(self.varlen):
+            scheduler = TileTableScheduler.create(mTileTable, mQ_sdhb.shape[2])
+        else:
+            scheduler = StaticTileScheduler.create(
+                num_m_blocks, mQ_sdhb.shape[2], num_batches, self.longest_first)
         pipeline.pipeline_init_wait()
 
         if warp_idx < 4:
@@ -283,7 +291,7 @@ class HopperAttentionForward:
     # ------------------------------------------------------------------ producer warp
     @cute.jit
     def producer(
-        self, scheduler: StaticTileScheduler, mQ_tma, mK_tma, mV_tma, mQ_sdhb,
+        self, scheduler, mQ_tma, mK_tma, mV_tma, mQ_sdhb,
         mCuSeqlensQ, mCuSeqlensK, window_left, window_right,
         tma_q, tma_k, tma_v, sQ, sK, sV,
         q_producer: pipeline.PipelineProducer, kv_producer: pipeline.PipelineProducer,
@@ -346,7 +354,7 @@ class HopperAttentionForward:
     # ------------------------------------------------------------------ consumer warpgroups
     @cute.jit
     def consumer(
-        self, scheduler: StaticTileScheduler, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        self, scheduler, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
         mQ_sdhb, mK_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK,
         scale_log2: Float32, output_scale: Float32, window_left, window_right,
         sQ, sK, sV, q_consumer: pipeline.PipelineConsumer, kv_consumer: pipeline.PipelineConsumer,

@@ -1,0 +1,55 @@
+"""Host side of varlen scheduling: the list of query tiles that exist, costliest first.
+
+A varlen launch sized by the longest sequence would give every sequence ``max_seqlen_q / tile_m``
+query tiles, most of them empty, and a static split of those over the SMs is unbalanced because
+tile costs follow each sequence's key count. Validation has already read the sequence lengths on
+the host, so the launcher lists the (sequence, query tile) pairs that hold rows, ordered by
+the number of K/V tiles they visit (the same ``kv_tile_schedule`` the kernel runs), largest
+first: one CTA per tile then runs longest-processing-time-first, and a persistent CTA's strided
+share mixes long and short work evenly.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+
+from .masking import MaskSpec, kv_tile_schedule, num_q_tiles
+
+_DEVICE_CACHE: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_CACHE_SIZE = 64
+
+
+def work_tiles(seqlens_q: Sequence[int], seqlens_k: Sequence[int], mask: MaskSpec,
+               tile_m: int, tile_n: int) -> list:
+    """[(batch, m_block)] for every query tile with rows, costliest first (ties: batch, m_block)."""
+    items = []
+    for b, (sq, sk) in enumerate(zip(seqlens_q, seqlens_k)):
+        for m in range(num_q_tiles(sq, tile_m)):
+            sched = kv_tile_schedule(m, tile_m, tile_n, sq, sk, mask.kind, mask.window_left,
+                                     mask.window_right, mask.bottom_right)
+            # +1: a tile that visits no K/V still loads Q and writes O and LSE
+            items.append((-(sched.total + 1), b, m))
+    items.sort()
+    return [(b, m) for _, b, m in items]
+
+
+def work_tile_table(seqlens_q, seqlens_k, mask: MaskSpec, tile_m: int, tile_n: int,
+                    device: torch.device) -> torch.Tensor:
+    """``work_tiles`` as an int32 (N, 2) tensor on ``device`` (cached: repeated batch shapes,
+    as in serving or training loops, pay for neither the Python loop nor the copy again).
+    N is at least 1 so the kernel argument always has a valid address: with no rows at all the
+    table is [(0, 0)], a tile the kernel finds empty and skips."""
+    key = (tuple(seqlens_q), tuple(seqlens_k), mask, tile_m, tile_n, str(device))
+    table = _DEVICE_CACHE.get(key)
+    if table is None:
+        tiles = work_tiles(seqlens_q, seqlens_k, mask, tile_m, tile_n)
+        table = torch.tensor(tiles or [(0, 0)], dtype=torch.int32).reshape(-1, 2).to(device)
+        _DEVICE_CACHE[key] = table
+        if len(_DEVICE_CACHE) > _CACHE_SIZE:
+            _DEVICE_CACHE.popitem(last=False)
+    else:
+        _DEVICE_CACHE.move_to_end(key)
+    return table

@@ -1,0 +1,35 @@
+"""The varlen work-tile list: every query tile with rows exactly once, costliest first."""
+
+import torch
+
+from fmha.masking import MaskSpec, kv_tile_schedule
+from fmha.work_tiles import work_tile_table, work_tiles
+
+LENS_Q = [0, 1, 17, 300, 1024, 77, 129]
+LENS_K = [5, 1, 0, 300, 1024, 700, 129]
+MASKS = [MaskSpec(), MaskSpec.from_args(causal=True), MaskSpec.from_args(causal=True, mask_align="bottom_right"),
+         MaskSpec.from_args(window_size=(100, 37))]
+
+
+def _cost(b, m, mask, tm, tn):
+    return kv_tile_schedule(m, tm, tn, LENS_Q[b], LENS_K[b], mask.kind, mask.window_left,
+                            mask.window_right, mask.bottom_right).total
+
+
+def test_every_tile_with_rows_once_and_costliest_first():
+    for mask in MASKS:
+        for tm, tn in [(128, 128), (192, 128), (128, 80)]:
+            tiles = work_tiles(LENS_Q, LENS_K, mask, tm, tn)
+            want = {(b, m) for b, s in enumerate(LENS_Q) for m in range(-(-s // tm))}
+            assert sorted(tiles) == sorted(want) and len(tiles) == len(want)
+            costs = [_cost(b, m, mask, tm, tn) for b, m in tiles]
+            assert costs == sorted(costs, reverse=True)
+
+
+def test_table_is_cached_and_never_empty():
+    mask = MaskSpec.from_args(causal=True)
+    t1 = work_tile_table(LENS_Q, LENS_K, mask, 128, 128, torch.device("cpu"))
+    assert t1.dtype == torch.int32 and t1.shape == (len(work_tiles(LENS_Q, LENS_K, mask, 128, 128)), 2)
+    assert work_tile_table(LENS_Q, LENS_K, mask, 128, 128, torch.device("cpu")) is t1
+    empty = work_tile_table([0, 0], [3, 0], mask, 128, 128, torch.device("cpu"))
+    assert empty.tolist() == [[0, 0]]  # a tile of an empty sequence: the kernel skips it
