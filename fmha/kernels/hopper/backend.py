@@ -15,6 +15,7 @@ from fmha.problem import AttentionProblem, KernelOptions
 
 from fmha.work_tiles import work_tile_table
 
+from . import disk_cache
 from .v_staging import stage_v_fp8
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
@@ -307,4 +308,4 @@ class HopperBackend:
 
     def prepare(self, problem: AttentionProblem, options: KernelOptions) -> HopperRunner:
         cfg = HopperConfig.from_problem(problem, options)
-        return HopperRunner(cfg, compile_kernel(cfg))
+        return HopperRunner(cfg, disk_cache.load_or_compile(cfg, compile_kernel))

@@ -1,0 +1,49 @@
+"""The on-disk kernel cache: a second 'process' loads the exported kernel instead of compiling."""
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+from fmha.kernels.hopper import disk_cache  # noqa: E402
+from fmha.kernels.hopper.backend import HopperConfig, compile_kernel  # noqa: E402
+from fmha.masking import MaskKind  # noqa: E402
+
+CFG = HopperConfig(torch.bfloat16, torch.bfloat16, 64, MaskKind.NONE, False, False, False, False,
+                   False, True, tile_m=192, tile_n=128)
+
+
+def test_second_load_comes_from_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("FMHA_CACHE_DIR", str(tmp_path))
+    compiles = []
+
+    def counting_compile(cfg):
+        compiles.append(cfg)
+        return compile_kernel(cfg)
+
+    first = disk_cache.load_or_compile(CFG, counting_compile)
+    files = list(tmp_path.glob("*.o"))
+    assert len(compiles) == 1 and len(files) == 1 and files[0].stat().st_size > 0
+    second = disk_cache.load_or_compile(CFG, counting_compile)
+    assert len(compiles) == 1  # loaded, not compiled
+    assert callable(first) and callable(second)
+
+
+def test_key_changes_with_the_configuration_and_a_broken_file_is_rebuilt(tmp_path, monkeypatch):
+    import dataclasses
+
+    monkeypatch.setenv("FMHA_CACHE_DIR", str(tmp_path))
+    other = dataclasses.replace(CFG, persistent=False)
+    assert disk_cache.entry_name(CFG) != disk_cache.entry_name(other)
+    (tmp_path / f"{disk_cache.entry_name(CFG)}.o").write_bytes(b"not an object file")
+    compiles = []
+    disk_cache.load_or_compile(CFG, lambda cfg: compiles.append(cfg) or compile_kernel(cfg))
+    assert len(compiles) == 1
+    assert (tmp_path / f"{disk_cache.entry_name(CFG)}.o").stat().st_size > 1000
+
+
+def test_disabled_cache_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("FMHA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FMHA_DISK_CACHE", "0")
+    disk_cache.load_or_compile(CFG, compile_kernel)
+    assert not list(tmp_path.iterdir())
