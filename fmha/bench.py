@@ -131,6 +131,7 @@ VARIANTS = {
     "fmha_nonpersistent": dict(persistent=False),
     "fmha_tile128": dict(tile_m=128),
     "fmha_fp8_n192": dict(tile_n=192, fp8_only=True),  # a wider key tile for fp8, D=128
+    "fmha_fp8_m192n96": dict(tile_m=192, tile_n=96, fp8_only=True),  # 3 consumer warpgroups
 }
 
 
