@@ -357,6 +357,7 @@ if sys.argv[1] == "fmha":
 else:
     from flash_attn.cute import flash_attn_func
     o = flash_attn_func(q, k, v, causal=True)
+    o = o[0] if isinstance(o, tuple) else o
 torch.cuda.synchronize()
 elapsed = time.perf_counter() - t0
 from fmha.masking import MaskSpec
