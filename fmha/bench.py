@@ -245,6 +245,13 @@ def run_point(p: Point, impls: dict, torch, do_bench) -> list[dict]:
             else:
                 ms = do_bench(lambda: fn(q, k, v, p, cu), warmup=50, rep=200, return_mode="median")
                 row["ms"] = ms
+                if name == "fmha" and p.dtype == "float8_e4m3fn":
+                    # the part of each fp8 call spent re-laying V out (included in ms)
+                    from fmha.kernels.hopper.v_staging import stage_v_fp8
+
+                    row["v_staging_ms"] = do_bench(
+                        lambda: stage_v_fp8(v, cu, max(p.varlen) if p.varlen else p.seqlen),
+                        warmup=20, rep=100, return_mode="median")
                 row["tflops"] = p.flops() / (ms * 1e-3) / 1e12
         except Exception as e:  # a peer may not support a configuration
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -300,7 +307,9 @@ def write_reports(rows: list[dict], out_dir: str, meta: dict) -> str:
                           sort_keys=True)
         a, b = by.get((pk, "fmha"), {}), by.get((twin, "fmha"), {})
         if "tflops" in a and "tflops" in b:
-            summary.append(f"- fp8 / bf16 (fmha, {p.label()}): {a['tflops'] / b['tflops']:.2f}")
+            summary.append(f"- fp8 / bf16 (fmha, {p.label()}): {a['tflops'] / b['tflops']:.2f}"
+                           + (f" (V staging: {a['v_staging_ms']:.3f} of {a['ms']:.3f} ms per call)"
+                              if "v_staging_ms" in a else ""))
     lines += ["", "n/a: the implementation does not offer that configuration (fp8, sliding window or varlen "
               "for SDPA; fp8 for FA4 on SM90), or a variant not meant for it.", "", *summary]
     errs = [f"- {r['impl']} {Point(**r['point']).label()}: {r['error']}" for r in rows

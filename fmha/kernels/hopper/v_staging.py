@@ -46,25 +46,29 @@ def stage_v_fp8(v: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor], max_seqle
     """(B, S_k, H_k, D) or varlen (T_k, H_k, D) fp8 -> contiguous (B, H_k, D, S_pad) with keys
     permuted per block of 32 and zeros past each sequence's end (masked keys must multiply
     finite values: P is 0 there, and 0 * NaN would not be)."""
-    raw = v.view(torch.uint8)  # fp8 gathers and transposes are byte moves
+    raw = v.view(torch.uint8)  # fp8 moves are byte moves
     s_pad = staged_length(max_seqlen_k)
-    src = _padded_key_order(s_pad, v.device)
     if cu_seqlens_k is None:
         b, s_k, h, d = raw.shape
         if s_pad != s_k:
             padded = raw.new_zeros((b, s_pad, h, d))
             padded[:, :s_k] = raw
             raw = padded
-        staged = raw.index_select(1, src)  # (B, S_pad, H, D)
+        # FP8_KEY_ORDER is a reordering of the key's bits within its block: slot
+        # 16 a + 4 t + 2 c + e holds key 16 a + 8 c + 2 t + e. So the whole staging is one strided
+        # view and one copy: (B, blocks, a, c, t, e, H, D) -> (B, H, D, blocks, a, t, c, e).
+        blocks = raw.reshape(b, s_pad // KEY_BLOCK, 2, 2, 4, 2, h, d)
+        staged = blocks.permute(0, 6, 7, 1, 2, 4, 3, 5).reshape(b, h, d, s_pad)
+        return staged.contiguous().view(torch.float8_e4m3fn)
+    src = _padded_key_order(s_pad, v.device)
+    t, h, d = raw.shape
+    starts = cu_seqlens_k[:-1].to(torch.int64)
+    lens = cu_seqlens_k[1:].to(torch.int64) - starts
+    rows = starts[:, None] + src[None, :]  # (B, S_pad)
+    valid = src[None, :] < lens[:, None]
+    if t == 0:
+        staged = raw.new_zeros((rows.shape[0], s_pad, h, d))
     else:
-        t, h, d = raw.shape
-        starts = cu_seqlens_k[:-1].to(torch.int64)
-        lens = cu_seqlens_k[1:].to(torch.int64) - starts
-        rows = starts[:, None] + src[None, :]  # (B, S_pad)
-        valid = src[None, :] < lens[:, None]
-        if t == 0:
-            staged = raw.new_zeros((rows.shape[0], s_pad, h, d))
-        else:
-            staged = raw[rows.clamp(max=t - 1)]
-            staged.mul_(valid[:, :, None, None].to(torch.uint8))
+        staged = raw[rows.clamp(max=t - 1)]
+        staged.mul_(valid[:, :, None, None].to(torch.uint8))
     return staged.permute(0, 2, 3, 1).contiguous().view(torch.float8_e4m3fn)
