@@ -106,7 +106,10 @@ def build_suite(name: str) -> list[Case]:
         (1, 4096, 1000, 1, 1),
     ]
     varlens = [((0, 1, 17, 300, 1024, 77), (0, 1, 17, 300, 1024, 77)),
-               ((5, 0, 129, 1), (300, 7, 0, 1))]
+               ((5, 0, 129, 1), (300, 7, 0, 1)),
+               # sequences 1 and 3 have keys but no queries: their K/V rows are NaN-poisoned
+               # (_make_inputs) and sit right after 0's and 2's last, ragged key tiles
+               ((100, 0, 200, 0), (150, 20, 130, 7))]
     dtypes = ["bfloat16", "float16"]
     dims = [64, 128]
     masks = [("none", "top_left"), ("causal", "top_left"), ("causal", "bottom_right")]
@@ -212,6 +215,7 @@ def _make_inputs(case: Case, torch, device):
         tq, tk = sum(case.varlen_q), sum(case.varlen_k)
         q, k, v = rand(tq, case.heads_q, d), rand(tk, case.heads_k, d), rand(tk, case.heads_k, d)
         cu = lambda lens: torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=device)
+        poison_unread_keys(k, v, case.varlen_q, case.varlen_k)
         return q, k, v, cu(case.varlen_q), cu(case.varlen_k)
     b, sq, sk = case.batch, case.seqlen_q, case.seqlen_k
     if case.layout == "bhsd":
@@ -221,6 +225,17 @@ def _make_inputs(case: Case, torch, device):
     else:
         q, k, v = rand(b, sq, case.heads_q, d), rand(b, sk, case.heads_k, d), rand(b, sk, case.heads_k, d)
     return q, k, v, None, None
+
+
+def poison_unread_keys(k, v, lens_q, lens_k):
+    """NaN into the K/V rows of sequences without queries: nothing may read them. A kernel whose
+    loads ran past a neighbour's last key would pull them in, and 0 * NaN in P.V shows it."""
+    start = 0
+    for lq, lk in zip(lens_q, lens_k):
+        if lq == 0 and lk > 0:
+            k[start:start + lk] = math.nan
+            v[start:start + lk] = math.nan
+        start += lk
 
 
 def _poisoned_outputs(case: Case, q, torch, out_dtype):

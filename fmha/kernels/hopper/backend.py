@@ -190,12 +190,14 @@ def _fake_tensors(cfg: HopperConfig):
         v = tensor(in_t, rank, d, 128 // in_t.width)
     o = tensor(out_t, rank, d, 128 // out_t.width)
     lse = tensor(cutlass.Float32, 2 if cfg.varlen else 3, None, 1) if cfg.has_lse else None
-    cu_q = cu_k = tiles = None
+    cu_q = cu_k = tiles = descs = None
     if cfg.varlen:
         cu_q = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
         cu_k = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
         tiles = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=4)
-    return q, k, v, o, lse, cu_q, cu_k, tiles
+        descs = cute.runtime.make_fake_tensor(cutlass.Int64, (cute.sym_int(), 3, 16), stride=(48, 16, 1),
+                                              assumed_align=128)
+    return q, k, v, o, lse, cu_q, cu_k, tiles, descs
 
 
 @contextlib.contextmanager
@@ -238,11 +240,11 @@ def compile_kernel(cfg: HopperConfig, extra_options: str = ""):
         overlap=cfg.overlap,
         pingpong=cfg.pingpong,
     )
-    q, k, v, o, lse, cu_q, cu_k, tiles = _fake_tensors(cfg)
+    q, k, v, o, lse, cu_q, cu_k, tiles, descs = _fake_tensors(cfg)
     with _targeting_sm90a():
         return cute.compile(
             kernel,
-            q, k, v, o, lse, cu_q, cu_k, tiles,
+            q, k, v, o, lse, cu_q, cu_k, tiles, descs,
             Int32(1),  # max_seqlen_q
             Float32(1.0),  # scale_log2
             Float32(1.0),  # output_scale
@@ -277,8 +279,10 @@ class HopperRunner:
         num_ctas = sm_count(q.device) if cfg.persistent else 1
         if cfg.v_staged:
             v = stage_v_fp8(v, cu_seqlens_k if cfg.varlen else None, problem.seqlen_k)
-        tiles = None
+        tiles = descs = None
         if cfg.varlen:
+            # per-sequence TMA descriptors (q, k, v; 128 bytes each), written by the launch
+            descs = torch.empty((problem.batch, 3, 16), dtype=torch.int64, device=q.device)
             lens_q, lens_k = problem.seqlens_q, problem.seqlens_k
             if lens_q is None:  # lengths not read on the host: every tile up to the max lengths
                 lens_q, lens_k = (problem.seqlen_q,) * problem.batch, (problem.seqlen_k,) * problem.batch
@@ -288,6 +292,7 @@ class HopperRunner:
             cu_seqlens_q if cfg.varlen else None,
             cu_seqlens_k if cfg.varlen else None,
             tiles,
+            descs,
             problem.seqlen_q,
             problem.score_scale_log2,
             problem.output_scale,

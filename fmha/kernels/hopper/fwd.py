@@ -25,6 +25,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
+from cutlass.tensor_utils import TensorMapManager, TensorMapUpdateMode
 
 from fmha.masking import MaskKind, kv_tile_schedule, later_rows_cost_more, num_q_tiles
 
@@ -112,6 +113,7 @@ class HopperAttentionForward:
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
         mTileTable: Optional[cute.Tensor],
+        mSeqDescriptors: Optional[cute.Tensor],
         max_seqlen_q: Int32,
         scale_log2: Float32,
         output_scale: Float32,
@@ -179,10 +181,17 @@ class HopperAttentionForward:
         if const_expr(self.persistent):
             grid_x = cutlass.min(num_tiles, num_ctas)
 
+        if const_expr(varlen):
+            # One TMA descriptor per sequence and tensor, bounded to that sequence's rows: a tile
+            # that runs past a sequence's end is zero-filled by TMA instead of reading the
+            # neighbour's rows (whose V would turn P = 0 into 0 * NaN if it held NaN or inf).
+            self.describe_sequences(
+                tma_q, tma_k, tma_v, q, k, v, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors,
+            ).launch(grid=[num_batches, 1, 1], block=[32, 1, 1], stream=stream)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v,
-            q, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mTileTable, num_m_blocks, num_batches,
+            q, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mTileTable, mSeqDescriptors, num_m_blocks, num_batches,
             scale_log2, output_scale, window_left, window_right,
             sQ_layout, sK_layout, sV_layout,
         ).launch(
@@ -211,6 +220,7 @@ class HopperAttentionForward:
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
         mTileTable: Optional[cute.Tensor],
+        mSeqDescriptors: Optional[cute.Tensor],
         num_m_blocks: Int32,
         num_batches: Int32,
         scale_log2: Float32,
@@ -257,7 +267,7 @@ class HopperAttentionForward:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.producer(
-                    scheduler, mQ_tma, mK_tma, mV_tma, mQ_sdhb, mCuSeqlensQ, mCuSeqlensK,
+                    scheduler, mQ_tma, mK_tma, mV_tma, mQ_sdhb, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors,
                     window_left, window_right, tma_q, tma_k, tma_v, sQ, sK, sV,
                     q_producer, kv_producer,
                 )
@@ -288,11 +298,53 @@ class HopperAttentionForward:
             window_left, window_right, self.bottom_right, imin=cutlass.min, imax=cutlass.max,
         )
 
+    # ------------------------------------------------------------------ varlen descriptors
+    @staticmethod
+    def sequence_descriptor(mSeqDescriptors: cute.Tensor, batch, which: int, for_copy: bool = True):
+        """Pointer to the 128-byte TMA descriptor of sequence ``batch`` for q (0), k (1), v (2):
+        generic for the TMA loads that use it, global for the ops that write it."""
+        manager = TensorMapManager(TensorMapUpdateMode.GMEM, 128)
+        space = cute.AddressSpace.generic if for_copy else cute.AddressSpace.gmem
+        return manager.get_tensormap_ptr(mSeqDescriptors[batch, which, None].iterator, space)
+
+    @cute.kernel
+    def describe_sequences(self, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+                           q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,
+                           mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                           mSeqDescriptors: cute.Tensor):
+        """One warp per sequence: copy each TMA atom's descriptor and narrow it to the sequence
+        (base address at its first row, extent its length). Runs before the attention kernel on
+        the same stream, so the descriptors never change while loads use them."""
+        batch = Int32(cute.arch.block_idx()[0])
+        offset_q = mCuSeqlensQ[batch]
+        offset_k = mCuSeqlensK[batch]
+        # An empty sequence is never loaded from; extent 1 keeps its descriptor well formed.
+        len_q = cutlass.max(mCuSeqlensQ[batch + 1] - offset_q, 1)
+        len_k = cutlass.max(mCuSeqlensK[batch + 1] - offset_k, 1)
+        q_seq = cute.make_tensor(q.iterator + offset_q * q.layout.stride[0], cute.make_layout(
+            (len_q, q.shape[1], q.shape[2], q.shape[3]), stride=q.layout.stride))
+        k_seq = cute.make_tensor(k.iterator + offset_k * k.layout.stride[0], cute.make_layout(
+            (len_k, k.shape[1], k.shape[2], k.shape[3]), stride=k.layout.stride))
+        targets = [(tma_q, q_seq, 0), (tma_k, k_seq, 1)]
+        if const_expr(not self.v_staged):
+            v_seq = cute.make_tensor(v.iterator + offset_k * v.layout.stride[1], cute.make_layout(
+                (v.shape[0], len_k, v.shape[2], v.shape[3]), stride=v.layout.stride))
+            targets.append((tma_v, v_seq, 2))
+        for atom, tensor, which in targets:
+            ptr = self.sequence_descriptor(mSeqDescriptors, batch, which, for_copy=False)
+            with cute.arch.elect_one():
+                cpasync.copy_tensormap(atom, ptr)
+            cute.arch.sync_warp()
+            cute.arch.fence_acq_rel_cta()
+            cpasync.update_tma_descriptor(atom, tensor, ptr)
+            cute.arch.sync_warp()
+        cpasync.fence_tma_desc_release()
+
     # ------------------------------------------------------------------ producer warp
     @cute.jit
     def producer(
         self, scheduler, mQ_tma, mK_tma, mV_tma, mQ_sdhb,
-        mCuSeqlensQ, mCuSeqlensK, window_left, window_right,
+        mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, window_left, window_right,
         tma_q, tma_k, tma_v, sQ, sK, sV,
         q_producer: pipeline.PipelineProducer, kv_producer: pipeline.PipelineProducer,
     ):
@@ -303,16 +355,27 @@ class HopperAttentionForward:
             offset_q, seqlen_q, offset_k, seqlen_k = self.sequence_bounds(
                 batch, mQ_sdhb.shape[0], mK_tma.shape[0], mCuSeqlensQ, mCuSeqlensK)
             if m_block * self.tile_m < seqlen_q:
-                batch_coord = batch
-                if const_expr(self.varlen):
-                    batch_coord = Int32(0)
                 head_kv = head // (mQ_tma.shape[2] // mK_tma.shape[2])
-                mQ_cur = cute.domain_offset((offset_q, 0), mQ_tma[None, None, head, batch_coord])
-                mK_cur = cute.domain_offset((offset_k, 0), mK_tma[None, None, head_kv, batch_coord])
-                if const_expr(self.v_staged):
-                    mV_cur = mV_tma[None, None, head_kv, batch]  # staged per batch row
+                desc_q = desc_k = desc_v = None  # None: the descriptor built into the TMA atom
+                if const_expr(self.varlen):
+                    # This sequence's own descriptors (describe_sequences): coordinates are
+                    # relative to its first row and TMA stops at its last.
+                    desc_q = self.sequence_descriptor(mSeqDescriptors, batch, 0)
+                    desc_k = self.sequence_descriptor(mSeqDescriptors, batch, 1)
+                    cpasync.fence_tma_desc_acquire(desc_q)
+                    cpasync.fence_tma_desc_acquire(desc_k)
+                    if const_expr(not self.v_staged):
+                        desc_v = self.sequence_descriptor(mSeqDescriptors, batch, 2)
+                        cpasync.fence_tma_desc_acquire(desc_v)
+                    mQ_cur = mQ_tma[None, None, head, 0]
+                    mK_cur = mK_tma[None, None, head_kv, 0]
                 else:
-                    mV_cur = cute.domain_offset((0, offset_k), mV_tma[None, None, head_kv, batch_coord])
+                    mQ_cur = mQ_tma[None, None, head, batch]
+                    mK_cur = mK_tma[None, None, head_kv, batch]
+                if const_expr(self.v_staged or not self.varlen):
+                    mV_cur = mV_tma[None, None, head_kv, batch]  # dense, or staged per batch row
+                else:
+                    mV_cur = mV_tma[None, None, head_kv, 0]
                 gQ = cute.local_tile(mQ_cur, (self.tile_m, self.head_dim), (m_block, 0))
                 gK = cute.local_tile(mK_cur, (self.tile_n, self.head_dim), (None, 0))
                 gV = cute.local_tile(mV_cur, (self.head_dim, self.tile_n), (0, None))
@@ -324,7 +387,7 @@ class HopperAttentionForward:
                     tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
                 q_handle = q_producer.acquire_and_advance()
-                cute.copy(tma_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_handle.barrier)
+                cute.copy(tma_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_handle.barrier, tma_desc_ptr=desc_q)
 
                 sched = self.tile_schedule(m_block, seqlen_q, seqlen_k, window_left, window_right)
                 # The ring is filled in the order the consumers wait on it.
@@ -332,23 +395,23 @@ class HopperAttentionForward:
                     # K_0, then (K_i, V_i-1) pairs, then the last V.
                     if sched.total > 0:
                         handle = kv_producer.acquire_and_advance()
-                        cute.copy(tma_k, tKgK[None, sched.start], tKsK[None, handle.index], tma_bar_ptr=handle.barrier)
+                        cute.copy(tma_k, tKgK[None, sched.start], tKsK[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_k)
                         for i in cutlass.range(1, sched.total, unroll=1):
                             n_block = sched.start + i
                             handle = kv_producer.acquire_and_advance()
-                            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, handle.index], tma_bar_ptr=handle.barrier)
+                            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_k)
                             handle = kv_producer.acquire_and_advance()
-                            cute.copy(tma_v, tVgV[None, n_block - 1], tVsV[None, handle.index], tma_bar_ptr=handle.barrier)
+                            cute.copy(tma_v, tVgV[None, n_block - 1], tVsV[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_v)
                         handle = kv_producer.acquire_and_advance()
                         cute.copy(tma_v, tVgV[None, sched.start + sched.total - 1], tVsV[None, handle.index],
-                                  tma_bar_ptr=handle.barrier)
+                                  tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_v)
                 else:
                     for i in cutlass.range(sched.total, unroll=1):
                         n_block = sched.start + i
                         handle = kv_producer.acquire_and_advance()
-                        cute.copy(tma_k, tKgK[None, n_block], tKsK[None, handle.index], tma_bar_ptr=handle.barrier)
+                        cute.copy(tma_k, tKgK[None, n_block], tKsK[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_k)
                         handle = kv_producer.acquire_and_advance()
-                        cute.copy(tma_v, tVgV[None, n_block], tVsV[None, handle.index], tma_bar_ptr=handle.barrier)
+                        cute.copy(tma_v, tVgV[None, n_block], tVsV[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_v)
             tile_idx = scheduler.next(tile_idx)
 
     # ------------------------------------------------------------------ consumer warpgroups
