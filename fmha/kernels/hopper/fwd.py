@@ -14,6 +14,11 @@ Roles (one CTA works on one query tile of 64 rows per consumer warpgroup at a ti
 
 K/V tiles the mask leaves empty are never loaded; only the boundary tiles pay for element-wise
 masking (``fmha.masking.kv_tile_schedule``, shared with the host and the tests).
+
+Varlen: the host lists the query tiles that exist (``fmha.work_tiles``), and a small kernel run
+first gives every sequence its own TMA descriptors (``describe_sequences``), so no load crosses
+into a neighbouring sequence. fp8: V arrives key-major from ``v_staging`` and P is fed to the
+P.V product in the fp8 A-operand order (``as_operand_a_fp8``).
 """
 
 from typing import Optional
