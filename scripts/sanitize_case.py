@@ -1,4 +1,5 @@
-"""A small causal case (and a small varlen one) through the kernel, for compute-sanitizer:
+"""Small cases through the kernel (dense causal at D 64/128, varlen, fp8, D 32/256), for
+compute-sanitizer:
 
     compute-sanitizer --tool racecheck python scripts/sanitize_case.py
     compute-sanitizer --tool memcheck  python scripts/sanitize_case.py
@@ -50,6 +51,17 @@ def main():
     err = ((o.float() - ref).norm() / ref.norm()).item()
     print(f"varlen causal: rel L2 {err:.2e}")
     ok &= err < 1e-2
+
+    # The coverage issue's additions: fp8 (staged V, fp8 A operand), head dims 32 and 256.
+    for dtype, d, tol in [(torch.float8_e4m3fn, 128, 5e-2), (torch.bfloat16, 256, 1e-2), (torch.float16, 32, 1e-2)]:
+        q = torch.randn(1, 200, 2, d, device=dev).to(dtype)
+        k = torch.randn(1, 170, 1, d, device=dev).to(dtype)
+        v = torch.randn(1, 170, 1, d, device=dev).to(dtype)
+        o = fmha.attention(q, k, v, causal=True, mask_align="bottom_right", backend="kernel")
+        ref, _ = attention_reference(q, k, v, mask=MaskSpec.from_args(causal=True, mask_align="bottom_right"))
+        err = ((o.float() - ref).norm() / ref.norm()).item()
+        print(f"{dtype} D={d} causal: rel L2 {err:.2e}")
+        ok &= err < tol
     torch.cuda.synchronize()
     return 0 if ok else 1
 
