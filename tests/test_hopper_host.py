@@ -102,3 +102,27 @@ def test_stage_v_varlen_with_no_keys_at_all():
     cu = torch.zeros(3, dtype=torch.int32)
     staged = stage_v_fp8(_fp8(0, 2, 16), cu, 0)
     assert staged.shape == (2, 2, 16, 32) and not staged.float().any()
+
+
+def _recording_runner(problem):
+    calls = []
+    cfg = hb.HopperConfig.from_problem(problem, KernelOptions())
+    return hb.HopperRunner(cfg, lambda *args: calls.append(args)), calls
+
+
+def test_no_launch_without_query_rows_and_spec_answer_without_keys():
+    q = torch.randn(2, 0, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 5, 4, 64, dtype=torch.bfloat16)
+    problem = validate(q, k, k, causal=True)
+    runner, calls = _recording_runner(problem)
+    runner(problem, q, k, k, torch.empty(2, 0, 4, 64, dtype=torch.bfloat16), None)
+    assert calls == []
+
+    q = torch.randn(2, 7, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 0, 4, 64, dtype=torch.bfloat16)
+    problem = validate(q, k, k, return_lse=True)
+    runner, calls = _recording_runner(problem)
+    out = torch.full((2, 7, 4, 64), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((2, 4, 7), float("nan"))
+    runner(problem, q, k, k, out, lse)
+    assert calls == [] and not out.float().any() and torch.isneginf(lse).all()

@@ -276,6 +276,15 @@ class HopperRunner:
     def __call__(self, problem: AttentionProblem, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None):
         cfg = self.cfg
         m = problem.mask
+        # Nothing to launch: no query rows (a zero-size grid is not a launch), or no keys at all
+        # (a TMA descriptor needs a non-empty tensor), where SPEC.md's answer is O = 0, LSE = -inf.
+        if problem.total_q == 0 or problem.num_heads_q == 0:
+            return
+        if problem.total_k == 0:
+            out.zero_()
+            if lse is not None:
+                lse.fill_(float("-inf"))
+            return
         num_ctas = sm_count(q.device) if cfg.persistent else 1
         if cfg.v_staged:
             v = stage_v_fp8(v, cu_seqlens_k if cfg.varlen else None, problem.seqlen_k)
