@@ -16,9 +16,19 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 
+class _GridStride:
+    """The walk both schedulers share: CTA ``b`` takes tiles ``b, b + grid, b + 2 * grid, ...``."""
+
+    def first(self) -> Int32:
+        return Int32(cute.arch.block_idx()[0])
+
+    def next(self, idx: Int32) -> Int32:
+        return idx + Int32(cute.arch.grid_dim()[0])
+
+
 # Frozen: the DSL then treats it as read-only inside dynamic loops instead of loop-carried state.
 @dataclass(frozen=True)
-class StaticTileScheduler:
+class StaticTileScheduler(_GridStride):
     num_m_blocks: Int32
     num_heads: Int32
     num_tiles: Int32
@@ -34,12 +44,6 @@ class StaticTileScheduler:
         """Host side: CTAs to launch for ``num_tiles`` with at most ``num_ctas`` (None: one per tile)."""
         return num_tiles if num_ctas is None else max(1, min(num_tiles, num_ctas))
 
-    def first(self) -> Int32:
-        return Int32(cute.arch.block_idx()[0])
-
-    def next(self, idx: Int32) -> Int32:
-        return idx + Int32(cute.arch.grid_dim()[0])
-
     def decode(self, idx: Int32):
         """-> (m_block, head, batch)"""
         m = idx % self.num_m_blocks
@@ -50,7 +54,7 @@ class StaticTileScheduler:
 
 
 @dataclass(frozen=True)
-class TileTableScheduler:
+class TileTableScheduler(_GridStride):
     """Varlen: walks the host's list of (batch, m_block) work tiles (``fmha.work_tiles``, costliest
     first) with the heads varying fastest, so CTAs running together share a sequence's K/V
     (in L2) and only query tiles that hold rows are launched. Same interface and grid
@@ -63,12 +67,6 @@ class TileTableScheduler:
     @staticmethod
     def create(table: cute.Tensor, num_heads) -> "TileTableScheduler":
         return TileTableScheduler(table, num_heads, table.shape[0] * num_heads)
-
-    def first(self) -> Int32:
-        return Int32(cute.arch.block_idx()[0])
-
-    def next(self, idx: Int32) -> Int32:
-        return idx + Int32(cute.arch.grid_dim()[0])
 
     def decode(self, idx: Int32):
         """-> (m_block, head, batch)"""
