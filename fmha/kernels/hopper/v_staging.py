@@ -2,7 +2,7 @@
 
 fp8 ``wgmma`` reads both shared-memory operands K-major. For O += P V the reduction runs over
 keys, so V must arrive with keys contiguous: (B, H_k, D, S_pad) instead of the user's
-(B, S_k, H_k, D). One gather-and-transpose pass on the GPU produces that layout; its cost
+(B, S_k, H_k, D). One copy on the GPU (a gather for varlen) produces that layout; its cost
 (a read and a write of V, in bytes of fp8) is included in every fp8 timing we report.
 
 The same pass also reorders keys inside each block of 32. The fp8 A operand of the P.V product
@@ -17,6 +17,7 @@ to 32), so every sequence starts on a block boundary and the kernel indexes V by
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -25,17 +26,23 @@ from ..common.fragments import FP8_KEY_ORDER
 
 KEY_BLOCK = len(FP8_KEY_ORDER)
 
-_ORDER_CACHE: dict = {}
+@functools.lru_cache(maxsize=16)
+def _slot_keys(s_pad: int, device: torch.device) -> torch.Tensor:
+    """Source key (within the sequence) of every staged slot 0 .. s_pad - 1.
+
+    FP8_KEY_ORDER is a reordering of the key's bits within its block: slot 16 a + 4 t + 2 c + e
+    holds key 16 a + 8 c + 2 t + e, i.e. keys viewed as (blocks, a, c, t, e) and read as
+    (blocks, a, t, c, e)."""
+    keys = torch.arange(s_pad, dtype=torch.int64, device=device)
+    return _as_slots(keys.reshape(s_pad // KEY_BLOCK, 2, 2, 4, 2), a_dim=1).reshape(-1)
 
 
-def _padded_key_order(s_pad: int, device: torch.device) -> torch.Tensor:
-    """Source key (within the sequence) of every staged slot 0 .. s_pad - 1."""
-    key = (s_pad, device)
-    if key not in _ORDER_CACHE:
-        order = torch.tensor(FP8_KEY_ORDER, dtype=torch.int64, device=device)
-        blocks = torch.arange(0, s_pad, KEY_BLOCK, dtype=torch.int64, device=device)
-        _ORDER_CACHE[key] = (blocks[:, None] + order[None, :]).reshape(-1)
-    return _ORDER_CACHE[key]
+def _as_slots(keys: torch.Tensor, a_dim: int) -> torch.Tensor:
+    """A view with a key's bits split as (a, c, t, e) from dim ``a_dim`` on, permuted to the
+    slot order (a, t, c, e)."""
+    order = list(range(keys.dim()))
+    order[a_dim + 1], order[a_dim + 2] = a_dim + 2, a_dim + 1
+    return keys.permute(order)
 
 
 def staged_length(seqlen_k: int) -> int:
@@ -54,13 +61,11 @@ def stage_v_fp8(v: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor], max_seqle
             padded = raw.new_zeros((b, s_pad, h, d))
             padded[:, :s_k] = raw
             raw = padded
-        # FP8_KEY_ORDER is a reordering of the key's bits within its block: slot
-        # 16 a + 4 t + 2 c + e holds key 16 a + 8 c + 2 t + e. So the whole staging is one strided
-        # view and one copy: (B, blocks, a, c, t, e, H, D) -> (B, H, D, blocks, a, t, c, e).
-        blocks = raw.reshape(b, s_pad // KEY_BLOCK, 2, 2, 4, 2, h, d)
-        staged = blocks.permute(0, 6, 7, 1, 2, 4, 3, 5).reshape(b, h, d, s_pad)
+        # One strided view and one copy: (B, blocks, a, c, t, e, H, D) -> (B, H, D, blocks, a, t, c, e).
+        slots = _as_slots(raw.reshape(b, s_pad // KEY_BLOCK, 2, 2, 4, 2, h, d), a_dim=2)
+        staged = slots.permute(0, 6, 7, 1, 2, 3, 4, 5).reshape(b, h, d, s_pad)
         return staged.contiguous().view(torch.float8_e4m3fn)
-    src = _padded_key_order(s_pad, v.device)
+    src = _slot_keys(s_pad, v.device)
     t, h, d = raw.shape
     starts = cu_seqlens_k[:-1].to(torch.int64)
     lens = cu_seqlens_k[1:].to(torch.int64) - starts
