@@ -124,6 +124,9 @@ class FusedAttention:
         self.problem = self._validate(sample_q, sample_k, sample_v, sample_o, sample_lse,
                                       cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         self.options = kernel_options(persistent, tile_mn)
+        # execute(check=False) does not read cu_seqlens, so the sequence lengths are unknown:
+        # the kernel then enumerates every query tile up to max_seqlen_q.
+        self._problem_unread = dataclasses.replace(self.problem, seqlens_q=None, seqlens_k=None)
         self._backend_arg = backend
         self._backend = None
         self._runner = None
@@ -167,10 +170,7 @@ class FusedAttention:
         if not check:
             if self._runner is None:
                 self.compile()
-            # The lengths are unknown without reading cu_seqlens: the kernel then enumerates
-            # every query tile up to max_seqlen_q instead of only those that hold rows.
-            unread = dataclasses.replace(self.problem, seqlens_q=None, seqlens_k=None)
-            self._runner(unread, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+            self._runner(self._problem_unread, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
             return
         problem = self._validate(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
                                  self.problem.seqlen_q if self._varlen else None,

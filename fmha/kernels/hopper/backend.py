@@ -95,6 +95,7 @@ class HopperConfig:
             # masks) one CTA per tile in longest-first order balances better than a static
             # persistent split; with even costs the persistent grid is as fast or faster.
             persistent = not later_rows_cost_more(m.kind, m.window_left is not None)
+        tile_m, tile_n = default_tile(problem.dtype, problem.head_dim)
         return HopperConfig(
             dtype=problem.dtype,
             out_dtype=problem.out_dtype,
@@ -106,8 +107,8 @@ class HopperConfig:
             varlen=problem.varlen,
             has_lse=problem.return_lse,
             persistent=bool(persistent),
-            tile_m=options.tile_m or default_tile(problem.dtype, problem.head_dim)[0],
-            tile_n=options.tile_n or default_tile(problem.dtype, problem.head_dim)[1],
+            tile_m=options.tile_m or tile_m,
+            tile_n=options.tile_n or tile_n,
         )
 
 
