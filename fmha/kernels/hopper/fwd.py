@@ -372,15 +372,11 @@ class HopperAttentionForward:
                     if const_expr(not self.v_staged):
                         desc_v = self.sequence_descriptor(mSeqDescriptors, batch, 2)
                         cpasync.fence_tma_desc_acquire(desc_v)
-                    mQ_cur = mQ_tma[None, None, head, 0]
-                    mK_cur = mK_tma[None, None, head_kv, 0]
-                else:
-                    mQ_cur = mQ_tma[None, None, head, batch]
-                    mK_cur = mK_tma[None, None, head_kv, batch]
-                if const_expr(self.v_staged or not self.varlen):
-                    mV_cur = mV_tma[None, None, head_kv, batch]  # dense, or staged per batch row
-                else:
-                    mV_cur = mV_tma[None, None, head_kv, 0]
+                # varlen tensors have one batch row, the packed tokens; staged V has one per sequence
+                row_batch = Int32(0) if const_expr(self.varlen) else batch
+                mQ_cur = mQ_tma[None, None, head, row_batch]
+                mK_cur = mK_tma[None, None, head_kv, row_batch]
+                mV_cur = mV_tma[None, None, head_kv, batch if const_expr(self.v_staged) else row_batch]
                 gQ = cute.local_tile(mQ_cur, (self.tile_m, self.head_dim), (m_block, 0))
                 gK = cute.local_tile(mK_cur, (self.tile_n, self.head_dim), (None, 0))
                 gV = cute.local_tile(mV_cur, (self.head_dim, self.tile_n), (0, None))
