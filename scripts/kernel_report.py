@@ -68,6 +68,7 @@ def main(argv=None):
     import torch
 
     from fmha.kernels.hopper.backend import HopperConfig, default_tile
+    from fmha.problem import default_out_dtype
     from fmha.masking import MaskKind
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -81,7 +82,7 @@ def main(argv=None):
     variants = [(True, True)] + ([(True, False), (False, False)] if args.variants else [])
     for dt in args.dtype:
         dtype = getattr(torch, dt)
-        out_dtype = torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype
+        out_dtype = default_out_dtype(dtype)
         for d in args.head_dim:
             for m in args.mask:
                 kind, wl, wr = masks[m]

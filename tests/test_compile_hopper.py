@@ -21,6 +21,7 @@ from fmha.kernels.hopper.backend import (  # noqa: E402
     compile_kernel,
 )
 from fmha.masking import MaskKind  # noqa: E402
+from fmha.problem import default_out_dtype  # noqa: E402
 
 # mask kind, window left bounded, window right bounded, bottom-right alignment
 MASKS = {
@@ -37,7 +38,7 @@ FP8 = torch.float8_e4m3fn
 def _config(dtype, head_dim, mask, persistent, varlen=False, lse=True, out_dtype=None, tile=None):
     kind, wl, wr, br = MASKS[mask]
     tm, tn = tile or allowed_tiles(dtype, head_dim)[0]
-    out = out_dtype or (torch.bfloat16 if dtype == FP8 else dtype)
+    out = out_dtype or default_out_dtype(dtype)
     return HopperConfig(dtype, out, head_dim, kind, wl, wr, br, varlen, lse, persistent,
                         tile_m=tm, tile_n=tn)
 
