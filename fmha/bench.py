@@ -126,9 +126,11 @@ def _kernel_variant(fp8_only: bool = False, **overrides) -> Callable:
 
 # name -> compile-time overrides of the default kernel, timed with --variants
 VARIANTS = {
+    "fmha_overlap_only": dict(serial_max_tiles=0),  # no serial mainloop for short rows
     "fmha_serial": dict(overlap=False, pingpong=False),
     "fmha_nopingpong": dict(pingpong=False),
     "fmha_nonpersistent": dict(persistent=False),
+    "fmha_persistent": dict(persistent=True),
     "fmha_tile128": dict(tile_m=128),
     "fmha_fp8_n192": dict(tile_n=192, fp8_only=True),  # a wider key tile for fp8, D=128
     "fmha_fp8_m192n96": dict(tile_m=192, tile_n=96, fp8_only=True),  # 3 consumer warpgroups

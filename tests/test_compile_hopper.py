@@ -7,6 +7,7 @@ Coverage: every mask kind and both scheduling modes for every (input dtype, head
 with bottom-right alignment, no LSE and a different output dtype for each pair."""
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -91,3 +92,18 @@ def test_fp8_machine_code_uses_fp8_wgmma_for_both_products(tmp_path):
     assert ".f32.e4m3.e4m3" in ptx and "m64n128k32" in ptx
     # P is rounded to fp8 with saturation before P.V, as SPEC.md says
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+
+
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("varlen", [False, True])
+def test_fp8_v_staging_kernel_compiles(head_dim, varlen, tmp_path):
+    from fmha.kernels.hopper.v_transpose import StageVKernel, compile_stage_v
+
+    compile_stage_v(head_dim, varlen, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    # per thread: one 32-bit load per key of its block of 32, the 4 x 32 byte transpose as
+    # byte permutes, and four 32-byte runs written as 16-byte stores
+    assert len(re.findall(r"ld\.global(\.nc)?\.b32", ptx)) == 32 + 2 * varlen  # + cu_seqlens
+    assert ptx.count("prmt.b32") == 64
+    assert len(re.findall(r"st\.global\.v4\.b32", ptx)) == 8
+    assert StageVKernel(head_dim, varlen).blocks_per_cta * head_dim // 4 == 128

@@ -126,3 +126,33 @@ def test_no_launch_without_query_rows_and_spec_answer_without_keys():
     lse = torch.full((2, 4, 7), float("nan"))
     runner(problem, q, k, k, out, lse)
     assert calls == [] and not out.float().any() and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("b,s,hq,hk,d,causal,want", [
+    (32, 512, 16, 16, 128, True, True),    # 132 heads' K/V in flight: 34 MB, fits the 50 MB L2
+    (16, 1024, 32, 32, 64, True, True),
+    (8, 2048, 16, 16, 128, True, False),   # 138 MB: one CTA per tile
+    (8, 2048, 16, 2, 128, True, True),     # GQA 8: 17 KV heads in flight
+    (2, 8192, 8, 8, 256, True, False),
+    (1, 16384, 16, 16, 128, False, True),  # even tile costs: always persistent
+])
+def test_persistence_follows_the_l2_footprint_of_the_tiles_in_flight(b, s, hq, hk, d, causal, want):
+    import dataclasses
+
+    small = validate(*_qkv(d), causal=causal)
+    problem = dataclasses.replace(small, batch=b, seqlen_q=s, seqlen_k=s, num_heads_q=hq, num_heads_k=hk)
+    cfg = hb.HopperConfig.from_problem(problem, KernelOptions())
+    assert cfg.persistent == want
+    assert hb.HopperConfig.from_problem(problem, KernelOptions(persistent=not want)).persistent == (not want)
+
+
+def test_varlen_causal_runs_one_cta_per_tile_and_short_rows_take_the_serial_loop():
+    lens = [5, 40, 17]
+    cu = torch.tensor([0, 5, 45, 62], dtype=torch.int32)
+    q, k, v = (torch.randn(62, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+    problem = validate(q, k, v, varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+                       max_seqlen_k=max(lens), causal=True)
+    cfg = hb.HopperConfig.from_problem(problem, KernelOptions())
+    assert not cfg.persistent
+    assert cfg.serial_max_tiles == 4
+    assert hb.HopperConfig.from_problem(validate(*_qkv(64)), KernelOptions()).serial_max_tiles == 8

@@ -6,7 +6,11 @@ CTA's loop runs once; in persistent mode the grid is the SM count and CTA ``b`` 
 
 Order: the query tile index varies fastest so that CTAs running at the same time share one
 head's K/V in L2. When the mask makes later query tiles costlier (causal-like masks), the tiles
-are walked from the last query tile down, so the longest work starts first.
+are walked from the last query tile down, so the longest work starts first. A persistent grid
+over such tiles instead walks the list sorted by cost (query tile index slowest: every head's
+last query tile, then the ones before) and deals it out like a snake draft, CTA 0 to G-1 in one
+round and G-1 back to 0 in the next, so each CTA's total lands close to the mean; a plain
+grid-stride deal would give CTA 0 the costliest tile of every round.
 """
 
 from dataclasses import dataclass
@@ -33,11 +37,21 @@ class StaticTileScheduler(_GridStride):
     num_heads: Int32
     num_tiles: Int32
     longest_first: bool
+    m_slowest: bool
 
     @staticmethod
-    def create(num_m_blocks, num_heads, num_batches, longest_first: bool) -> "StaticTileScheduler":
+    def create(num_m_blocks, num_heads, num_batches, longest_first: bool,
+               persistent: bool = False) -> "StaticTileScheduler":
         return StaticTileScheduler(
-            num_m_blocks, num_heads, num_m_blocks * num_heads * num_batches, longest_first)
+            num_m_blocks, num_heads, num_m_blocks * num_heads * num_batches, longest_first,
+            longest_first and persistent)
+
+    def next(self, idx: Int32) -> Int32:
+        if cutlass.const_expr(self.m_slowest):
+            grid = Int32(cute.arch.grid_dim()[0])
+            seat = idx % grid  # this CTA's place in the current round
+            return idx - seat + grid + (grid - 1 - seat)
+        return idx + Int32(cute.arch.grid_dim()[0])
 
     @staticmethod
     def grid(num_tiles, num_ctas):
@@ -46,10 +60,15 @@ class StaticTileScheduler(_GridStride):
 
     def decode(self, idx: Int32):
         """-> (m_block, head, batch)"""
-        m = idx % self.num_m_blocks
-        rest = idx // self.num_m_blocks
-        if cutlass.const_expr(self.longest_first):
-            m = self.num_m_blocks - 1 - m
+        if cutlass.const_expr(self.m_slowest):
+            heads_batches = self.num_tiles // self.num_m_blocks
+            m = self.num_m_blocks - 1 - idx // heads_batches
+            rest = idx % heads_batches
+        else:
+            m = idx % self.num_m_blocks
+            rest = idx // self.num_m_blocks
+            if cutlass.const_expr(self.longest_first):
+                m = self.num_m_blocks - 1 - m
         return m, rest % self.num_heads, rest // self.num_heads
 
 

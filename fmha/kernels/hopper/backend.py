@@ -49,6 +49,35 @@ def default_tile(dtype: torch.dtype, head_dim: int) -> tuple:
     return allowed_tiles(dtype, head_dim)[0]
 
 
+def serial_max_tiles_for(head_dim: int) -> int:
+    """Rows that visit at most this many K/V tiles run the serial mainloop (measured on the H200,
+    docs/PERFORMANCE.md: S=512 D=64 313 vs 245 TFLOP/s, D=128 403 vs 376; from 8 tiles on at
+    D=128, and 16 at D=64, the overlapped loop is as fast or faster)."""
+    return 8 if head_dim <= 64 else 4
+
+
+# H100 and H200 (SXM) both have 132 SMs and 50 MB of L2.
+_SMS = 132
+_L2_BYTES = 50 * 2**20
+
+
+def choose_persistent(problem: AttentionProblem) -> bool:
+    """A persistent grid, or one CTA per query tile (measured on the H200, docs/PERFORMANCE.md)."""
+    m = problem.mask
+    if not later_rows_cost_more(m.kind, m.window_left is not None):
+        return True  # even tile costs: the persistent grid is as fast or faster
+    if problem.varlen:
+        return False
+    # Uneven costs (causal-like). The persistent grid deals the tiles out sorted by cost, so the
+    # tiles in flight are one query-tile level of ~132 different heads: it wins (S=512 causal:
+    # 237 vs 217 TFLOP/s at D=128) while those heads' K/V fit in L2 together, and loses beyond
+    # (S=2k, D=128: 375 vs 410) to one CTA per tile, whose order keeps a few heads in flight and
+    # lets the hardware balance the load.
+    heads_in_flight = min(-(-_SMS // problem.qhead_per_kvhead), problem.batch * problem.num_heads_k)
+    kv_bytes = heads_in_flight * problem.seqlen_k * problem.head_dim * 2 * _elem_bytes(problem.dtype)
+    return kv_bytes <= _L2_BYTES
+
+
 def kv_stages_for(dtype: torch.dtype, head_dim: int, tile_m: int, tile_n: int) -> int:
     """K/V ring depth: as many stages as shared memory holds beside the Q tile, at most 8."""
     elem = _elem_bytes(dtype)
@@ -76,6 +105,8 @@ class HopperConfig:
     # mainloop variants, kept selectable so that benchmarks can measure what each one buys
     overlap: bool = True
     pingpong: bool = True
+    # rows of at most this many K/V tiles take the serial mainloop (0: never)
+    serial_max_tiles: int = 0
 
     @property
     def kv_stages(self) -> int:
@@ -91,10 +122,7 @@ class HopperConfig:
         m = problem.mask
         persistent = options.persistent
         if persistent is None:
-            # Measured on the H200 (docs/PERFORMANCE.md): with uneven tile costs (causal-like
-            # masks) one CTA per tile in longest-first order balances better than a static
-            # persistent split; with even costs the persistent grid is as fast or faster.
-            persistent = not later_rows_cost_more(m.kind, m.window_left is not None)
+            persistent = choose_persistent(problem)
         tile_m, tile_n = default_tile(problem.dtype, problem.head_dim)
         return HopperConfig(
             dtype=problem.dtype,
@@ -109,6 +137,7 @@ class HopperConfig:
             persistent=bool(persistent),
             tile_m=options.tile_m or tile_m,
             tile_n=options.tile_n or tile_n,
+            serial_max_tiles=serial_max_tiles_for(problem.head_dim),
         )
 
 
@@ -240,6 +269,7 @@ def compile_kernel(cfg: HopperConfig, extra_options: str = ""):
         v_staged=cfg.v_staged,
         overlap=cfg.overlap,
         pingpong=cfg.pingpong,
+        serial_max_tiles=cfg.serial_max_tiles,
     )
     q, k, v, o, lse, cu_q, cu_k, tiles, descs = _fake_tensors(cfg)
     with _targeting_sm90a():

@@ -77,6 +77,7 @@ class HopperAttentionForward:
         overlap: bool = True,
         pingpong: bool = True,
         v_staged: bool = False,
+        serial_max_tiles: int = 0,
     ):
         assert tile_m % 64 == 0 and tile_n % 16 == 0
         self.head_dim = head_dim
@@ -97,6 +98,10 @@ class HopperAttentionForward:
         # GEMMs, so one's softmax hides under another's tensor-core work.
         self.overlap = overlap
         self.pingpong = pingpong and overlap and tile_m // 64 >= 2
+        # Rows that visit at most this many K/V tiles take the serial mainloop: with so few
+        # tiles the overlapped loop's exposed prologue (S_0 alone) and epilogue (last P.V alone)
+        # cost more than the overlap hides. 0: always overlapped.
+        self.serial_max_tiles = serial_max_tiles if overlap else 0
         self.num_consumer_wgs = tile_m // 64
         self.num_threads = _WG * (1 + self.num_consumer_wgs)
         # setmaxnreg budgets: the producer warpgroup gives registers to the consumers; the sums
@@ -265,7 +270,7 @@ class HopperAttentionForward:
             scheduler = TileTableScheduler.create(mTileTable, mQ_sdhb.shape[2])
         else:
             scheduler = StaticTileScheduler.create(
-                num_m_blocks, mQ_sdhb.shape[2], num_batches, self.longest_first)
+                num_m_blocks, mQ_sdhb.shape[2], num_batches, self.longest_first, self.persistent)
         pipeline.pipeline_init_wait()
 
         if warp_idx < 4:
@@ -391,29 +396,50 @@ class HopperAttentionForward:
                 cute.copy(tma_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_handle.barrier, tma_desc_ptr=desc_q)
 
                 sched = self.tile_schedule(m_block, seqlen_q, seqlen_k, window_left, window_right)
-                # The ring is filled in the order the consumers wait on it.
+                # The ring is filled in the order the consumers wait on it, which depends on the
+                # mainloop they run for this tile.
+                load = (tma_k, tKgK, tKsK, desc_k, tma_v, tVgV, tVsV, desc_v)
                 if const_expr(self.overlap):
-                    # K_0, then (K_i, V_i-1) pairs, then the last V.
-                    if sched.total > 0:
-                        handle = kv_producer.acquire_and_advance()
-                        cute.copy(tma_k, tKgK[None, sched.start], tKsK[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_k)
-                        for i in cutlass.range(1, sched.total, unroll=1):
-                            n_block = sched.start + i
-                            handle = kv_producer.acquire_and_advance()
-                            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_k)
-                            handle = kv_producer.acquire_and_advance()
-                            cute.copy(tma_v, tVgV[None, n_block - 1], tVsV[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_v)
-                        handle = kv_producer.acquire_and_advance()
-                        cute.copy(tma_v, tVgV[None, sched.start + sched.total - 1], tVsV[None, handle.index],
-                                  tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_v)
+                    if const_expr(self.serial_max_tiles > 0):
+                        if sched.total <= self.serial_max_tiles:
+                            kv_producer = self.load_kv_serial_order(sched, load, kv_producer)
+                        else:
+                            kv_producer = self.load_kv_overlapped_order(sched, load, kv_producer)
+                    else:
+                        kv_producer = self.load_kv_overlapped_order(sched, load, kv_producer)
                 else:
-                    for i in cutlass.range(sched.total, unroll=1):
-                        n_block = sched.start + i
-                        handle = kv_producer.acquire_and_advance()
-                        cute.copy(tma_k, tKgK[None, n_block], tKsK[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_k)
-                        handle = kv_producer.acquire_and_advance()
-                        cute.copy(tma_v, tVgV[None, n_block], tVsV[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_v)
+                    kv_producer = self.load_kv_serial_order(sched, load, kv_producer)
             tile_idx = scheduler.next(tile_idx)
+
+    @cute.jit
+    def load_kv_overlapped_order(self, sched, load, kv_producer: pipeline.PipelineProducer):
+        """K_0, then (K_i, V_i-1) pairs, then the last V: the order ``mainloop_overlapped`` waits in."""
+        tma_k, tKgK, tKsK, desc_k, tma_v, tVgV, tVsV, desc_v = load
+        if sched.total > 0:
+            handle = kv_producer.acquire_and_advance()
+            cute.copy(tma_k, tKgK[None, sched.start], tKsK[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_k)
+            for i in cutlass.range(1, sched.total, unroll=1):
+                n_block = sched.start + i
+                handle = kv_producer.acquire_and_advance()
+                cute.copy(tma_k, tKgK[None, n_block], tKsK[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_k)
+                handle = kv_producer.acquire_and_advance()
+                cute.copy(tma_v, tVgV[None, n_block - 1], tVsV[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_v)
+            handle = kv_producer.acquire_and_advance()
+            cute.copy(tma_v, tVgV[None, sched.start + sched.total - 1], tVsV[None, handle.index],
+                      tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_v)
+        return kv_producer
+
+    @cute.jit
+    def load_kv_serial_order(self, sched, load, kv_producer: pipeline.PipelineProducer):
+        """(K_i, V_i) pairs: the order ``mainloop_serial`` waits in."""
+        tma_k, tKgK, tKsK, desc_k, tma_v, tVgV, tVsV, desc_v = load
+        for i in cutlass.range(sched.total, unroll=1):
+            n_block = sched.start + i
+            handle = kv_producer.acquire_and_advance()
+            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_k)
+            handle = kv_producer.acquire_and_advance()
+            cute.copy(tma_v, tVgV[None, n_block], tVsV[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_v)
+        return kv_producer
 
     # ------------------------------------------------------------------ consumer warpgroups
     @cute.jit
@@ -470,7 +496,15 @@ class HopperAttentionForward:
                 acc_o.fill(0.0)
                 q_handle = q_consumer.wait_and_advance()
                 if const_expr(self.overlap):
-                    kv_consumer = self.mainloop_overlapped(sched, row_base, mask, softmax, frags, kv_consumer, wg)
+                    if const_expr(self.serial_max_tiles > 0):
+                        # All warpgroups of the CTA share the tile, so they take the same branch
+                        # and the ping-pong turn order is left where it was.
+                        if sched.total <= self.serial_max_tiles:
+                            kv_consumer = self.mainloop_serial(sched, row_base, mask, softmax, frags, kv_consumer)
+                        else:
+                            kv_consumer = self.mainloop_overlapped(sched, row_base, mask, softmax, frags, kv_consumer, wg)
+                    else:
+                        kv_consumer = self.mainloop_overlapped(sched, row_base, mask, softmax, frags, kv_consumer, wg)
                 else:
                     kv_consumer = self.mainloop_serial(sched, row_base, mask, softmax, frags, kv_consumer)
                 q_handle.release()

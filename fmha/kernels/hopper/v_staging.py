@@ -13,6 +13,9 @@ permuted here to match: slot ``j`` of a block holds key ``FP8_KEY_ORDER[j]`` of 
 
 For varlen inputs each sequence is padded to its own batch row (S_pad = max_seqlen_k rounded up
 to 32), so every sequence starts on a block boundary and the kernel indexes V by batch.
+
+On the GPU the pass is one launch of ``v_transpose.StageVKernel``; ``stage_v_fp8_torch`` does the
+same with torch ops (for CPU tensors, and as the reference the GPU check compares against).
 """
 
 from __future__ import annotations
@@ -53,6 +56,31 @@ def stage_v_fp8(v: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor], max_seqle
     """(B, S_k, H_k, D) or varlen (T_k, H_k, D) fp8 -> contiguous (B, H_k, D, S_pad) with keys
     permuted per block of 32 and zeros past each sequence's end (masked keys must multiply
     finite values: P is 0 there, and 0 * NaN would not be)."""
+    if not v.is_cuda or v.shape[0] == 0:
+        return stage_v_fp8_torch(v, cu_seqlens_k, max_seqlen_k)
+    varlen = cu_seqlens_k is not None
+    d = v.shape[-1]
+    batch = cu_seqlens_k.shape[0] - 1 if varlen else v.shape[0]
+    heads = v.shape[-2]
+    s_pad = staged_length(max_seqlen_k)
+    staged = torch.empty((batch, heads, d, s_pad), dtype=torch.uint8, device=v.device)
+    if staged.numel():
+        _stage_kernel(d, varlen)(v.view(torch.uint8).view(torch.int32), staged.view(torch.int32),
+                                 cu_seqlens_k if varlen else None)
+    return staged.view(torch.float8_e4m3fn)
+
+
+@functools.lru_cache(maxsize=None)
+def _stage_kernel(head_dim: int, varlen: bool):
+    from . import disk_cache
+    from .v_transpose import compile_stage_v
+
+    return disk_cache.load_or_compile(("stage_v_fp8", head_dim, varlen),
+                                      lambda key: compile_stage_v(*key[1:]))
+
+
+def stage_v_fp8_torch(v: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor], max_seqlen_k: int) -> torch.Tensor:
+    """``stage_v_fp8`` with torch ops: a strided copy (dense) or a gather (varlen)."""
     raw = v.view(torch.uint8)  # fp8 moves are byte moves
     s_pad = staged_length(max_seqlen_k)
     if cu_seqlens_k is None:
