@@ -110,15 +110,21 @@ def _kernel_variant(fp8_only: bool = False, **overrides) -> Callable:
 
     runners = {}
 
+    problems = {}
+
     def fn(q, k, v, p, cu):
-        if p.varlen or (p.dtype == "bfloat16") == fp8_only:
-            raise NotImplementedError(f"this variant is timed on dense {'fp8' if fp8_only else 'bf16'} points")
-        problem = validate(q, k, v, **_mask_kwargs(p))
+        if (p.dtype == "bfloat16") == fp8_only:
+            raise NotImplementedError(f"this variant is timed on {'fp8' if fp8_only else 'bf16'} points")
+        if p not in problems:  # validated once: a varlen check reads cu_seqlens on the host
+            kw = dict(varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(p.varlen),
+                      max_seqlen_k=max(p.varlen)) if p.varlen else {}
+            problems[p] = validate(q, k, v, **kw, **_mask_kwargs(p))
+        problem = problems[p]
         cfg = dataclasses.replace(HopperConfig.from_problem(problem, KernelOptions()), **overrides)
         if cfg not in runners:
             runners[cfg] = HopperRunner(cfg, compile_kernel(cfg))
         out = q.new_empty(q.shape, dtype=problem.out_dtype)
-        runners[cfg](problem, q, k, v, out, None)
+        runners[cfg](problem, q, k, v, out, None, cu, cu)
         return out
 
     return fn

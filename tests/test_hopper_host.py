@@ -156,3 +156,32 @@ def test_varlen_causal_runs_one_cta_per_tile_and_short_rows_take_the_serial_loop
     assert not cfg.persistent
     assert cfg.serial_max_tiles == 4
     assert hb.HopperConfig.from_problem(validate(*_qkv(64)), KernelOptions()).serial_max_tiles == 8
+
+
+def _causal_tile_costs(m_blocks, heads):
+    """K/V tiles per query tile of a causal problem, costliest first, heads fastest."""
+    return [m + 1 for m in reversed(range(m_blocks)) for _ in range(heads)]
+
+
+@pytest.mark.parametrize("grid,costs", [
+    (132, _causal_tile_costs(16, 128)),  # S=2k, B*H=128
+    (132, _causal_tile_costs(128, 16)),  # S=16k, 16 heads: grid-stride spread 125 of a mean 1001
+    (132, _causal_tile_costs(4, 512)),   # S=512
+    (7, [5, 3, 3, 1]),                   # fewer tiles than CTAs
+])
+def test_snake_deal_visits_every_tile_once_and_balances_sorted_costs(grid, costs):
+    from fmha.kernels.common.scheduler import snake_next
+
+    totals, seen = [], []
+    for cta in range(min(grid, len(costs))):
+        idx, total = cta, 0
+        while idx < len(costs):
+            seen.append(idx)
+            total += costs[idx]
+            idx = snake_next(idx, grid)
+        totals.append(total)
+    assert sorted(seen) == list(range(len(costs)))
+    spread = max(totals) - min(totals)
+    stride = [sum(costs[c::grid]) for c in range(min(grid, len(costs)))]  # a grid-stride deal
+    assert spread <= max(stride) - min(stride)
+    assert spread <= max(costs)

@@ -20,14 +20,26 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 
+def snake_next(idx, grid):
+    """The tile after ``idx`` for its CTA in a snake deal: rounds of ``grid`` tiles, dealt to CTAs
+    0 .. grid-1 and then back from grid-1 to 0 (plain arithmetic: the tests run it on ints)."""
+    seat = idx % grid  # this CTA's place in the current round
+    return idx - seat + grid + (grid - 1 - seat)
+
+
 class _GridStride:
-    """The walk both schedulers share: CTA ``b`` takes tiles ``b, b + grid, b + 2 * grid, ...``."""
+    """The walk both schedulers share: CTA ``b`` starts at tile ``b``; then either ``b + grid,
+    b + 2 * grid, ...`` or, when ``snake`` (tiles sorted costliest first), the snake deal of
+    ``snake_next``. With one CTA per tile both walks end after the first tile."""
 
     def first(self) -> Int32:
         return Int32(cute.arch.block_idx()[0])
 
     def next(self, idx: Int32) -> Int32:
-        return idx + Int32(cute.arch.grid_dim()[0])
+        grid = Int32(cute.arch.grid_dim()[0])
+        if cutlass.const_expr(self.snake):
+            return snake_next(idx, grid)
+        return idx + grid
 
 
 # Frozen: the DSL then treats it as read-only inside dynamic loops instead of loop-carried state.
@@ -37,7 +49,11 @@ class StaticTileScheduler(_GridStride):
     num_heads: Int32
     num_tiles: Int32
     longest_first: bool
-    m_slowest: bool
+    m_slowest: bool  # walk the tiles sorted by cost, dealt out as a snake
+
+    @property
+    def snake(self) -> bool:
+        return self.m_slowest
 
     @staticmethod
     def create(num_m_blocks, num_heads, num_batches, longest_first: bool,
@@ -45,13 +61,6 @@ class StaticTileScheduler(_GridStride):
         return StaticTileScheduler(
             num_m_blocks, num_heads, num_m_blocks * num_heads * num_batches, longest_first,
             longest_first and persistent)
-
-    def next(self, idx: Int32) -> Int32:
-        if cutlass.const_expr(self.m_slowest):
-            grid = Int32(cute.arch.grid_dim()[0])
-            seat = idx % grid  # this CTA's place in the current round
-            return idx - seat + grid + (grid - 1 - seat)
-        return idx + Int32(cute.arch.grid_dim()[0])
 
     @staticmethod
     def grid(num_tiles, num_ctas):
@@ -82,6 +91,7 @@ class TileTableScheduler(_GridStride):
     table: cute.Tensor  # (N, 2) int32: batch, m_block
     num_heads: Int32
     num_tiles: Int32
+    snake = True  # the table is sorted costliest first
 
     @staticmethod
     def create(table: cute.Tensor, num_heads) -> "TileTableScheduler":
