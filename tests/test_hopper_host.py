@@ -146,14 +146,14 @@ def test_persistence_follows_the_l2_footprint_of_the_tiles_in_flight(b, s, hq, h
     assert hb.HopperConfig.from_problem(problem, KernelOptions(persistent=not want)).persistent == (not want)
 
 
-def test_varlen_causal_runs_one_cta_per_tile_and_short_rows_take_the_serial_loop():
+def test_varlen_causal_runs_a_persistent_grid_and_short_rows_take_the_serial_loop():
     lens = [5, 40, 17]
     cu = torch.tensor([0, 5, 45, 62], dtype=torch.int32)
     q, k, v = (torch.randn(62, 4, 128, dtype=torch.bfloat16) for _ in range(3))
     problem = validate(q, k, v, varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
                        max_seqlen_k=max(lens), causal=True)
     cfg = hb.HopperConfig.from_problem(problem, KernelOptions())
-    assert not cfg.persistent
+    assert cfg.persistent
     assert cfg.serial_max_tiles == 4
     assert hb.HopperConfig.from_problem(validate(*_qkv(64)), KernelOptions()).serial_max_tiles == 8
 
