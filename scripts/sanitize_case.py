@@ -32,13 +32,15 @@ def main():
     ok &= err < 1e-2
 
     # D=128 runs two consumer warpgroups, D=64 three: both turn-taking schemes get checked.
-    q = torch.randn(2, 300, 4, 128, device=dev, dtype=torch.float16)
-    k = torch.randn(2, 300, 2, 128, device=dev, dtype=torch.float16)
-    v = torch.randn(2, 300, 2, 128, device=dev, dtype=torch.float16)
+    # 1100 keys: query tiles of 1..9 key tiles, so one persistent CTA runs the serial mainloop
+    # (rows of <= 4 tiles) and the overlapped one, in the snake order of the causal grid.
+    q = torch.randn(1, 1100, 4, 128, device=dev, dtype=torch.float16)
+    k = torch.randn(1, 1100, 2, 128, device=dev, dtype=torch.float16)
+    v = torch.randn(1, 1100, 2, 128, device=dev, dtype=torch.float16)
     o = fmha.attention(q, k, v, causal=True, mask_align="bottom_right", backend="kernel", persistent=True)
     ref, _ = attention_reference(q, k, v, mask=MaskSpec.from_args(causal=True, mask_align="bottom_right"))
     err = ((o.float() - ref).norm() / ref.norm()).item()
-    print(f"dense causal D=128 persistent: rel L2 {err:.2e}")
+    print(f"dense causal D=128 persistent, both mainloops: rel L2 {err:.2e}")
     ok &= err < 1e-2
 
     lens = [0, 1, 77, 130]
@@ -53,10 +55,11 @@ def main():
     ok &= err < 1e-2
 
     # The coverage issue's additions: fp8 (staged V, fp8 A operand), head dims 32 and 256.
+    # 700 / 670 keys: both mainloops at D=128 and 256 (the staging kernel runs for fp8).
     for dtype, d, tol in [(torch.float8_e4m3fn, 128, 5e-2), (torch.bfloat16, 256, 1e-2), (torch.float16, 32, 1e-2)]:
-        q = torch.randn(1, 200, 2, d, device=dev).to(dtype)
-        k = torch.randn(1, 170, 1, d, device=dev).to(dtype)
-        v = torch.randn(1, 170, 1, d, device=dev).to(dtype)
+        q = torch.randn(1, 700, 2, d, device=dev).to(dtype)
+        k = torch.randn(1, 670, 1, d, device=dev).to(dtype)
+        v = torch.randn(1, 670, 1, d, device=dev).to(dtype)
         o = fmha.attention(q, k, v, causal=True, mask_align="bottom_right", backend="kernel")
         ref, _ = attention_reference(q, k, v, mask=MaskSpec.from_args(causal=True, mask_align="bottom_right"))
         err = ((o.float() - ref).norm() / ref.norm()).item()
