@@ -5,8 +5,8 @@ query tiles, most of them empty, and a static split of those over the SMs is unb
 tile costs follow each sequence's key count. Validation has already read the sequence lengths on
 the host, so the launcher lists the (sequence, query tile) pairs that hold rows, ordered by
 the number of K/V tiles they visit (the same ``kv_tile_schedule`` the kernel runs), largest
-first: one CTA per tile then runs longest-processing-time-first, and a persistent CTA's strided
-share mixes long and short work evenly.
+first: one CTA per tile then runs longest-processing-time-first, and a persistent grid deals
+the list out as a snake (``scheduler.snake_next``), which gives every CTA about the same work.
 """
 
 from __future__ import annotations
