@@ -27,6 +27,19 @@ def snake_next(idx, grid):
     return idx - seat + grid + (grid - 1 - seat)
 
 
+def cost_sorted_tile(idx, num_m_blocks, heads_batches, section, imin=min):
+    """(m_block, head-batch index) of tile ``idx`` in the cost-sorted walk: heads-batches grouped
+    in sections of ``section`` (the last may be shorter), each section walked query tile
+    slowest, from the last query tile (the costliest under a causal-like mask) down. One section
+    of all heads-batches is the plain cost order; smaller sections keep the K/V of the tiles in
+    flight within L2. Plain arithmetic: the tests run it on ints."""
+    per_section = section * num_m_blocks
+    first = (idx // per_section) * section
+    size = imin(section, heads_batches - first)
+    r = idx - (idx // per_section) * per_section
+    return num_m_blocks - 1 - r // size, first + r % size
+
+
 class _GridStride:
     """The walk both schedulers share: CTA ``b`` starts at tile ``b``; then either ``b + grid,
     b + 2 * grid, ...`` or, when ``snake`` (tiles sorted costliest first), the snake deal of
@@ -50,6 +63,7 @@ class StaticTileScheduler(_GridStride):
     num_tiles: Int32
     longest_first: bool
     m_slowest: bool  # walk the tiles sorted by cost, dealt out as a snake
+    section: Int32  # heads-batches per section of that walk (``cost_sorted_tile``)
 
     @property
     def snake(self) -> bool:
@@ -57,10 +71,11 @@ class StaticTileScheduler(_GridStride):
 
     @staticmethod
     def create(num_m_blocks, num_heads, num_batches, longest_first: bool,
-               persistent: bool = False) -> "StaticTileScheduler":
+               persistent: bool = False, section=None) -> "StaticTileScheduler":
+        heads_batches = num_heads * num_batches
         return StaticTileScheduler(
-            num_m_blocks, num_heads, num_m_blocks * num_heads * num_batches, longest_first,
-            longest_first and persistent)
+            num_m_blocks, num_heads, num_m_blocks * heads_batches, longest_first,
+            longest_first and persistent, heads_batches if section is None else section)
 
     @staticmethod
     def grid(num_tiles, num_ctas):
@@ -70,9 +85,8 @@ class StaticTileScheduler(_GridStride):
     def decode(self, idx: Int32):
         """-> (m_block, head, batch)"""
         if cutlass.const_expr(self.m_slowest):
-            heads_batches = self.num_tiles // self.num_m_blocks
-            m = self.num_m_blocks - 1 - idx // heads_batches
-            rest = idx % heads_batches
+            m, rest = cost_sorted_tile(idx, self.num_m_blocks, self.num_tiles // self.num_m_blocks,
+                                       self.section, imin=cutlass.min)
         else:
             m = idx % self.num_m_blocks
             rest = idx // self.num_m_blocks

@@ -15,7 +15,7 @@ from fmha.problem import AttentionProblem, KernelOptions
 
 from fmha.work_tiles import work_tile_table
 
-from . import disk_cache
+from . import L2_BYTES, NUM_SMS, disk_cache
 from .v_staging import stage_v_fp8
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
@@ -56,11 +56,6 @@ def serial_max_tiles_for(head_dim: int) -> int:
     return 8 if head_dim <= 64 else 4
 
 
-# H100 and H200 (SXM) both have 132 SMs and 50 MB of L2.
-_SMS = 132
-_L2_BYTES = 50 * 2**20
-
-
 def choose_persistent(problem: AttentionProblem) -> bool:
     """A persistent grid, or one CTA per query tile (measured on the H200, docs/PERFORMANCE.md)."""
     m = problem.mask
@@ -75,9 +70,9 @@ def choose_persistent(problem: AttentionProblem) -> bool:
     # 237 vs 217 TFLOP/s at D=128) while those heads' K/V fit in L2 together, and loses beyond
     # (S=2k, D=128: 375 vs 410) to one CTA per tile, whose order keeps a few heads in flight and
     # lets the hardware balance the load.
-    heads_in_flight = min(-(-_SMS // problem.qhead_per_kvhead), problem.batch * problem.num_heads_k)
+    heads_in_flight = min(-(-NUM_SMS // problem.qhead_per_kvhead), problem.batch * problem.num_heads_k)
     kv_bytes = heads_in_flight * problem.seqlen_k * problem.head_dim * 2 * _elem_bytes(problem.dtype)
-    return kv_bytes <= _L2_BYTES
+    return kv_bytes <= L2_BYTES
 
 
 def kv_stages_for(dtype: torch.dtype, head_dim: int, tile_m: int, tile_n: int) -> int:
@@ -109,6 +104,8 @@ class HopperConfig:
     pingpong: bool = True
     # rows of at most this many K/V tiles take the serial mainloop (0: never)
     serial_max_tiles: int = 0
+    # persistent causal-like grids: sections of heads that fit L2 (measured as a variant only)
+    l2_sections: bool = False
 
     @property
     def kv_stages(self) -> int:
@@ -272,6 +269,7 @@ def compile_kernel(cfg: HopperConfig, extra_options: str = ""):
         overlap=cfg.overlap,
         pingpong=cfg.pingpong,
         serial_max_tiles=cfg.serial_max_tiles,
+        l2_sections=cfg.l2_sections,
     )
     q, k, v, o, lse, cu_q, cu_k, tiles, descs = _fake_tensors(cfg)
     with _targeting_sm90a():

@@ -38,6 +38,7 @@ from ..common.fragments import as_operand_a, as_operand_a_fp8, as_rows_cols, fp8
 from ..common.mask import FragmentMask
 from ..common.scheduler import StaticTileScheduler, TileTableScheduler
 from ..common.softmax import OnlineSoftmax
+from . import L2_BYTES
 from .wgmma import issue_gemm
 
 _WG = 128  # threads per warpgroup
@@ -78,6 +79,7 @@ class HopperAttentionForward:
         pingpong: bool = True,
         v_staged: bool = False,
         serial_max_tiles: int = 0,
+        l2_sections: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_n % 16 == 0
         self.head_dim = head_dim
@@ -102,6 +104,9 @@ class HopperAttentionForward:
         # tiles the overlapped loop's exposed prologue (S_0 alone) and epilogue (last P.V alone)
         # cost more than the overlap hides. 0: always overlapped.
         self.serial_max_tiles = serial_max_tiles if overlap else 0
+        # Persistent causal-like grids: walk the cost-sorted tiles in sections of heads that
+        # fit L2 (``cost_sorted_tile``) instead of all heads at once.
+        self.l2_sections = l2_sections and persistent and not varlen
         self.num_consumer_wgs = tile_m // 64
         self.num_threads = _WG * (1 + self.num_consumer_wgs)
         # setmaxnreg budgets: the producer warpgroup gives registers to the consumers; the sums
@@ -269,8 +274,16 @@ class HopperAttentionForward:
         if const_expr(self.varlen):
             scheduler = TileTableScheduler.create(mTileTable, mQ_sdhb.shape[2])
         else:
+            section = None
+            if const_expr(self.l2_sections):
+                # Heads-batches whose K/V fill half the L2, so that the tiles in flight (one
+                # section, or the ends of two) keep their K/V there.
+                group = mQ_sdhb.shape[2] // mK_tma.shape[2]
+                kv_bytes_per_key = self.head_dim * 2 * (self.dtype.width // 8)
+                kv_heads = cutlass.max(L2_BYTES // 2 // kv_bytes_per_key // mK_tma.shape[0], 1)
+                section = kv_heads * group
             scheduler = StaticTileScheduler.create(
-                num_m_blocks, mQ_sdhb.shape[2], num_batches, self.longest_first, self.persistent)
+                num_m_blocks, mQ_sdhb.shape[2], num_batches, self.longest_first, self.persistent, section)
         pipeline.pipeline_init_wait()
 
         if warp_idx < 4:
