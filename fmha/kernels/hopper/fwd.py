@@ -412,14 +412,13 @@ class HopperAttentionForward:
                 # The ring is filled in the order the consumers wait on it, which depends on the
                 # mainloop they run for this tile.
                 load = (tma_k, tKgK, tKsK, desc_k, tma_v, tVgV, tVsV, desc_v)
-                if const_expr(self.overlap):
-                    if const_expr(self.serial_max_tiles > 0):
-                        if sched.total <= self.serial_max_tiles:
-                            kv_producer = self.load_kv_serial_order(sched, load, kv_producer)
-                        else:
-                            kv_producer = self.load_kv_overlapped_order(sched, load, kv_producer)
+                if const_expr(self.serial_max_tiles > 0):  # the choice is per tile (implies overlap)
+                    if sched.total <= self.serial_max_tiles:
+                        kv_producer = self.load_kv_serial_order(sched, load, kv_producer)
                     else:
                         kv_producer = self.load_kv_overlapped_order(sched, load, kv_producer)
+                elif const_expr(self.overlap):
+                    kv_producer = self.load_kv_overlapped_order(sched, load, kv_producer)
                 else:
                     kv_producer = self.load_kv_serial_order(sched, load, kv_producer)
             tile_idx = scheduler.next(tile_idx)
@@ -508,16 +507,16 @@ class HopperAttentionForward:
                 softmax.reset()
                 acc_o.fill(0.0)
                 q_handle = q_consumer.wait_and_advance()
-                if const_expr(self.overlap):
-                    if const_expr(self.serial_max_tiles > 0):
-                        # All warpgroups of the CTA share the tile, so they take the same branch
-                        # and the ping-pong turn order is left where it was.
-                        if sched.total <= self.serial_max_tiles:
-                            kv_consumer = self.mainloop_serial(sched, row_base, mask, softmax, frags, kv_consumer)
-                        else:
-                            kv_consumer = self.mainloop_overlapped(sched, row_base, mask, softmax, frags, kv_consumer, wg)
+                # The same choice as the producer's load order. All warpgroups of the CTA share
+                # the tile, so they take the same branch and the ping-pong turn order is left
+                # where it was.
+                if const_expr(self.serial_max_tiles > 0):
+                    if sched.total <= self.serial_max_tiles:
+                        kv_consumer = self.mainloop_serial(sched, row_base, mask, softmax, frags, kv_consumer)
                     else:
                         kv_consumer = self.mainloop_overlapped(sched, row_base, mask, softmax, frags, kv_consumer, wg)
+                elif const_expr(self.overlap):
+                    kv_consumer = self.mainloop_overlapped(sched, row_base, mask, softmax, frags, kv_consumer, wg)
                 else:
                     kv_consumer = self.mainloop_serial(sched, row_base, mask, softmax, frags, kv_consumer)
                 q_handle.release()

@@ -1,9 +1,9 @@
-"""Host-side staging of V for the fp8 kernel.
+"""Staging of V for the fp8 kernel: the launcher, and a torch version of the same pass.
 
 fp8 ``wgmma`` reads both shared-memory operands K-major. For O += P V the reduction runs over
 keys, so V must arrive with keys contiguous: (B, H_k, D, S_pad) instead of the user's
-(B, S_k, H_k, D). One copy on the GPU (a gather for varlen) produces that layout; its cost
-(a read and a write of V, in bytes of fp8) is included in every fp8 timing we report.
+(B, S_k, H_k, D). One pass over V on the GPU produces that layout; its cost (a read and a
+write of V, in bytes of fp8) is included in every fp8 timing we report.
 
 The same pass also reorders keys inside each block of 32. The fp8 A operand of the P.V product
 wants, per thread, four consecutive keys of one row, while the S accumulator gives a thread two
