@@ -139,6 +139,8 @@ VARIANTS = {
     "fmha_persistent": dict(persistent=True),
     "fmha_persistent_l2": dict(persistent=True, l2_sections=True),  # causal: heads in L2-sized sections
     "fmha_tile128": dict(tile_m=128),
+    "fmha_chain_softmax": dict(softmax_chains=(1, 1)),  # one dependent max/sum chain per row
+    "fmha_rescale_early": dict(rescale_before_pv=True),  # O rescaled under the S GEMM
     "fmha_fp8_n192": dict(tile_n=192, fp8_only=True),  # a wider key tile for fp8, D=128
     "fmha_fp8_m192n96": dict(tile_m=192, tile_n=96, fp8_only=True),  # 3 consumer warpgroups
 }
@@ -447,7 +449,8 @@ def main(argv=None):
     ap.add_argument("--grid", default="full", choices=["full", "quick", "extras"])
     ap.add_argument("--out", default=os.path.join("results", "bench"))
     ap.add_argument("--impls", default="", help="comma-separated subset of implementations")
-    ap.add_argument("--filter", default="", help="only points whose label contains this")
+    ap.add_argument("--filter", default="",
+                    help="only points whose label contains this ('|' separates alternatives)")
     ap.add_argument("--startup", action="store_true",
                     help="only measure time to first result (cold/warm cache) and small-call overhead")
     ap.add_argument("--variants", action="store_true",
@@ -477,7 +480,8 @@ def main(argv=None):
         return 0
     rows = []
     points = extras_grid() if args.grid == "extras" else build_grid(args.grid)
-    for p in (p for p in points if args.filter in p.label()):
+    wanted = args.filter.split("|")
+    for p in (p for p in points if any(w in p.label() for w in wanted)):
         rows += run_point(p, impls, torch, do_bench)
         got = {r["impl"]: (f"{r['tflops']:.0f}" if "tflops" in r else r.get("error", "?")[:40]) for r in rows[-len(impls):]}
         print(p.label(), got, flush=True)

@@ -21,6 +21,21 @@ from .fragments import as_rows_cols
 
 # Threads of a warpgroup MMA accumulator that share a row: lanes 4r .. 4r + 3.
 _THREADS_PER_ROW = 4
+# Independent accumulation chains per row for the max and for the sum (see ``update``).
+MAX_CHAINS = 4
+SUM_CHAINS = 2
+
+
+def _add(a, b):
+    return a + b
+
+
+def _tree(values: list, op):
+    """Combine ``values`` pairwise (depth log2(n) instead of n - 1)."""
+    while len(values) > 1:
+        values = [op(values[i], values[i + 1]) if i + 1 < len(values) else values[i]
+                  for i in range(0, len(values), 2)]
+    return values[0]
 
 
 # Frozen: read-only for the DSL's loop analysis; the register tensors it holds are still mutable.
@@ -29,13 +44,18 @@ class OnlineSoftmax:
     scale_log2: Float32
     row_max: cute.Tensor
     row_sum: cute.Tensor
+    max_chains: int = MAX_CHAINS
+    sum_chains: int = SUM_CHAINS
 
     @staticmethod
-    def create(scale_log2: Float32, num_rows: int) -> "OnlineSoftmax":
+    def create(scale_log2: Float32, num_rows: int, max_chains: int = MAX_CHAINS,
+               sum_chains: int = SUM_CHAINS) -> "OnlineSoftmax":
         return OnlineSoftmax(
             scale_log2,
             cute.make_rmem_tensor(num_rows, Float32),
             cute.make_rmem_tensor(num_rows, Float32),
+            max_chains,
+            sum_chains,
         )
 
     @cute.jit
@@ -47,14 +67,29 @@ class OnlineSoftmax:
     def update(self, acc_s: cute.Tensor, row_scale: cute.Tensor):
         """Turn scores ``acc_s`` into unnormalized probabilities in place and fold them into the
         running max/sum. ``row_scale`` receives the factor the output accumulator must be
-        multiplied by (``rescale``) before this tile's P.V is added to it."""
+        multiplied by (``rescale``) before this tile's P.V is added to it.
+
+        The rows are processed side by side, phase by phase (local max, quad shuffle, exp2), and
+        each row's max is a tree over ``max_chains`` independent chains (its sum over
+        ``sum_chains``): during a consumer warpgroup's softmax its warp is often the only one its
+        scheduler can issue from, so the latency of a 32-long dependent chain would be exposed
+        in full."""
         s = as_rows_cols(acc_s)
-        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        num_rows = cute.size(s, mode=[0])
+        num_cols = cute.size(s, mode=[1])
+        chains = min(self.max_chains, num_cols)
+        local_max = []
+        for r in cutlass.range_constexpr(num_rows):
+            part = [s[r, c] for c in range(chains)]
+            part[0] = cute.arch.fmax(part[0], self.row_max[r])
+            for c in cutlass.range_constexpr(chains, num_cols):
+                part[c % chains] = cute.arch.fmax(part[c % chains], s[r, c])
+            local_max.append(_tree(part, cute.arch.fmax))
+        for r in cutlass.range_constexpr(num_rows):
+            local_max[r] = cute.arch.warp_reduction_max(local_max[r], threads_in_group=_THREADS_PER_ROW)
+        for r in cutlass.range_constexpr(num_rows):
             prev_max = self.row_max[r]
-            cur_max = prev_max
-            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                cur_max = cute.arch.fmax(cur_max, s[r, c])
-            cur_max = cute.arch.warp_reduction_max(cur_max, threads_in_group=_THREADS_PER_ROW)
+            cur_max = local_max[r]
             self.row_max[r] = cur_max
             safe_max = cur_max
             if cur_max == Float32(-math.inf):
@@ -62,12 +97,14 @@ class OnlineSoftmax:
             neg_max_scaled = -safe_max * self.scale_log2
             # prev_max = -inf (first visit) gives exp2(-inf) = 0: nothing to carry over.
             correction = cute.math.exp2((prev_max - safe_max) * self.scale_log2, fastmath=True)
-            row_total = Float32(0.0)
-            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            sum_chains = min(self.sum_chains, num_cols)
+            part = [None] * sum_chains
+            for c in cutlass.range_constexpr(num_cols):
                 p = cute.math.exp2(s[r, c] * self.scale_log2 + neg_max_scaled, fastmath=True)
                 s[r, c] = p
-                row_total += p
-            self.row_sum[r] = self.row_sum[r] * correction + row_total
+                k = c % sum_chains
+                part[k] = p if c < sum_chains else part[k] + p
+            self.row_sum[r] = self.row_sum[r] * correction + _tree(part, _add)
             row_scale[r] = correction
 
     @cute.jit

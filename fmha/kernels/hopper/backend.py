@@ -106,6 +106,10 @@ class HopperConfig:
     serial_max_tiles: int = 0
     # persistent causal-like grids: sections of heads that fit L2 (measured as a variant only)
     l2_sections: bool = False
+    # overlapped loop: rescale O just before the P.V GEMM (under the S GEMM), not after softmax
+    rescale_before_pv: bool = False
+    # softmax: independent chains per row for the max and the sum; (1, 1): one dependent chain
+    softmax_chains: tuple = (4, 2)
 
     @property
     def kv_stages(self) -> int:
@@ -270,6 +274,8 @@ def compile_kernel(cfg: HopperConfig, extra_options: str = ""):
         pingpong=cfg.pingpong,
         serial_max_tiles=cfg.serial_max_tiles,
         l2_sections=cfg.l2_sections,
+        rescale_before_pv=cfg.rescale_before_pv,
+        softmax_chains=cfg.softmax_chains,
     )
     q, k, v, o, lse, cu_q, cu_k, tiles, descs = _fake_tensors(cfg)
     with _targeting_sm90a():

@@ -37,7 +37,7 @@ from fmha.masking import MaskKind, kv_tile_schedule, later_rows_cost_more, num_q
 from ..common.fragments import as_operand_a, as_operand_a_fp8, as_rows_cols, fp8_operand_a_shape
 from ..common.mask import FragmentMask
 from ..common.scheduler import StaticTileScheduler, TileTableScheduler
-from ..common.softmax import OnlineSoftmax
+from ..common.softmax import MAX_CHAINS, SUM_CHAINS, OnlineSoftmax
 from . import L2_BYTES
 from .wgmma import issue_gemm
 
@@ -80,6 +80,8 @@ class HopperAttentionForward:
         v_staged: bool = False,
         serial_max_tiles: int = 0,
         l2_sections: bool = False,
+        rescale_before_pv: bool = False,
+        softmax_chains: tuple = (MAX_CHAINS, SUM_CHAINS),
     ):
         assert tile_m % 64 == 0 and tile_n % 16 == 0
         self.head_dim = head_dim
@@ -107,6 +109,11 @@ class HopperAttentionForward:
         # Persistent causal-like grids: walk the cost-sorted tiles in sections of heads that
         # fit L2 (``cost_sorted_tile``) instead of all heads at once.
         self.l2_sections = l2_sections and persistent and not varlen
+        # Overlapped loop: scale O by the previous tile's correction while the S GEMM runs, just
+        # before issuing the P.V GEMM, instead of after the softmax.
+        self.rescale_before_pv = rescale_before_pv and overlap
+        # Independent chains per row for the softmax's max and sum (OnlineSoftmax.update).
+        self.softmax_chains = softmax_chains
         self.num_consumer_wgs = tile_m // 64
         self.num_threads = _WG * (1 + self.num_consumer_wgs)
         # setmaxnreg budgets: the producer warpgroup gives registers to the consumers; the sums
@@ -476,7 +483,7 @@ class HopperAttentionForward:
         tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
 
         num_rows = cute.size(as_rows_cols(acc_o), mode=[0])
-        softmax = OnlineSoftmax.create(scale_log2, num_rows)
+        softmax = OnlineSoftmax.create(scale_log2, num_rows, *self.softmax_chains)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
         lse_rows = cute.make_rmem_tensor(num_rows, Float32)
         # P of the tile whose P.V is pending; S itself is allocated per tile (a score fragment
@@ -583,6 +590,8 @@ class HopperAttentionForward:
                 kv_consumer = self.overlapped_step(True, n_block, row_base, mask, softmax, frags, kv_consumer, wg)
                 n_block += 1
             # Epilogue: the last P.V.
+            if const_expr(self.rescale_before_pv):
+                softmax.rescale(acc_o, row_scale)
             v_handle = kv_consumer.wait_and_advance()
             issue_gemm(tiled_mma_pv, acc_o, self.operand_p(p), tOrV[None, None, None, v_handle.index], False)
             warpgroup.wait_group(0)
@@ -599,6 +608,8 @@ class HopperAttentionForward:
             cute.arch.barrier(barrier_id=_TURN_BARRIER + wg, number_of_threads=2 * _WG)
         acc_s = cute.make_rmem_tensor(s_shape, Float32)
         issue_gemm(tiled_mma_qk, acc_s, tSrQ[None, None, None, 0], tSrK[None, None, None, k_handle.index], True)
+        if const_expr(self.rescale_before_pv):
+            softmax.rescale(acc_o, row_scale)  # the previous tile's correction
         v_handle = kv_consumer.wait_and_advance()
         issue_gemm(tiled_mma_pv, acc_o, self.operand_p(p), tOrV[None, None, None, v_handle.index], False)
         if const_expr(self.pingpong):
@@ -611,7 +622,8 @@ class HopperAttentionForward:
         softmax.update(acc_s, row_scale)
         warpgroup.wait_group(0)
         v_handle.release()
-        softmax.rescale(acc_o, row_scale)
+        if const_expr(not self.rescale_before_pv):
+            softmax.rescale(acc_o, row_scale)
         self.store_p(p, acc_s)
         # Returned so the caller rebinds it: pipeline state advanced here must be a plain local
         # of the enclosing staged loop.
