@@ -138,6 +138,8 @@ VARIANTS = {
     "fmha_nonpersistent": dict(persistent=False),
     "fmha_persistent": dict(persistent=True),
     "fmha_persistent_l2": dict(persistent=True, l2_sections=True),  # causal: heads in L2-sized sections
+    # causal: one CTA per tile, launched costliest first in L2-sized sections of heads
+    "fmha_lpt": dict(persistent=False, l2_sections=True),
     "fmha_tile128": dict(tile_m=128),
     "fmha_chain_softmax": dict(softmax_chains=(1, 1)),  # one dependent max/sum chain per row
     "fmha_rescale_early": dict(rescale_before_pv=True),  # O rescaled under the S GEMM
@@ -239,13 +241,17 @@ def _reference(p: Point, q, k, v, cu, torch):
     return o
 
 
-def run_point(p: Point, impls: dict, torch, do_bench) -> list[dict]:
+def run_point(p: Point, impls: dict, torch, do_bench, rounds: int = 1) -> list[dict]:
+    """Check every implementation's output on one set of inputs, then time the ones that passed
+    in ``rounds`` interleaved rounds (each impl once per round) and keep the median round: clock
+    and thermal drift then hits every impl alike instead of whichever ran last."""
     q, k, v, cu = _inputs(p, torch)
     ref = _reference(p, q, k, v, cu, torch)
     limit = FP8_REL_L2_LIMIT if p.dtype != "bfloat16" else REL_L2_LIMIT
-    rows = []
+    rows = {}
     for name, fn in impls.items():
         row = dict(point=asdict(p), impl=name)
+        rows[name] = row
         try:
             out = fn(q, k, v, p, cu)
             torch.cuda.synchronize()
@@ -253,21 +259,26 @@ def run_point(p: Point, impls: dict, torch, do_bench) -> list[dict]:
             row["rel_l2"] = err
             if not err < limit:
                 row["error"] = f"wrong output (rel L2 {err:.3g})"
-            else:
-                ms = do_bench(lambda: fn(q, k, v, p, cu), warmup=50, rep=200, return_mode="median")
-                row["ms"] = ms
-                if name == "fmha" and p.dtype == "float8_e4m3fn":
-                    # the part of each fp8 call spent re-laying V out (included in ms)
-                    from fmha.kernels.hopper.v_staging import stage_v_fp8
-
-                    row["v_staging_ms"] = do_bench(
-                        lambda: stage_v_fp8(v, cu, max(p.varlen) if p.varlen else p.seqlen),
-                        warmup=20, rep=100, return_mode="median")
-                row["tflops"] = p.flops() / (ms * 1e-3) / 1e12
         except Exception as e:  # a peer may not support a configuration
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        rows.append(row)
-    return rows
+    timed = [name for name, row in rows.items() if "error" not in row]
+    for _ in range(rounds):
+        for name in timed:
+            fn = impls[name]
+            ms = do_bench(lambda: fn(q, k, v, p, cu), warmup=50, rep=200, return_mode="median")
+            rows[name].setdefault("ms_rounds", []).append(ms)
+    for name in timed:
+        row = rows[name]
+        row["ms"] = ms = sorted(row["ms_rounds"])[len(row["ms_rounds"]) // 2]
+        row["tflops"] = p.flops() / (ms * 1e-3) / 1e12
+        if name == "fmha" and p.dtype == "float8_e4m3fn":
+            # the part of each fp8 call spent re-laying V out (included in ms)
+            from fmha.kernels.hopper.v_staging import stage_v_fp8
+
+            row["v_staging_ms"] = do_bench(
+                lambda: stage_v_fp8(v, cu, max(p.varlen) if p.varlen else p.seqlen),
+                warmup=20, rep=100, return_mode="median")
+    return list(rows.values())
 
 
 def write_reports(rows: list[dict], out_dir: str, meta: dict) -> str:
@@ -450,9 +461,12 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join("results", "bench"))
     ap.add_argument("--impls", default="", help="comma-separated subset of implementations")
     ap.add_argument("--filter", default="",
-                    help="only points whose label contains this ('|' separates alternatives)")
+                    help="only points whose label contains this ('|' separates alternatives; "
+                         "a trailing '$' means the label ends with it)")
     ap.add_argument("--startup", action="store_true",
                     help="only measure time to first result (cold/warm cache) and small-call overhead")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time each implementation this many times, interleaved, and keep the median")
     ap.add_argument("--variants", action="store_true",
                     help="also time fmha's other mainloop variants (serial, overlap without ping-pong)")
     args = ap.parse_args(argv)
@@ -480,9 +494,12 @@ def main(argv=None):
         return 0
     rows = []
     points = extras_grid() if args.grid == "extras" else build_grid(args.grid)
-    wanted = args.filter.split("|")
-    for p in (p for p in points if any(w in p.label() for w in wanted)):
-        rows += run_point(p, impls, torch, do_bench)
+    def wanted(label: str) -> bool:
+        return any(label.endswith(w[:-1]) if w.endswith("$") else w in label
+                   for w in args.filter.split("|"))
+
+    for p in (p for p in points if wanted(p.label())):
+        rows += run_point(p, impls, torch, do_bench, args.rounds)
         got = {r["impl"]: (f"{r['tflops']:.0f}" if "tflops" in r else r.get("error", "?")[:40]) for r in rows[-len(impls):]}
         print(p.label(), got, flush=True)
     meta = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M"),

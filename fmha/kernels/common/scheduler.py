@@ -10,7 +10,9 @@ are walked from the last query tile down, so the longest work starts first. A pe
 over such tiles instead walks the list sorted by cost (query tile index slowest: every head's
 last query tile, then the ones before) and deals it out like a snake draft, CTA 0 to G-1 in one
 round and G-1 back to 0 in the next, so each CTA's total lands close to the mean; a plain
-grid-stride deal would give CTA 0 the costliest tile of every round.
+grid-stride deal would give CTA 0 the costliest tile of every round. The same cost-sorted walk
+in sections of heads (``cost_sorted_tile``) also serves one CTA per tile: the hardware then
+hands the tiles to SMs costliest first, a few heads' K/V at a time.
 """
 
 from dataclasses import dataclass
@@ -75,7 +77,8 @@ class StaticTileScheduler(_GridStride):
         heads_batches = num_heads * num_batches
         return StaticTileScheduler(
             num_m_blocks, num_heads, num_m_blocks * heads_batches, longest_first,
-            longest_first and persistent, heads_batches if section is None else section)
+            longest_first and (persistent or section is not None),
+            heads_batches if section is None else section)
 
     @staticmethod
     def grid(num_tiles, num_ctas):

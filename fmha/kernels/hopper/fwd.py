@@ -106,9 +106,10 @@ class HopperAttentionForward:
         # tiles the overlapped loop's exposed prologue (S_0 alone) and epilogue (last P.V alone)
         # cost more than the overlap hides. 0: always overlapped.
         self.serial_max_tiles = serial_max_tiles if overlap else 0
-        # Persistent causal-like grids: walk the cost-sorted tiles in sections of heads that
-        # fit L2 (``cost_sorted_tile``) instead of all heads at once.
-        self.l2_sections = l2_sections and persistent and not varlen
+        # Causal-like masks: walk the tiles sorted by cost (last query tile first) in sections of
+        # heads whose K/V fit L2 (``cost_sorted_tile``). Persistent: dealt as a snake; one CTA per
+        # tile: the hardware hands the sorted tiles to SMs as they free up.
+        self.l2_sections = l2_sections and not varlen
         # Overlapped loop: scale O by the previous tile's correction while the S GEMM runs, just
         # before issuing the P.V GEMM, instead of after the softmax.
         self.rescale_before_pv = rescale_before_pv and overlap
