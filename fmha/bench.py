@@ -142,6 +142,8 @@ VARIANTS = {
     "fmha_lpt": dict(persistent=False, l2_sections=True),
     "fmha_tile128": dict(tile_m=128),
     "fmha_chain_softmax": dict(softmax_chains=(1, 1)),  # one dependent max/sum chain per row
+    "fmha_tree_softmax": dict(softmax_chains=(4, 2)),  # 4 max / 2 sum chains per row
+    "fmha_q1": dict(q_stages=1),  # one Q buffer: the next tile's Q loads after this one's mainloop
     "fmha_rescale_early": dict(rescale_before_pv=True),  # O rescaled under the S GEMM
     "fmha_fp8_n192": dict(tile_n=192, fp8_only=True),  # a wider key tile for fp8, D=128
     "fmha_fp8_m192n96": dict(tile_m=192, tile_n=96, fp8_only=True),  # 3 consumer warpgroups
@@ -500,12 +502,17 @@ def main(argv=None):
 
     for p in (p for p in points if wanted(p.label())):
         rows += run_point(p, impls, torch, do_bench, args.rounds)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "partial.json"), "w") as f:  # kept if the run is cut off
+            json.dump(rows, f)
         got = {r["impl"]: (f"{r['tflops']:.0f}" if "tflops" in r else r.get("error", "?")[:40]) for r in rows[-len(impls):]}
         print(p.label(), got, flush=True)
     meta = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M"),
                 command="python -m fmha.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                 torch=torch.__version__)
     print(write_reports(rows, args.out, meta))
+    if os.path.exists(os.path.join(args.out, "partial.json")):
+        os.remove(os.path.join(args.out, "partial.json"))
     return 0
 
 

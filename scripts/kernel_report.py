@@ -67,7 +67,7 @@ def report(cfg) -> dict:
 def main(argv=None):
     import torch
 
-    from fmha.kernels.hopper.backend import HopperConfig, default_tile, serial_max_tiles_for
+    from fmha.kernels.hopper.backend import HopperConfig, default_tile, serial_max_tiles_for, softmax_chains_for
     from fmha.problem import default_out_dtype
     from fmha.masking import MaskKind
 
@@ -90,7 +90,8 @@ def main(argv=None):
                     tm, tn = default_tile(dtype, d)
                     cfg = HopperConfig(dtype, out_dtype, d, kind, wl, wr, False, False, True, True,
                                        tile_m=tm, tile_n=tn, overlap=overlap, pingpong=pingpong,
-                                       serial_max_tiles=serial_max_tiles_for(d))
+                                       serial_max_tiles=serial_max_tiles_for(d),
+                                       softmax_chains=softmax_chains_for(d))
                     print(f"{dt} D={d} tile={tm}x{tn} stages={cfg.kv_stages} {m:10s} overlap={int(overlap)} "
                           f"pingpong={int(pingpong)} serial<={cfg.serial_max_tiles}: {report(cfg)}", flush=True)
 

@@ -35,9 +35,11 @@ def test_every_spec_dtype_and_head_dim_is_supported(dtype, d):
 def test_tiles_fit_shared_memory_and_the_fp8_key_blocks(dtype, d):
     elem = 1 if dtype == FP8 else 2
     for tm, tn in hb.allowed_tiles(dtype, d):
-        stages = hb.kv_stages_for(dtype, d, tm, tn)
-        assert stages >= 3
-        assert (tm + stages * tn) * d * elem <= 227 * 1024 - 2048
+        for persistent in (False, True):
+            q_stages = hb.q_stages_for(persistent, d)
+            stages = hb.kv_stages_for(dtype, d, tm, tn, q_stages)
+            assert stages >= 4  # two K/V tile pairs at least: loads run a pair ahead
+            assert (q_stages * tm + stages * tn) * d * elem <= 227 * 1024 - 2048
         if dtype == FP8:
             assert tn % len(FP8_KEY_ORDER) == 0  # P.V consumes keys in blocks of 32
 
@@ -129,21 +131,30 @@ def test_no_launch_without_query_rows_and_spec_answer_without_keys():
 
 
 @pytest.mark.parametrize("b,s,hq,hk,d,causal,want", [
-    (32, 512, 16, 16, 128, True, True),    # 132 heads' K/V in flight: 34 MB, fits the 50 MB L2
-    (16, 1024, 32, 32, 64, True, True),
-    (8, 2048, 16, 16, 128, True, False),   # 138 MB: one CTA per tile
-    (8, 2048, 16, 2, 128, True, True),     # GQA 8: 17 KV heads in flight
-    (2, 8192, 8, 8, 256, True, False),
-    (1, 16384, 16, 16, 128, False, True),  # even tile costs: always persistent
+    (32, 512, 32, 32, 64, True, (True, False)),   # 132 heads' K/V in flight: 17 MB, fits the 50 MB L2
+    (8, 2048, 32, 32, 64, True, (False, False)),  # 69 MB: one CTA per tile
+    (32, 512, 16, 16, 128, True, (True, True)),   # D=128 up to 2k keys: L2-sized sections of heads
+    (8, 2048, 16, 16, 128, True, (True, True)),
+    (4, 4096, 16, 16, 128, True, (False, False)),
+    (8, 2048, 16, 2, 128, True, (True, True)),    # GQA 8
+    (2, 8192, 16, 2, 128, True, (True, False)),   # GQA 8: 17 KV heads in flight, 36 MB
+    (2, 8192, 8, 8, 256, True, (False, False)),
+    (1, 16384, 16, 16, 128, False, (True, False)),  # even tile costs: always persistent
 ])
-def test_persistence_follows_the_l2_footprint_of_the_tiles_in_flight(b, s, hq, hk, d, causal, want):
+def test_schedule_follows_the_l2_footprint_of_the_tiles_in_flight(b, s, hq, hk, d, causal, want):
     import dataclasses
 
     small = validate(*_qkv(d), causal=causal)
     problem = dataclasses.replace(small, batch=b, seqlen_q=s, seqlen_k=s, num_heads_q=hq, num_heads_k=hk)
     cfg = hb.HopperConfig.from_problem(problem, KernelOptions())
-    assert cfg.persistent == want
-    assert hb.HopperConfig.from_problem(problem, KernelOptions(persistent=not want)).persistent == (not want)
+    assert (cfg.persistent, cfg.l2_sections) == want
+    forced = hb.HopperConfig.from_problem(problem, KernelOptions(persistent=not want[0]))
+    assert forced.persistent == (not want[0]) and not forced.l2_sections
+
+
+def test_softmax_chains_per_head_dim():
+    assert hb.HopperConfig.from_problem(validate(*_qkv(64)), KernelOptions()).softmax_chains == (4, 2)
+    assert hb.HopperConfig.from_problem(validate(*_qkv(128)), KernelOptions()).softmax_chains == (1, 1)
 
 
 def test_varlen_causal_runs_a_persistent_grid_and_short_rows_take_the_serial_loop():

@@ -56,15 +56,16 @@ def serial_max_tiles_for(head_dim: int) -> int:
     return 8 if head_dim <= 64 else 4
 
 
-def choose_persistent(problem: AttentionProblem) -> bool:
-    """A persistent grid, or one CTA per query tile (measured on the H200, docs/PERFORMANCE.md)."""
+def choose_schedule(problem: AttentionProblem) -> tuple[bool, bool]:
+    """(persistent grid, L2 sections) or one CTA per query tile (measured on the H200,
+    docs/PERFORMANCE.md)."""
     m = problem.mask
     if not later_rows_cost_more(m.kind, m.window_left is not None):
-        return True  # even tile costs: the persistent grid is as fast or faster
+        return True, False  # even tile costs: the persistent grid is as fast or faster
     if problem.varlen:
         # The tile table runs a sequence's heads side by side, so the tiles in flight share a
         # few sequences' K/V: the persistent grid wins (causal varlen 401 vs 371 TFLOP/s).
-        return True
+        return True, False
     # Uneven costs (causal-like). The persistent grid deals the tiles out sorted by cost, so the
     # tiles in flight are one query-tile level of ~132 different heads: it wins (S=512 causal:
     # 237 vs 217 TFLOP/s at D=128) while those heads' K/V fit in L2 together, and loses beyond
@@ -72,14 +73,35 @@ def choose_persistent(problem: AttentionProblem) -> bool:
     # lets the hardware balance the load.
     heads_in_flight = min(-(-NUM_SMS // problem.qhead_per_kvhead), problem.batch * problem.num_heads_k)
     kv_bytes = heads_in_flight * problem.seqlen_k * problem.head_dim * 2 * _elem_bytes(problem.dtype)
-    return kv_bytes <= L2_BYTES
+    # D=128 up to 2k keys: the same sorted walk in sections of heads whose K/V fill half the L2
+    # beats both (3 runs: S=1k 347/340/356 vs 315-319, S=2k 423/427/391 vs 395-419, S=512
+    # 247-251 vs 237-240); from S=4k, and at D=64, it loses; at D=256 S=2k it ties.
+    if problem.head_dim == 128 and problem.seqlen_k <= 2048:
+        return True, True
+    return kv_bytes <= L2_BYTES, False
 
 
-def kv_stages_for(dtype: torch.dtype, head_dim: int, tile_m: int, tile_n: int) -> int:
-    """K/V ring depth: as many stages as shared memory holds beside the Q tile, at most 8."""
+def softmax_chains_for(head_dim: int) -> tuple:
+    """Independent (max, sum) chains per softmax row. Three consumer warpgroups (D <= 64, 160
+    registers each) gain from the shorter dependency chains: D=64 S=16k 511-517 vs 490-494
+    TFLOP/s in two runs; two warpgroups do not (D=128 S=512 383-386 vs 402-405, long rows
+    within 1%)."""
+    return (4, 2) if head_dim <= 64 else (1, 1)
+
+
+def kv_stages_for(dtype: torch.dtype, head_dim: int, tile_m: int, tile_n: int, q_stages: int = 1) -> int:
+    """K/V ring depth: as many stages as shared memory holds beside the Q tile(s), at most 8."""
     elem = _elem_bytes(dtype)
-    stages = (_SMEM_BYTES - tile_m * head_dim * elem) // (tile_n * head_dim * elem)
+    stages = (_SMEM_BYTES - q_stages * tile_m * head_dim * elem) // (tile_n * head_dim * elem)
     return int(max(2, min(_MAX_KV_STAGES, stages)))
+
+
+def q_stages_for(persistent: bool, head_dim: int) -> int:
+    """Q buffers. A persistent CTA with two loads the next tile's Q (and, behind it, its first
+    K/V tiles) while the current tile still runs, instead of after the current tile's mainloop
+    has released its Q: that latency was exposed once per tile, which short rows feel. At
+    D=256 a second 64 KB Q would leave two K/V stages; one CTA per tile has no next tile."""
+    return 2 if persistent and head_dim <= 128 else 1
 
 
 @dataclass(frozen=True)
@@ -104,16 +126,19 @@ class HopperConfig:
     pingpong: bool = True
     # rows of at most this many K/V tiles take the serial mainloop (0: never)
     serial_max_tiles: int = 0
-    # persistent causal-like grids: sections of heads that fit L2 (measured as a variant only)
+    # causal-like masks: walk the tiles cost-sorted in sections of heads that fit L2
     l2_sections: bool = False
     # overlapped loop: rescale O just before the P.V GEMM (under the S GEMM), not after softmax
     rescale_before_pv: bool = False
     # softmax: independent chains per row for the max and the sum; (1, 1): one dependent chain
-    softmax_chains: tuple = (4, 2)
+    softmax_chains: tuple = (1, 1)
+
+    # Q buffers in shared memory (``q_stages_for``)
+    q_stages: int = 1
 
     @property
     def kv_stages(self) -> int:
-        return kv_stages_for(self.dtype, self.head_dim, self.tile_m, self.tile_n)
+        return kv_stages_for(self.dtype, self.head_dim, self.tile_m, self.tile_n, self.q_stages)
 
     @property
     def v_staged(self) -> bool:
@@ -123,9 +148,9 @@ class HopperConfig:
     @staticmethod
     def from_problem(problem: AttentionProblem, options: KernelOptions) -> "HopperConfig":
         m = problem.mask
-        persistent = options.persistent
-        if persistent is None:
-            persistent = choose_persistent(problem)
+        persistent, l2_sections = choose_schedule(problem)
+        if options.persistent is not None and options.persistent != persistent:
+            persistent, l2_sections = options.persistent, False
         tile_m, tile_n = default_tile(problem.dtype, problem.head_dim)
         return HopperConfig(
             dtype=problem.dtype,
@@ -141,6 +166,9 @@ class HopperConfig:
             tile_m=options.tile_m or tile_m,
             tile_n=options.tile_n or tile_n,
             serial_max_tiles=serial_max_tiles_for(problem.head_dim),
+            l2_sections=l2_sections,
+            softmax_chains=softmax_chains_for(problem.head_dim),
+            q_stages=q_stages_for(bool(persistent), problem.head_dim),
         )
 
 
@@ -269,6 +297,7 @@ def compile_kernel(cfg: HopperConfig, extra_options: str = ""):
         tile_m=cfg.tile_m,
         tile_n=cfg.tile_n,
         kv_stages=cfg.kv_stages,
+        q_stages=cfg.q_stages,
         v_staged=cfg.v_staged,
         overlap=cfg.overlap,
         pingpong=cfg.pingpong,

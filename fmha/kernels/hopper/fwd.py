@@ -75,6 +75,7 @@ class HopperAttentionForward:
         tile_m: int = 128,
         tile_n: int = 128,
         kv_stages: int = 4,
+        q_stages: int = 1,
         overlap: bool = True,
         pingpong: bool = True,
         v_staged: bool = False,
@@ -95,6 +96,8 @@ class HopperAttentionForward:
         self.tile_n = tile_n
         # K and V share one ring; K_n, V_n occupy two consecutive stages.
         self.kv_stages = kv_stages
+        # Q buffers: with two, a persistent CTA loads the next tile's Q during the current tile.
+        self.q_stages = q_stages
         # fp8: V arrives key-major and batched, (B, H_k, D, S_pad), from v_staging.stage_v_fp8.
         self.v_staged = v_staged
         # overlap: the S GEMM of tile n+1 and the P.V GEMM of tile n run while the softmax of
@@ -168,7 +171,7 @@ class HopperAttentionForward:
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, v_major,
             Float32, (self.num_consumer_wgs, 1, 1), (64, d), warpgroup.OperandSource.RMEM,
         )
-        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d), self.dtype, 1)
+        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d), self.dtype, self.q_stages)
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d), self.dtype, self.kv_stages)
         sV_layout = sm90_utils.make_smem_layout_b(v_smem_major, (tile_m, d, tile_n), self.dtype, self.kv_stages)
 
@@ -186,7 +189,7 @@ class HopperAttentionForward:
 
         @cute.struct
         class SharedStorage:
-            q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            q_mbar: cute.struct.MemRange[cutlass.Int64, self.q_stages * 2]
             kv_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_stages * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, ring_elems], 1024]
@@ -265,7 +268,7 @@ class HopperAttentionForward:
         # TMA pipelines count one arrival per consumer warp on release.
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wgs * 4)
         q_producer, q_consumer = pipeline.PipelineTmaAsync.create(
-            num_stages=1, producer_group=one_thread, consumer_group=consumer_warps,
+            num_stages=self.q_stages, producer_group=one_thread, consumer_group=consumer_warps,
             tx_count=self.q_bytes, barrier_storage=storage.q_mbar.data_ptr(), defer_sync=True,
         ).make_participants()
         kv_producer, kv_consumer = pipeline.PipelineTmaAsync.create(
@@ -414,7 +417,8 @@ class HopperAttentionForward:
                     tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
                 q_handle = q_producer.acquire_and_advance()
-                cute.copy(tma_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=q_handle.barrier, tma_desc_ptr=desc_q)
+                cute.copy(tma_q, tQgQ, tQsQ[None, q_handle.index], tma_bar_ptr=q_handle.barrier,
+                          tma_desc_ptr=desc_q)
 
                 sched = self.tile_schedule(m_block, seqlen_q, seqlen_k, window_left, window_right)
                 # The ring is filled in the order the consumers wait on it, which depends on the
@@ -494,7 +498,6 @@ class HopperAttentionForward:
             p = cute.make_rmem_tensor(fp8_operand_a_shape(s_shape), self.dtype)
         else:
             p = cute.make_rmem_tensor(s_shape, self.dtype)
-        frags = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, s_shape, p, acc_o, row_scale)
         wg = tidx // _WG
         if const_expr(self.pingpong):
             if wg == 0:
@@ -515,6 +518,8 @@ class HopperAttentionForward:
                 softmax.reset()
                 acc_o.fill(0.0)
                 q_handle = q_consumer.wait_and_advance()
+                frags = (tiled_mma_qk, tiled_mma_pv, tSrQ[None, None, None, q_handle.index], tSrK, tOrV,
+                         tScS, s_shape, p, acc_o, row_scale)
                 # The same choice as the producer's load order. All warpgroups of the CTA share
                 # the tile, so they take the same branch and the ping-pong turn order is left
                 # where it was.
@@ -541,7 +546,7 @@ class HopperAttentionForward:
         for i in cutlass.range(sched.total, unroll=1):
             k_handle = kv_consumer.wait_and_advance()
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
-            issue_gemm(tiled_mma_qk, acc_s, tSrQ[None, None, None, 0], tSrK[None, None, None, k_handle.index], True)
+            issue_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
             warpgroup.wait_group(0)
             k_handle.release()
             # Only the boundary tiles of the schedule pay for the element-wise mask.
@@ -568,7 +573,7 @@ class HopperAttentionForward:
             # dynamic choice of code path.
             k_handle = kv_consumer.wait_and_advance()
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
-            issue_gemm(tiled_mma_qk, acc_s, tSrQ[None, None, None, 0], tSrK[None, None, None, k_handle.index], True)
+            issue_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
             warpgroup.wait_group(0)
             k_handle.release()
             mask.apply(acc_s, tScS, row_base, sched.start * self.tile_n)
@@ -608,7 +613,7 @@ class HopperAttentionForward:
         if const_expr(self.pingpong):
             cute.arch.barrier(barrier_id=_TURN_BARRIER + wg, number_of_threads=2 * _WG)
         acc_s = cute.make_rmem_tensor(s_shape, Float32)
-        issue_gemm(tiled_mma_qk, acc_s, tSrQ[None, None, None, 0], tSrK[None, None, None, k_handle.index], True)
+        issue_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
         if const_expr(self.rescale_before_pv):
             softmax.rescale(acc_o, row_scale)  # the previous tile's correction
         v_handle = kv_consumer.wait_and_advance()
