@@ -36,7 +36,7 @@ def test_tiles_fit_shared_memory_and_the_fp8_key_blocks(dtype, d):
     elem = 1 if dtype == FP8 else 2
     for tm, tn in hb.allowed_tiles(dtype, d):
         for persistent in (False, True):
-            q_stages = hb.q_stages_for(persistent, d)
+            q_stages = hb.q_stages_for(persistent, d, 1024)
             stages = hb.kv_stages_for(dtype, d, tm, tn, q_stages)
             assert stages >= 4  # two K/V tile pairs at least: loads run a pair ahead
             assert (q_stages * tm + stages * tn) * d * elem <= 227 * 1024 - 2048
@@ -150,6 +150,14 @@ def test_schedule_follows_the_l2_footprint_of_the_tiles_in_flight(b, s, hq, hk, 
     assert (cfg.persistent, cfg.l2_sections) == want
     forced = hb.HopperConfig.from_problem(problem, KernelOptions(persistent=not want[0]))
     assert forced.persistent == (not want[0]) and not forced.l2_sections
+
+
+def test_two_q_buffers_only_for_persistent_grids_up_to_4k_keys_and_d128():
+    assert hb.q_stages_for(True, 128, 4096) == 2 and hb.q_stages_for(True, 64, 512) == 2
+    assert hb.q_stages_for(True, 128, 8192) == 1  # long rows: the K/V stage weighs more
+    assert hb.q_stages_for(False, 128, 512) == 1 and hb.q_stages_for(True, 256, 512) == 1
+    cfg = hb.HopperConfig.from_problem(validate(*_qkv(128)), KernelOptions())
+    assert cfg.persistent and cfg.q_stages == 2 and cfg.kv_stages == 5
 
 
 def test_softmax_chains_per_head_dim():

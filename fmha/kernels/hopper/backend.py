@@ -96,12 +96,14 @@ def kv_stages_for(dtype: torch.dtype, head_dim: int, tile_m: int, tile_n: int, q
     return int(max(2, min(_MAX_KV_STAGES, stages)))
 
 
-def q_stages_for(persistent: bool, head_dim: int) -> int:
+def q_stages_for(persistent: bool, head_dim: int, seqlen_k: int) -> int:
     """Q buffers. A persistent CTA with two loads the next tile's Q (and, behind it, its first
     K/V tiles) while the current tile still runs, instead of after the current tile's mainloop
-    has released its Q: that latency was exposed once per tile, which short rows feel. At
-    D=256 a second 64 KB Q would leave two K/V stages; one CTA per tile has no next tile."""
-    return 2 if persistent and head_dim <= 128 else 1
+    has released its Q: that latency was exposed once per tile. Measured in one run
+    (docs/PERFORMANCE.md): S=512 452 vs 402 TFLOP/s (D=128), 341 vs 309 (D=64), S=1k +4-7%,
+    S=2k +1-2%; at S=16k the K/V stage it costs weighs more (627 vs 638), so long rows keep one.
+    At D=256 a second 64 KB Q would leave two K/V stages; one CTA per tile has no next tile."""
+    return 2 if persistent and head_dim <= 128 and seqlen_k <= 4096 else 1
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,7 @@ class HopperConfig:
             serial_max_tiles=serial_max_tiles_for(problem.head_dim),
             l2_sections=l2_sections,
             softmax_chains=softmax_chains_for(problem.head_dim),
-            q_stages=q_stages_for(bool(persistent), problem.head_dim),
+            q_stages=q_stages_for(bool(persistent), problem.head_dim, problem.seqlen_k),
         )
 
 
