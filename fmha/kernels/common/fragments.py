@@ -7,7 +7,11 @@ the same registers as its A operand. Both are only re-indexings of the same regi
 cost nothing at run time.
 """
 
+import cutlass
 import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 
 def _rows_cols_layout(acc_layout: cute.Layout) -> cute.Layout:
@@ -75,3 +79,30 @@ def as_operand_a_fp8(acc: cute.Tensor) -> cute.Tensor:
         stride=(((c2, v), r2, 2 * v), std[1], (4 * v, std[2])),
     )
     return cute.make_tensor(acc.iterator, cute.composition(acc.layout, view))
+
+
+@dsl_user_op
+def _pack_pair(lo: Float32, hi: Float32, to_bf16: bool, *, loc=None, ip=None) -> Int32:
+    """Two fp32 values rounded to one packed 16-bit pair (``lo`` in the low half)."""
+    kind = "bf16x2" if to_bf16 else "f16x2"
+    return Int32(llvm.inline_asm(
+        T.i32(),
+        [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{kind}.f32 $0, $1, $2;",
+        "=r,f,f",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
+
+
+@cute.jit
+def store_as_16bit_pairs(dst: cute.Tensor, src: cute.Tensor):
+    """``dst`` (a 16-bit fragment) = ``src`` (fp32, same layout), written as packed 32-bit
+    words. A register-A ``wgmma`` reads 32-bit registers: when the values live as separate 16-bit
+    halves (the element-wise conversion the DSL emits for key tiles that are not a power of two,
+    e.g. 80 at D=256), the packing lands after ``wgmma.fence``, and ptxas then serializes the
+    P.V MMAs (advisory C7519) and waits for them before the softmax."""
+    words = cute.recast_tensor(dst, Int32)
+    for i in cutlass.range_constexpr(cute.size(words)):
+        words[i] = _pack_pair(src[2 * i], src[2 * i + 1], dst.element_type is cutlass.BFloat16)

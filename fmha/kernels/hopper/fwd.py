@@ -34,7 +34,9 @@ from cutlass.tensor_utils import TensorMapManager, TensorMapUpdateMode
 
 from fmha.masking import MaskKind, kv_tile_schedule, later_rows_cost_more, num_q_tiles
 
-from ..common.fragments import as_operand_a, as_operand_a_fp8, as_rows_cols, fp8_operand_a_shape
+from ..common.fragments import (
+    as_operand_a, as_operand_a_fp8, as_rows_cols, fp8_operand_a_shape, store_as_16bit_pairs,
+)
 from ..common.mask import FragmentMask
 from ..common.scheduler import StaticTileScheduler, TileTableScheduler
 from ..common.softmax import MAX_CHAINS, SUM_CHAINS, OnlineSoftmax
@@ -641,7 +643,7 @@ class HopperAttentionForward:
         if const_expr(self.dtype.width == 8):
             p.store(as_operand_a_fp8(acc_s).load().to(self.dtype))
         else:
-            p.store(acc_s.load().to(self.dtype))
+            store_as_16bit_pairs(p, acc_s)
 
     def operand_p(self, p: cute.Tensor) -> cute.Tensor:
         """P as the register A operand of P.V (the fp8 fragment is already in that shape)."""
