@@ -143,10 +143,7 @@ VARIANTS = {
     "fmha_tile128": dict(tile_m=128),
     "fmha_chain_softmax": dict(softmax_chains=(1, 1)),  # one dependent max/sum chain per row
     "fmha_tree_softmax": dict(softmax_chains=(4, 2)),  # 4 max / 2 sum chains per row
-    "fmha_q1": dict(q_stages=1),
-    # fp8: every 4th / every 2nd exponential of an unmasked tile on the FMA units
-    "fmha_fp8_fmaexp4": dict(fma_exp2_every=4, fp8_only=True),
-    "fmha_fp8_fmaexp2": dict(fma_exp2_every=2, fp8_only=True),  # one Q buffer: the next tile's Q loads after this one's mainloop
+    "fmha_q1": dict(q_stages=1),  # one Q buffer: the next tile's Q loads after this one's mainloop
     "fmha_rescale_early": dict(rescale_before_pv=True),  # O rescaled under the S GEMM
     "fmha_fp8_n192": dict(tile_n=192, fp8_only=True),  # a wider key tile for fp8, D=128
     "fmha_fp8_m192n96": dict(tile_m=192, tile_n=96, fp8_only=True),  # 3 consumer warpgroups

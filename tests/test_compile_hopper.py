@@ -107,3 +107,16 @@ def test_fp8_v_staging_kernel_compiles(head_dim, varlen, tmp_path):
     assert ptx.count("prmt.b32") == 64
     assert len(re.findall(r"st\.global\.v4\.b32", ptx)) == 8
     assert StageVKernel(head_dim, varlen).blocks_per_cta * head_dim // 4 == 128
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 256), (torch.float16, 256), (torch.bfloat16, 128)],
+                         ids=lambda x: str(x).replace("torch.", ""))
+def test_p_operand_is_packed_before_the_wgmma_fence(dtype, head_dim, tmp_path):
+    """A register-A wgmma must find its operand registers written before ``wgmma.fence``. Packing
+    16-bit halves into them between the fence and the MMA (what an element-wise conversion of P
+    led to with 80-key tiles) makes ptxas serialize the P.V MMAs (advisory C7519)."""
+    ptx = _ptx(_config(dtype, head_dim, "none", True), tmp_path)
+    inside = re.findall(r"wgmma\.fence\.sync\.aligned;(.*?)wgmma\.commit_group", ptx, flags=re.S)
+    assert inside and not any(re.search(r"mov\.b32\s+%r\d+, \{%rs", block) for block in inside)
+    kind = "bf16x2" if dtype == torch.bfloat16 else "f16x2"
+    assert f"cvt.rn.{kind}.f32" in ptx

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .fragments import as_rows_cols
 
@@ -30,46 +28,6 @@ SUM_CHAINS = 2
 
 def _add(a, b):
     return a + b
-
-
-def _fma_columns(num_cols: int, every: int) -> tuple:
-    """Which of a row's columns take ``exp2_on_fma_units``: every ``every``-th (none for 0)."""
-    return tuple(every > 0 and c % every == every - 1 for c in range(num_cols))
-
-
-@dsl_user_op
-def exp2_on_fma_units(x: Float32, *, loc=None, ip=None) -> Float32:
-    """2^x for finite x <= 0 without the MUFU unit: x = n + f (n the nearest integer, through the
-    1.5 * 2^23 rounding trick), 2^f from a degree-3 polynomial on [-1/2, 1/2] (relative error
-    7.5e-5: far below bf16's and fp8's rounding of P), 2^n added into the exponent bits. x is
-    clamped at -126, so 2^x never goes below the smallest normal number (1.2e-38) instead of
-    reaching 0: only for tiles with no masked score (a fully masked row must sum to exactly 0).
-    Eight FMA-pipe instructions against one MUFU.EX2, which issues at a quarter of their rate:
-    moving part of a tile's exponentials here relieves the MUFU, which bounds the fp8 mainloop."""
-    return Float32(llvm.inline_asm(
-        T.f32(),
-        [Float32(x).ir_value(loc=loc, ip=ip)],
-        "{\n\t"
-        ".reg .f32 y, t, n, f, p;\n\t"
-        ".reg .b32 tb, pb;\n\t"
-        "max.f32 y, $1, 0fC2FC0000;\n\t"  # -126
-        "add.rn.f32 t, y, 0f4B400000;\n\t"  # 1.5 * 2^23: t's low bits hold round(y)
-        "sub.rn.f32 n, t, 0f4B400000;\n\t"
-        "sub.rn.f32 f, y, n;\n\t"
-        "fma.rn.f32 p, f, 0f3D61FB53, 0f3E786EE6;\n\t"
-        "fma.rn.f32 p, p, f, 0f3F31798D;\n\t"
-        "fma.rn.f32 p, p, f, 0f3F7FFB4A;\n\t"
-        "mov.b32 tb, t;\n\t"
-        "mov.b32 pb, p;\n\t"
-        "shl.b32 tb, tb, 23;\n\t"  # round(y) << 23; the constant's bits shift out
-        "add.s32 pb, pb, tb;\n\t"
-        "mov.b32 $0, pb;\n\t"
-        "}",
-        "=f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    ))
 
 
 def _tree(values: list, op):
@@ -88,20 +46,16 @@ class OnlineSoftmax:
     row_sum: cute.Tensor
     max_chains: int = MAX_CHAINS
     sum_chains: int = SUM_CHAINS
-    # In tiles with no masked score, every this-many-th exponential of a row runs on the FMA
-    # units (``exp2_on_fma_units``); 0: all on the MUFU.
-    fma_exp2_every: int = 0
 
     @staticmethod
     def create(scale_log2: Float32, num_rows: int, max_chains: int = MAX_CHAINS,
-               sum_chains: int = SUM_CHAINS, fma_exp2_every: int = 0) -> "OnlineSoftmax":
+               sum_chains: int = SUM_CHAINS) -> "OnlineSoftmax":
         return OnlineSoftmax(
             scale_log2,
             cute.make_rmem_tensor(num_rows, Float32),
             cute.make_rmem_tensor(num_rows, Float32),
             max_chains,
             sum_chains,
-            fma_exp2_every,
         )
 
     @cute.jit
@@ -110,11 +64,10 @@ class OnlineSoftmax:
         self.row_sum.fill(0.0)
 
     @cute.jit
-    def update(self, acc_s: cute.Tensor, row_scale: cute.Tensor, unmasked: cutlass.Constexpr = False):
+    def update(self, acc_s: cute.Tensor, row_scale: cute.Tensor):
         """Turn scores ``acc_s`` into unnormalized probabilities in place and fold them into the
         running max/sum. ``row_scale`` receives the factor the output accumulator must be
-        multiplied by (``rescale``) before this tile's P.V is added to it. ``unmasked``: the
-        tile has no masked score (allows ``fma_exp2_every``).
+        multiplied by (``rescale``) before this tile's P.V is added to it.
 
         The rows are processed side by side, phase by phase (local max, quad shuffle, exp2), and
         each row's max is a tree over ``max_chains`` independent chains (its sum over
@@ -146,12 +99,8 @@ class OnlineSoftmax:
             correction = cute.math.exp2((prev_max - safe_max) * self.scale_log2, fastmath=True)
             sum_chains = min(self.sum_chains, num_cols)
             part = [None] * sum_chains
-            on_fma = _fma_columns(num_cols, self.fma_exp2_every if unmasked else 0)
             for c in cutlass.range_constexpr(num_cols):
-                if cutlass.const_expr(on_fma[c]):
-                    p = exp2_on_fma_units(s[r, c] * self.scale_log2 + neg_max_scaled)
-                else:
-                    p = cute.math.exp2(s[r, c] * self.scale_log2 + neg_max_scaled, fastmath=True)
+                p = cute.math.exp2(s[r, c] * self.scale_log2 + neg_max_scaled, fastmath=True)
                 s[r, c] = p
                 k = c % sum_chains
                 part[k] = p if c < sum_chains else part[k] + p

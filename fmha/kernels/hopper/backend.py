@@ -134,8 +134,6 @@ class HopperConfig:
     rescale_before_pv: bool = False
     # softmax: independent chains per row for the max and the sum; (1, 1): one dependent chain
     softmax_chains: tuple = (1, 1)
-    # softmax: in unmasked tiles every this-many-th exponential on the FMA units (0: none)
-    fma_exp2_every: int = 0
 
     # Q buffers in shared memory (``q_stages_for``)
     q_stages: int = 1
@@ -309,7 +307,6 @@ def compile_kernel(cfg: HopperConfig, extra_options: str = ""):
         l2_sections=cfg.l2_sections,
         rescale_before_pv=cfg.rescale_before_pv,
         softmax_chains=cfg.softmax_chains,
-        fma_exp2_every=cfg.fma_exp2_every,
     )
     q, k, v, o, lse, cu_q, cu_k, tiles, descs = _fake_tensors(cfg)
     with _targeting_sm90a():

@@ -85,7 +85,6 @@ class HopperAttentionForward:
         l2_sections: bool = False,
         rescale_before_pv: bool = False,
         softmax_chains: tuple = (MAX_CHAINS, SUM_CHAINS),
-        fma_exp2_every: int = 0,
     ):
         assert tile_m % 64 == 0 and tile_n % 16 == 0
         self.head_dim = head_dim
@@ -121,8 +120,6 @@ class HopperAttentionForward:
         self.rescale_before_pv = rescale_before_pv and overlap
         # Independent chains per row for the softmax's max and sum (OnlineSoftmax.update).
         self.softmax_chains = softmax_chains
-        # Unmasked overlapped tiles: every this-many-th exponential on the FMA units (0: none).
-        self.fma_exp2_every = fma_exp2_every
         self.num_consumer_wgs = tile_m // 64
         self.num_threads = _WG * (1 + self.num_consumer_wgs)
         # setmaxnreg budgets: the producer warpgroup gives registers to the consumers; the sums
@@ -493,7 +490,7 @@ class HopperAttentionForward:
         tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
 
         num_rows = cute.size(as_rows_cols(acc_o), mode=[0])
-        softmax = OnlineSoftmax.create(scale_log2, num_rows, *self.softmax_chains, self.fma_exp2_every)
+        softmax = OnlineSoftmax.create(scale_log2, num_rows, *self.softmax_chains)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
         lse_rows = cute.make_rmem_tensor(num_rows, Float32)
         # P of the tile whose P.V is pending; S itself is allocated per tile (a score fragment
@@ -630,7 +627,7 @@ class HopperAttentionForward:
         k_handle.release()
         if const_expr(masked):
             mask.apply(acc_s, tScS, row_base, n_block * self.tile_n)
-        softmax.update(acc_s, row_scale, unmasked=not masked)
+        softmax.update(acc_s, row_scale)
         warpgroup.wait_group(0)
         v_handle.release()
         if const_expr(not self.rescale_before_pv):
