@@ -160,6 +160,18 @@ def test_two_q_buffers_only_for_persistent_grids_up_to_4k_keys_and_d128():
     assert cfg.persistent and cfg.q_stages == 2 and cfg.kv_stages == 5
 
 
+def test_l2_sections_only_where_measured_bf16_d128_up_to_2k_keys():
+    import dataclasses
+
+    for dtype, want in ((torch.bfloat16, (True, True)), (torch.float8_e4m3fn, (False, False))):
+        q, k, v = (t.to(dtype) for t in _qkv(128))
+        small = validate(q, k, v, causal=True)
+        problem = dataclasses.replace(small, batch=8, seqlen_q=2048, seqlen_k=2048, num_heads_q=16,
+                                      num_heads_k=16)
+        cfg = hb.HopperConfig.from_problem(problem, KernelOptions())
+        assert (cfg.persistent, cfg.l2_sections) == want
+
+
 def test_softmax_chains_per_head_dim():
     assert hb.HopperConfig.from_problem(validate(*_qkv(64)), KernelOptions()).softmax_chains == (4, 2)
     assert hb.HopperConfig.from_problem(validate(*_qkv(128)), KernelOptions()).softmax_chains == (1, 1)

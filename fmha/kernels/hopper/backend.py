@@ -74,16 +74,17 @@ def choose_schedule(problem: AttentionProblem) -> tuple[bool, bool]:
     heads_in_flight = min(-(-NUM_SMS // problem.qhead_per_kvhead), problem.batch * problem.num_heads_k)
     kv_bytes = heads_in_flight * problem.seqlen_k * problem.head_dim * 2 * _elem_bytes(problem.dtype)
     # D=128 up to 2k keys: the same sorted walk in sections of heads whose K/V fill half the L2
-    # beats both (3 runs: S=1k 347/340/356 vs 315-319, S=2k 423/427/391 vs 395-419, S=512
-    # 247-251 vs 237-240); from S=4k, and at D=64, it loses; at D=256 S=2k it ties.
-    if problem.head_dim == 128 and problem.seqlen_k <= 2048:
+    # beats both (bf16, 3 runs: S=1k 347/340/356 vs 315-319, S=2k 423/427/391 vs 395-419, S=512
+    # 247-251 vs 237-240); from S=4k, and at D=64, it loses; at D=256 S=2k it ties. Not
+    # measured for fp8, which keeps the rule below.
+    if problem.head_dim == 128 and problem.seqlen_k <= 2048 and _elem_bytes(problem.dtype) == 2:
         return True, True
     return kv_bytes <= L2_BYTES, False
 
 
 def softmax_chains_for(head_dim: int) -> tuple:
-    """Independent (max, sum) chains per softmax row. Three consumer warpgroups (D <= 64, 160
-    registers each) gain from the shorter dependency chains: D=64 S=16k 511-517 vs 490-494
+    """Independent (max, sum) chains per softmax row. At D <= 64 (192-row tiles: three consumer
+    warpgroups of 160 registers each) the shorter dependency chains pay: D=64 S=16k 511-517 vs 490-494
     TFLOP/s in two runs; two warpgroups do not (D=128 S=512 383-386 vs 402-405, long rows
     within 1%)."""
     return (4, 2) if head_dim <= 64 else (1, 1)
@@ -134,7 +135,6 @@ class HopperConfig:
     rescale_before_pv: bool = False
     # softmax: independent chains per row for the max and the sum; (1, 1): one dependent chain
     softmax_chains: tuple = (1, 1)
-
     # Q buffers in shared memory (``q_stages_for``)
     q_stages: int = 1
 
