@@ -193,6 +193,27 @@ def get_runner(backend_obj, problem: AttentionProblem, options: KernelOptions) -
     return runner
 
 
+# Dense calls repeat: a training or decoding loop calls with the same shapes, strides, dtypes and
+# arguments every step. What validation, backend selection and the runner lookup decide depends
+# on nothing else (data pointers aside, which the caller checks per call), so the API keys a
+# call that passed on exactly that and reuses the outcome; validation is most of the host cost
+# of a small call. Varlen calls are not memoized: they read cu_seqlens on the host.
+_dispatch_memo: Dict[Hashable, tuple] = {}
+_DISPATCH_MEMO_LIMIT = 1024
+
+
+def recall_dispatch(key: Hashable) -> Optional[tuple]:
+    """(problem, runner) remembered for a call key, or None."""
+    return _dispatch_memo.get(key)
+
+
+def remember_dispatch(key: Hashable, problem: AttentionProblem, runner: Runner) -> None:
+    if len(_dispatch_memo) >= _DISPATCH_MEMO_LIMIT:
+        _dispatch_memo.clear()
+    _dispatch_memo[key] = (problem, runner)
+
+
 def clear_cache() -> None:
     """Forget every prepared runner (the next call of each configuration compiles again)."""
     _runners.clear()
+    _dispatch_memo.clear()

@@ -212,3 +212,55 @@ def test_fused_attention_unchecked_execute():
     fa = fmha.FusedAttention(q, k, v, o, backend="reference")
     fa.execute(q, k, v, o, check=False)
     assert fa.backend_name == "reference" and torch.equal(o, ref(q, k, v)[0].half())
+
+
+def _counting_validate(monkeypatch):
+    import fmha.api as api
+
+    calls = []
+    real = api.validate
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(api, "validate", counted)
+    backends.clear_cache()
+    return calls
+
+
+def test_a_repeated_dense_call_reuses_its_validation(monkeypatch):
+    calls = _counting_validate(monkeypatch)
+    q, k, v = qkv()
+    first = fmha.attention(q, k, v, causal=True, backend="reference")
+    q2, k2, v2 = qkv(seed=1)  # same metadata, other data: a hit, and the new data is used
+    second = fmha.attention(q2, k2, v2, causal=True, backend="reference")
+    assert len(calls) == 1
+    assert torch.equal(first, ref(q, k, v, causal=True)[0].half())
+    assert torch.equal(second, ref(q2, k2, v2, causal=True)[0].half())
+    # any other argument, shape or stride is a new key
+    fmha.attention(q, k, v, causal=False, backend="reference")
+    fmha.attention(q, k, v, causal=True, softmax_scale=0.5, backend="reference")
+    fmha.attention(q[:, :20], k, v, causal=True, backend="reference")
+    fmha.attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, causal=True, backend="reference")
+    assert len(calls) == 5
+    backends.clear_cache()
+    fmha.attention(q, k, v, causal=True, backend="reference")
+    assert len(calls) == 6
+
+
+def test_a_repeated_call_still_checks_the_data_pointer_and_reports_bad_arguments(monkeypatch):
+    calls = _counting_validate(monkeypatch)
+    q, k, v = qkv()
+    fmha.attention(q, k, v, backend="reference")
+    # same shape, strides and dtype, but 2 bytes past a 16-byte boundary
+    shifted = torch.empty(q.numel() + 8, dtype=q.dtype)[1:q.numel() + 1].view(q.shape).copy_(q)
+    assert shifted.stride() == q.stride() and shifted.data_ptr() % 16
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        fmha.attention(shifted, k, v, backend="reference")
+    for _ in range(2):  # a tensor scale is refused on every call, never remembered
+        with pytest.raises(TypeError, match="Python float"):
+            fmha.attention(q, k, v, scale_q=torch.tensor(1.0), backend="reference")
+    with pytest.raises(ValueError, match="backend"):
+        fmha.attention(q, k, v, backend="nope")
+    assert len(calls) == 4
