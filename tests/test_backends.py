@@ -48,6 +48,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(backends, "kernel_backends", lambda: ((kernel,), ()))
     monkeypatch.setattr(backends, "_platform_reasons", lambda device: [])
     monkeypatch.setattr(backends, "_runners", {})
+    monkeypatch.setattr(backends, "_dispatch_memo", {})
     monkeypatch.setattr(backends, "_logged_reasons", set())
     return kernel
 
