@@ -1,0 +1,51 @@
+"""The benchmark's timing logic on the CPU, with a fake clock standing in for CUDA events."""
+
+from types import SimpleNamespace
+
+from fmha import bench
+
+
+class _Clock:
+    now_ms = 0.0
+
+
+class _Event:
+    def __init__(self, enable_timing=True):
+        self.at = None
+
+    def record(self):
+        self.at = _Clock.now_ms
+
+    def elapsed_time(self, end):
+        return end.at - self.at
+
+
+_FAKE_TORCH = SimpleNamespace(
+    device=lambda name: name,
+    bfloat16="bf16",
+    randn=lambda *shape, device=None: SimpleNamespace(to=lambda dtype: ("tensor", shape)),
+    cuda=SimpleNamespace(Event=_Event, synchronize=lambda: None),
+)
+
+
+def test_small_call_cost_is_the_median_of_interleaved_loops():
+    # us per call in each round: one slow round (a hiccup of the host) must not decide the result
+    per_round = [12.0, 11.0, 60.0, 10.0, 13.0, 9.0, 14.0]
+    assert len(per_round) == bench.SMALL_CALL_ROUNDS
+    state = {"calls": 0}
+    n_per_loop = None
+
+    def fake_cudnn(q, k, v, p, cu):
+        state["calls"] += 1
+        if state["calls"] == 1:
+            return  # the warm-up call
+        loop = (state["calls"] - 2) // n_per_loop
+        _Clock.now_ms += per_round[loop] / 1e3
+
+    # loops of 200 calls each
+    n_per_loop = 200
+    rows = bench.measure_startup({"cudnn": fake_cudnn}, _FAKE_TORCH)
+    (row,) = [r for r in rows if r["kind"] == "small_call"]
+    assert state["calls"] == 1 + bench.SMALL_CALL_ROUNDS * n_per_loop
+    assert [round(x, 6) for x in row["us_per_loop"]] == per_round
+    assert round(row["us_per_call"], 6) == 12.0  # median of the seven loops
