@@ -328,6 +328,14 @@ class HopperAttentionForward:
             seqlen_k = mCuSeqlensK[batch + 1] - offset_k
         return offset_q, seqlen_q, offset_k, seqlen_k
 
+    def takes_serial_loop(self, sched):
+        """Whether this tile runs ``mainloop_serial`` (else ``mainloop_overlapped``); the producer
+        fills the ring in the order that loop waits in, so both ask here. Per tile (dynamic) when
+        short rows take the serial loop, else fixed by ``overlap``."""
+        if const_expr(self.serial_max_tiles > 0):
+            return sched.total <= self.serial_max_tiles
+        return not self.overlap
+
     def tile_schedule(self, m_block, seqlen_q, seqlen_k, window_left, window_right):
         return kv_tile_schedule(
             m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.mask_kind,
@@ -426,15 +434,10 @@ class HopperAttentionForward:
                 # The ring is filled in the order the consumers wait on it, which depends on the
                 # mainloop they run for this tile.
                 load = (tma_k, tKgK, tKsK, desc_k, tma_v, tVgV, tVsV, desc_v)
-                if const_expr(self.serial_max_tiles > 0):  # the choice is per tile (implies overlap)
-                    if sched.total <= self.serial_max_tiles:
-                        kv_producer = self.load_kv_serial_order(sched, load, kv_producer)
-                    else:
-                        kv_producer = self.load_kv_overlapped_order(sched, load, kv_producer)
-                elif const_expr(self.overlap):
-                    kv_producer = self.load_kv_overlapped_order(sched, load, kv_producer)
-                else:
+                if self.takes_serial_loop(sched):
                     kv_producer = self.load_kv_serial_order(sched, load, kv_producer)
+                else:
+                    kv_producer = self.load_kv_overlapped_order(sched, load, kv_producer)
             tile_idx = scheduler.next(tile_idx)
 
     @cute.jit
@@ -522,18 +525,13 @@ class HopperAttentionForward:
                 q_handle = q_consumer.wait_and_advance()
                 frags = (tiled_mma_qk, tiled_mma_pv, tSrQ[None, None, None, q_handle.index], tSrK, tOrV,
                          tScS, s_shape, p, acc_o, row_scale)
-                # The same choice as the producer's load order. All warpgroups of the CTA share
+                # The producer filled the ring by the same choice. All warpgroups of the CTA share
                 # the tile, so they take the same branch and the ping-pong turn order is left
                 # where it was.
-                if const_expr(self.serial_max_tiles > 0):
-                    if sched.total <= self.serial_max_tiles:
-                        kv_consumer = self.mainloop_serial(sched, row_base, mask, softmax, frags, kv_consumer)
-                    else:
-                        kv_consumer = self.mainloop_overlapped(sched, row_base, mask, softmax, frags, kv_consumer, wg)
-                elif const_expr(self.overlap):
-                    kv_consumer = self.mainloop_overlapped(sched, row_base, mask, softmax, frags, kv_consumer, wg)
-                else:
+                if self.takes_serial_loop(sched):
                     kv_consumer = self.mainloop_serial(sched, row_base, mask, softmax, frags, kv_consumer)
+                else:
+                    kv_consumer = self.mainloop_overlapped(sched, row_base, mask, softmax, frags, kv_consumer, wg)
                 q_handle.release()
                 softmax.finalize(acc_o, output_scale, lse_rows)
                 self.epilogue(acc_o, lse_rows, tOcO, mO, mLSE, m_block, head, batch, offset_q, seqlen_q)
