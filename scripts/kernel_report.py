@@ -65,35 +65,37 @@ def report(cfg) -> dict:
 
 
 def main(argv=None):
+    import dataclasses
+
     import torch
 
-    from fmha.kernels.hopper.backend import HopperConfig, default_tile, serial_max_tiles_for, softmax_chains_for
-    from fmha.problem import default_out_dtype
-    from fmha.masking import MaskKind
+    from fmha.kernels.hopper.backend import HopperConfig
+    from fmha.problem import KernelOptions
+    from fmha.validation import validate
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--head-dim", type=int, nargs="*", default=[64, 128])
     ap.add_argument("--mask", nargs="*", default=["none", "causal"])
     ap.add_argument("--dtype", nargs="*", default=["bfloat16"], help="bfloat16 float16 float8_e4m3fn")
+    ap.add_argument("--seqlen", type=int, default=2048,
+                    help="keys (= queries) of the problem whose kernel is built: some choices depend on it")
     ap.add_argument("--variants", action="store_true", help="also the serial / no-ping-pong mainloops")
     args = ap.parse_args(argv)
-    masks = {"none": (MaskKind.NONE, False, False), "causal": (MaskKind.WINDOW, False, True),
-             "window": (MaskKind.WINDOW, True, True), "compressed": (MaskKind.COMPRESSED_CAUSAL, False, False)}
+    masks = {"none": {}, "causal": dict(causal=True), "window": dict(window_size=(256, 0)),
+             "compressed": dict(compressed_causal=True)}
     variants = [(True, True)] + ([(True, False), (False, False)] if args.variants else [])
     for dt in args.dtype:
-        dtype = getattr(torch, dt)
-        out_dtype = default_out_dtype(dtype)
         for d in args.head_dim:
+            # the kernel the library would build for a (1, seqlen, 16, d) call, persistent grid
+            q = torch.zeros(1, args.seqlen, 16, d).to(getattr(torch, dt))
             for m in args.mask:
-                kind, wl, wr = masks[m]
+                problem = validate(q, q, q, **masks[m])
+                default = HopperConfig.from_problem(problem, KernelOptions(persistent=True))
                 for overlap, pingpong in variants:
-                    tm, tn = default_tile(dtype, d)
-                    cfg = HopperConfig(dtype, out_dtype, d, kind, wl, wr, False, False, True, True,
-                                       tile_m=tm, tile_n=tn, overlap=overlap, pingpong=pingpong,
-                                       serial_max_tiles=serial_max_tiles_for(d),
-                                       softmax_chains=softmax_chains_for(d))
-                    print(f"{dt} D={d} tile={tm}x{tn} stages={cfg.kv_stages} {m:10s} overlap={int(overlap)} "
-                          f"pingpong={int(pingpong)} serial<={cfg.serial_max_tiles}: {report(cfg)}", flush=True)
+                    cfg = dataclasses.replace(default, overlap=overlap, pingpong=pingpong)
+                    print(f"{dt} D={d} tile={cfg.tile_m}x{cfg.tile_n} stages={cfg.kv_stages}+{cfg.q_stages}q "
+                          f"{m:10s} overlap={int(overlap)} pingpong={int(pingpong)} "
+                          f"serial<={cfg.serial_max_tiles} l2={int(cfg.l2_sections)}: {report(cfg)}", flush=True)
 
 
 if __name__ == "__main__":

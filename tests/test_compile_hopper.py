@@ -20,6 +20,7 @@ from fmha.kernels.hopper.backend import (  # noqa: E402
     HopperConfig,
     allowed_tiles,
     compile_kernel,
+    shape_choices,
 )
 from fmha.masking import MaskKind  # noqa: E402
 from fmha.problem import default_out_dtype  # noqa: E402
@@ -37,11 +38,14 @@ FP8 = torch.float8_e4m3fn
 
 
 def _config(dtype, head_dim, mask, persistent, varlen=False, lse=True, out_dtype=None, tile=None):
+    """The kernel the library builds for these choices at 1k keys (``shape_choices``). L2 sections
+    go with every persistent grid: the kernel walks them only under causal-like masks."""
     kind, wl, wr, br = MASKS[mask]
     tm, tn = tile or allowed_tiles(dtype, head_dim)[0]
     out = out_dtype or default_out_dtype(dtype)
     return HopperConfig(dtype, out, head_dim, kind, wl, wr, br, varlen, lse, persistent,
-                        tile_m=tm, tile_n=tn)
+                        tile_m=tm, tile_n=tn, l2_sections=persistent,
+                        **shape_choices(persistent, head_dim, 1024))
 
 
 _PAIRS = list(itertools.product(SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS))

@@ -107,6 +107,15 @@ def q_stages_for(persistent: bool, head_dim: int, seqlen_k: int) -> int:
     return 2 if persistent and head_dim <= 128 and seqlen_k <= 4096 else 1
 
 
+def shape_choices(persistent: bool, head_dim: int, seqlen_k: int) -> dict:
+    """The compile-time choices ``HopperConfig.from_problem`` makes from the grid, the head dim and
+    the key length (besides tiles and scheduling): ``HopperConfig`` fields by name, so that the
+    compile tests and ``scripts/kernel_report.py`` build the kernels the library builds."""
+    return dict(serial_max_tiles=serial_max_tiles_for(head_dim),
+                softmax_chains=softmax_chains_for(head_dim),
+                q_stages=q_stages_for(persistent, head_dim, seqlen_k))
+
+
 @dataclass(frozen=True)
 class HopperConfig:
     """Everything that selects a different compiled kernel. Sizes, scales and window values are
@@ -167,10 +176,8 @@ class HopperConfig:
             persistent=bool(persistent),
             tile_m=options.tile_m or tile_m,
             tile_n=options.tile_n or tile_n,
-            serial_max_tiles=serial_max_tiles_for(problem.head_dim),
             l2_sections=l2_sections,
-            softmax_chains=softmax_chains_for(problem.head_dim),
-            q_stages=q_stages_for(bool(persistent), problem.head_dim, problem.seqlen_k),
+            **shape_choices(bool(persistent), problem.head_dim, problem.seqlen_k),
         )
 
 
