@@ -39,7 +39,7 @@ from ..common.fragments import (
 )
 from ..common.mask import FragmentMask
 from ..common.scheduler import StaticTileScheduler, TileTableScheduler
-from ..common.softmax import MAX_CHAINS, SUM_CHAINS, OnlineSoftmax
+from ..common.softmax import OnlineSoftmax
 from . import L2_BYTES
 from .wgmma import issue_gemm
 
@@ -84,7 +84,7 @@ class HopperAttentionForward:
         serial_max_tiles: int = 0,
         l2_sections: bool = False,
         rescale_before_pv: bool = False,
-        softmax_chains: tuple = (MAX_CHAINS, SUM_CHAINS),
+        softmax_chains: tuple = (1, 1),
     ):
         assert tile_m % 64 == 0 and tile_n % 16 == 0
         self.head_dim = head_dim
