@@ -99,7 +99,7 @@ def _mask_kwargs(p: Point) -> dict:
     return dict(causal=p.causal)
 
 
-def _kernel_variant(fp8_only: bool = False, **overrides) -> Callable:
+def _kernel_variant(fp8_only: bool = False, head_dims: tuple = (), **overrides) -> Callable:
     """fmha's Hopper kernel with some compile-time choices overridden (mainloop, scheduling,
     tile), called below the public API: to measure what each technique buys."""
     import dataclasses
@@ -115,6 +115,8 @@ def _kernel_variant(fp8_only: bool = False, **overrides) -> Callable:
     def fn(q, k, v, p, cu):
         if (p.dtype == "bfloat16") == fp8_only:
             raise NotImplementedError(f"this variant is timed on {'fp8' if fp8_only else 'bf16'} points")
+        if head_dims and p.head_dim not in head_dims:
+            raise NotImplementedError(f"this variant is timed at head dims {head_dims}")
         if p not in problems:  # validated once: a varlen check reads cu_seqlens on the host
             kw = dict(varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(p.varlen),
                       max_seqlen_k=max(p.varlen)) if p.varlen else {}
@@ -145,6 +147,11 @@ VARIANTS = {
     "fmha_tree_softmax": dict(softmax_chains=(4, 2)),  # 4 max / 2 sum chains per row
     "fmha_q1": dict(q_stages=1),  # one Q buffer: the next tile's Q loads after this one's mainloop
     "fmha_rescale_early": dict(rescale_before_pv=True),  # O rescaled under the S GEMM
+    "fmha_n176": dict(tile_n=176, head_dims=(128,)),  # a wider key tile, D=128
+    "fmha_n192": dict(tile_n=192, head_dims=(128,)),
+    "fmha_early_k_release": dict(late_k_release=False),  # K released before the softmax
+    "fmha_late_k_release": dict(late_k_release=True),  # the same call path as the variants above
+    "fmha_late_k_rescale_early": dict(late_k_release=True, rescale_before_pv=True),
     "fmha_fp8_n192": dict(tile_n=192, fp8_only=True),  # a wider key tile for fp8, D=128
     "fmha_fp8_m192n96": dict(tile_m=192, tile_n=96, fp8_only=True),  # 3 consumer warpgroups
 }

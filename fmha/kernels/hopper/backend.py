@@ -146,6 +146,8 @@ class HopperConfig:
     softmax_chains: tuple = (1, 1)
     # Q buffers in shared memory (``q_stages_for``)
     q_stages: int = 1
+    # overlapped loop: K_n released after the softmax, which keeps ptxas's P.V wait below it
+    late_k_release: bool = True
 
     @property
     def kv_stages(self) -> int:
@@ -314,6 +316,7 @@ def compile_kernel(cfg: HopperConfig, extra_options: str = ""):
         l2_sections=cfg.l2_sections,
         rescale_before_pv=cfg.rescale_before_pv,
         softmax_chains=cfg.softmax_chains,
+        late_k_release=cfg.late_k_release,
     )
     q, k, v, o, lse, cu_q, cu_k, tiles, descs = _fake_tensors(cfg)
     with _targeting_sm90a():

@@ -85,6 +85,7 @@ class HopperAttentionForward:
         l2_sections: bool = False,
         rescale_before_pv: bool = False,
         softmax_chains: tuple = (1, 1),
+        late_k_release: bool = True,
     ):
         assert tile_m % 64 == 0 and tile_n % 16 == 0
         self.head_dim = head_dim
@@ -120,6 +121,8 @@ class HopperAttentionForward:
         self.rescale_before_pv = rescale_before_pv and overlap
         # Independent chains per row for the softmax's max and sum (OnlineSoftmax.update).
         self.softmax_chains = softmax_chains
+        # Overlapped loop: release K_n after the softmax (``overlapped_step``).
+        self.late_k_release = late_k_release and overlap
         self.num_consumer_wgs = tile_m // 64
         self.num_threads = _WG * (1 + self.num_consumer_wgs)
         # setmaxnreg budgets: the producer warpgroup gives registers to the consumers; the sums
@@ -479,7 +482,11 @@ class HopperAttentionForward:
         sQ, sK, sV, q_consumer: pipeline.PipelineConsumer, kv_consumer: pipeline.PipelineConsumer,
         tidx: Int32,
     ):
-        wg_first_thread = (tidx // _WG) * _WG
+        # Uniform by construction, but ptxas cannot see it from tidx: without the hint the
+        # warpgroup's Q descriptor lives in ordinary registers and every S-GEMM wgmma waits on
+        # two R2UR moves into uniform registers.
+        wg = cute.arch.make_warp_uniform(tidx // _WG)
+        wg_first_thread = wg * _WG
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
         wg_qk = tiled_mma_qk.get_slice(wg_first_thread)
@@ -503,7 +510,6 @@ class HopperAttentionForward:
             p = cute.make_rmem_tensor(fp8_operand_a_shape(s_shape), self.dtype)
         else:
             p = cute.make_rmem_tensor(s_shape, self.dtype)
-        wg = tidx // _WG
         if const_expr(self.pingpong):
             if wg == 0:
                 # Warpgroup 0 issues first: pre-arrive on its own turn barrier.
@@ -622,10 +628,17 @@ class HopperAttentionForward:
             cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER + (wg + 1) % self.num_consumer_wgs,
                                      number_of_threads=2 * _WG)
         warpgroup.wait_group(1)  # S_n is ready; P_{n-1} V_{n-1} may still run
-        k_handle.release()
+        if const_expr(not self.late_k_release):
+            k_handle.release()
         if const_expr(masked):
             mask.apply(acc_s, tScS, row_base, n_block * self.tile_n)
         softmax.update(acc_s, row_scale)
+        if const_expr(self.late_k_release):
+            # ptxas keeps an mbarrier arrive ahead of a later wgmma wait but hoists both as far as
+            # their operands allow. Released here, tied to the softmax's result, K_n's arrive holds
+            # the wait for P_{n-1} V_{n-1} below the exponentials, which then run under that GEMM
+            # instead of after it.
+            self.release_after(k_handle, softmax.row_sum[0])
         warpgroup.wait_group(0)
         v_handle.release()
         if const_expr(not self.rescale_before_pv):
@@ -634,6 +647,15 @@ class HopperAttentionForward:
         # Returned so the caller rebinds it: pipeline state advanced here must be a plain local
         # of the enclosing staged loop.
         return kv_consumer
+
+    @cute.jit
+    def release_after(self, handle, anchor: Float32):
+        """``handle.release()``, made data-dependent on ``anchor`` (a softmax row sum: never
+        negative, so the condition always holds; NaN compares false and releases too)."""
+        pipe = handle.get_origin()
+        if pipe.is_signaling_thread:
+            if not (anchor < Float32(0.0)):
+                pipe.sync_object_empty.arrive(handle.index, pipe.consumer_mask)
 
     @cute.jit
     def store_p(self, p: cute.Tensor, acc_s: cute.Tensor):
