@@ -4,6 +4,7 @@
         --launch-skip 2 --launch-count 1 --set full -o OUT/fmha \\
         python scripts/profile_kernel.py --impl fmha --batch 1 --seqlen 16384 --heads 16 --head-dim 128
     ncu -i OUT/fmha.ncu-rep --page source --csv --print-source sass > OUT/fmha_sass.csv
+    python scripts/profile_kernel.py --summarize OUT/fmha_sass.csv     # stall reasons, hot spots
 
 The calls are the benchmark's own (``fmha.bench``), so the kernel profiled is the one timed there:
 ``--impl`` takes any of its implementation names (fmha, fa4, fmha_<variant>, ...).
@@ -16,8 +17,38 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def summarize(csv_path: str, top: int = 20) -> str:
+    """Markdown: the kernel's warp-stall samples by reason, and the instructions with the most
+    samples (ncu's per-instruction source counters, exported as CSV)."""
+    import csv
+    from collections import Counter
+
+    with open(csv_path, newline="") as f:
+        rows = list(csv.reader(f))
+    header_at = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+    hdr, data = rows[header_at], [r for r in rows[header_at + 1:] if len(r) == len(rows[header_at])]
+    col = {h: i for i, h in enumerate(hdr)}
+    reasons = [h for h in hdr if h.startswith("stall_") and "Not Issued" not in h]
+    count = lambda r, h: int((r[col[h]] or "0").replace(",", ""))
+    by_reason = Counter({h[len("stall_"):]: sum(count(r, h) for r in data) for h in reasons})
+    samples = sum(count(r, "Warp Stall Sampling (All Samples)") for r in data)
+    executed = sum(count(r, "Instructions Executed") for r in data)
+    lines = [f"{samples} warp samples, {executed} warp instructions executed", "",
+             "| stall reason | samples | share |", "|---|---|---|"]
+    lines += [f"| {k} | {v} | {100 * v / samples:.1f}% |" for k, v in by_reason.most_common() if v]
+    lines += ["", f"| instruction (top {top} by samples) | share | main reasons |", "|---|---|---|"]
+    hot = sorted(data, key=lambda r: -count(r, "Warp Stall Sampling (All Samples)"))[:top]
+    for r in hot:
+        n = count(r, "Warp Stall Sampling (All Samples)")
+        main = ", ".join(f"{h[len('stall_'):]} {100 * count(r, h) / n:.0f}%" for h in reasons
+                         if n and count(r, h) > 0.15 * n)
+        lines.append(f"| `{r[col['Source']].strip()[:70]}` | {100 * n / samples:.1f}% | {main} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--summarize", metavar="CSV", help="summarize an ncu SASS source export instead")
     ap.add_argument("--impl", default="fmha")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seqlen", type=int, default=16384)
@@ -27,6 +58,9 @@ def main(argv=None):
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--calls", type=int, default=3, help="calls after the compiling one")
     args = ap.parse_args(argv)
+    if args.summarize:
+        print(summarize(args.summarize), end="")
+        return
 
     import torch
 

@@ -1,0 +1,112 @@
+"""Checks on the Hopper kernel's machine code (SASS), compiled without a GPU by the DSL's own
+ptxas and disassembled with ``nvdisasm`` (the ``nvidia-cuda-nvdisasm`` wheel of the test extras).
+
+They pin two scheduling properties that PTX cannot show and that the H200 profile of
+docs/PERFORMANCE.md (item 13) traced:
+- the consumer's S-GEMM issue reads its Q descriptor from uniform registers, without ``R2UR``
+  moves inside the K/V loop;
+- in the overlapped loop, most of the softmax's exponentials run before the wait for the
+  previous tile's P.V GEMM (``WARPGROUP.DEPBAR.LE gsb0, 0x0``), not after it.
+"""
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+from fmha.kernels.hopper.backend import HopperConfig, allowed_tiles, compile_kernel, shape_choices  # noqa: E402
+from fmha.masking import MaskKind  # noqa: E402
+
+
+def _nvdisasm():
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for base in nvidia.__path__:
+        cand = os.path.join(base, "cu13", "bin", "nvdisasm")
+        if os.path.exists(cand):
+            return cand
+    return None
+
+
+NVDISASM = _nvdisasm()
+pytestmark = pytest.mark.skipif(NVDISASM is None, reason="needs nvdisasm (pip install nvidia-cuda-nvdisasm)")
+
+
+def _config(head_dim, causal, seqlen=16384):
+    tm, tn = allowed_tiles(torch.bfloat16, head_dim)[0]
+    kind, wr = (MaskKind.WINDOW, True) if causal else (MaskKind.NONE, False)
+    return HopperConfig(torch.bfloat16, torch.bfloat16, head_dim, kind, False, wr, False, False, False,
+                        True, tile_m=tm, tile_n=tn, **shape_choices(True, head_dim, seqlen))
+
+
+@functools.lru_cache(maxsize=None)
+def _sass(cfg, tmp_root):
+    out = os.path.join(tmp_root, f"k{abs(hash(cfg))}")
+    os.makedirs(out, exist_ok=True)
+    compile_kernel(cfg, extra_options=f"--keep-cubin --dump-dir={out}")
+    cubin = next(os.path.join(out, f) for f in os.listdir(out) if f.endswith(".cubin"))
+    return subprocess.run([NVDISASM, "-c", cubin], capture_output=True, text=True, check=True).stdout
+
+
+def _mainloops(cfg, tmp_root) -> list:
+    """Instruction lists of the K/V loops: the loops (backward branches to a label) that issue
+    wgmma and hold no smaller such loop (the whole tile loop holds them; the barrier-wait spins
+    inside them issue none)."""
+    ins, labels, loops = [], {}, []
+    for line in _sass(cfg, tmp_root).splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[m.group(1)] = len(ins)
+        elif m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;", line):
+            ins.append(m.group(1))
+    for i, text in enumerate(ins):
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)
+        if m and labels.get(m.group(1), i + 1) <= i and any("HGMMA" in t for t in ins[labels[m.group(1)]:i]):
+            loops.append((labels[m.group(1)], i))
+    inner = [(s, e) for s, e in loops if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in loops)]
+    assert inner, "no K/V loop with wgmma found"
+    return [ins[s:e + 1] for s, e in inner]
+
+
+CONFIGS = [(64, False), (128, False), (128, True), (256, False)]
+
+
+@pytest.fixture(scope="module")
+def tmp_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("sass"))
+
+
+@pytest.mark.parametrize("head_dim,causal", CONFIGS)
+def test_q_descriptor_needs_no_r2ur(head_dim, causal, tmp_root):
+    """Without ``make_warp_uniform`` on the warpgroup index, every S-GEMM wgmma of the loop waited
+    on two R2UR moves of its Q descriptor: 16 per K/V tile at D=128, 8 at D=64. (At D=256 ptxas
+    keeps the K/V stage index in an ordinary register: one R2UR per GEMM, 2 per tile.)"""
+    for body in _mainloops(_config(head_dim, causal), tmp_root):
+        assert len([t for t in body if re.match(r"(@!?U?P\d\s+)?R2UR\b", t)]) <= 2
+
+
+@pytest.mark.parametrize("head_dim,causal", CONFIGS)
+def test_exponentials_run_before_the_pv_wait(head_dim, causal, tmp_root):
+    """Released before the softmax, K's mbarrier arrive let ptxas hoist the P.V wait to the first
+    row max (0-18 of 66 exponentials before it at D=128); ``release_after`` keeps it below."""
+    steps = 0
+    for body in _mainloops(_config(head_dim, causal), tmp_root):
+        waits_s = [i for i, t in enumerate(body) if "DEPBAR.LE gsb0, 0x1" in t]
+        if not waits_s:
+            continue  # the serial mainloop: no P.V in flight during the softmax
+        wait_pv = next(i for i, t in enumerate(body) if "DEPBAR.LE gsb0, 0x0" in t and i > waits_s[0])
+        exps = [i for i, t in enumerate(body) if "MUFU.EX2" in t]
+        before = sum(waits_s[0] < i < wait_pv for i in exps)
+        assert before >= len(exps) / 2, f"{before} of {len(exps)} exponentials before the P.V wait"
+        steps += 1
+    assert steps, "no overlapped step found"
