@@ -152,6 +152,7 @@ VARIANTS = {
     "fmha_early_k_release": dict(late_k_release=False),  # K released before the softmax
     "fmha_late_k_release": dict(late_k_release=True),  # the same call path as the variants above
     "fmha_late_k_rescale_early": dict(late_k_release=True, rescale_before_pv=True),
+    "fmha_mask_compare": dict(mask_bits=False),  # two compares per masked score
     "fmha_fp8_n192": dict(tile_n=192, fp8_only=True),  # a wider key tile for fp8, D=128
     "fmha_fp8_m192n96": dict(tile_m=192, tile_n=96, fp8_only=True),  # 3 consumer warpgroups
 }

@@ -90,3 +90,19 @@ def test_mask_spec_from_args():
         MaskSpec.from_args(mask_align="center")
     with pytest.raises(ValueError, match="compressed_causal=True cannot be combined"):
         MaskSpec.from_args(causal=True, compressed_causal=True)
+
+
+def test_kept_column_bits_match_the_interval():
+    """The per-thread bit masks of ``FragmentMask`` (one bit per column a thread holds in a row of a
+    warpgroup-MMA accumulator) keep exactly the columns in ``[lo, hi)``, for bounds before, inside
+    and past each 32-column chunk (the kernel evaluates the same function with PTX shifts)."""
+    from fmha.kernels.common.mask import CHUNK, column_offset, kept_column_bits
+
+    assert [column_offset(i) for i in range(6)] == [0, 1, 8, 9, 16, 17]
+    for chunk in range(2):
+        for lo in range(-9, 270, 1):
+            for hi in range(-9, 270, 5):
+                bits = kept_column_bits(lo, hi, chunk)
+                got = [bool(bits >> i & 1) for i in range(CHUNK)]
+                want = [lo <= column_offset(CHUNK * chunk + i) < hi for i in range(CHUNK)]
+                assert got == want, (chunk, lo, hi)

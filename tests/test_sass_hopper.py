@@ -6,7 +6,9 @@ docs/PERFORMANCE.md (item 13) traced:
 - the consumer's S-GEMM issue reads its Q descriptor from uniform registers, without ``R2UR``
   moves inside the K/V loop;
 - in the overlapped loop, most of the softmax's exponentials run before the wait for the
-  previous tile's P.V GEMM (``WARPGROUP.DEPBAR.LE gsb0, 0x0``), not after it.
+  previous tile's P.V GEMM (``WARPGROUP.DEPBAR.LE gsb0, 0x0``), not after it;
+- masked K/V tiles test one bit per score, which ptxas turns into ``R2P`` (7 predicates per
+  instruction), instead of two integer compares per score.
 """
 
 import functools
@@ -110,3 +112,16 @@ def test_exponentials_run_before_the_pv_wait(head_dim, causal, tmp_root):
         assert before >= len(exps) / 2, f"{before} of {len(exps)} exponentials before the P.V wait"
         steps += 1
     assert steps, "no overlapped step found"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_masked_tiles_use_r2p(head_dim, tmp_root):
+    """With two compares per score the masked loops had no R2P and 2-3 integer instructions per
+    score (67 ISETP + 28 VIADD at D=128); with ``kept_column_bits`` they have R2P, and the masked
+    loop is 604 instead of 657 instructions at D=128."""
+    loops = _mainloops(_config(head_dim, True), tmp_root)
+    masked = [b for b in loops if sum("FSEL" in t for t in b) >= 32]
+    assert masked, "no masked K/V loop found"
+    for body in masked:
+        assert sum(t.startswith("R2P") or " R2P " in t for t in body) >= 4
+        assert sum(re.match(r"(@!?P\d\s+)?ISETP", t) is not None for t in body) < 16

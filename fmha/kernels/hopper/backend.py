@@ -148,6 +148,8 @@ class HopperConfig:
     q_stages: int = 1
     # overlapped loop: K_n released after the softmax, which keeps ptxas's P.V wait below it
     late_k_release: bool = True
+    # masked tiles: per-thread column bit masks (R2P) instead of two compares per score
+    mask_bits: bool = True
 
     @property
     def kv_stages(self) -> int:
@@ -317,6 +319,7 @@ def compile_kernel(cfg: HopperConfig, extra_options: str = ""):
         rescale_before_pv=cfg.rescale_before_pv,
         softmax_chains=cfg.softmax_chains,
         late_k_release=cfg.late_k_release,
+        mask_bits=cfg.mask_bits,
     )
     q, k, v, o, lse, cu_q, cu_k, tiles, descs = _fake_tensors(cfg)
     with _targeting_sm90a():

@@ -86,6 +86,7 @@ class HopperAttentionForward:
         rescale_before_pv: bool = False,
         softmax_chains: tuple = (1, 1),
         late_k_release: bool = True,
+        mask_bits: bool = True,
     ):
         assert tile_m % 64 == 0 and tile_n % 16 == 0
         self.head_dim = head_dim
@@ -123,6 +124,8 @@ class HopperAttentionForward:
         self.softmax_chains = softmax_chains
         # Overlapped loop: release K_n after the softmax (``overlapped_step``).
         self.late_k_release = late_k_release and overlap
+        # Masked tiles: per-thread column bit masks instead of two compares per score.
+        self.mask_bits = mask_bits
         self.num_consumer_wgs = tile_m // 64
         self.num_threads = _WG * (1 + self.num_consumer_wgs)
         # setmaxnreg budgets: the producer warpgroup gives registers to the consumers; the sums
@@ -523,7 +526,7 @@ class HopperAttentionForward:
                 batch, mQ_sdhb.shape[0], mK_tma.shape[0], mCuSeqlensQ, mCuSeqlensK)
             if m_block * self.tile_m < seqlen_q:
                 mask = FragmentMask(self.mask_kind, seqlen_q, seqlen_k, window_left, window_right,
-                                    self.bottom_right)
+                                    self.bottom_right, self.mask_bits)
                 sched = self.tile_schedule(m_block, seqlen_q, seqlen_k, window_left, window_right)
                 row_base = m_block * self.tile_m
                 softmax.reset()
