@@ -81,19 +81,26 @@ def as_operand_a_fp8(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, cute.composition(acc.layout, view))
 
 
+def ptx_b32(text: str, constraints: str, operands: list, *, loc=None, ip=None):
+    """One PTX instruction with a 32-bit register result (``$0``), as inline assembly: for the
+    conversions and shifts whose PTX semantics the DSL's own ops do not give."""
+    return llvm.inline_asm(
+        T.i32(),
+        [x.ir_value(loc=loc, ip=ip) for x in operands],
+        text,
+        constraints,
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 @dsl_user_op
 def _pack_pair(lo: Float32, hi: Float32, to_bf16: bool, *, loc=None, ip=None) -> Int32:
     """Two fp32 values rounded to one packed 16-bit pair (``lo`` in the low half)."""
     kind = "bf16x2" if to_bf16 else "f16x2"
-    return Int32(llvm.inline_asm(
-        T.i32(),
-        [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-        f"cvt.rn.{kind}.f32 $0, $1, $2;",
-        "=r,f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    ))
+    return Int32(ptx_b32(f"cvt.rn.{kind}.f32 $0, $1, $2;", "=r,f,f", [Float32(hi), Float32(lo)],
+                         loc=loc, ip=ip))
 
 
 @cute.jit

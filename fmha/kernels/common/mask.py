@@ -12,12 +12,11 @@ from typing import Any
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 
 from fmha.masking import MaskKind, row_key_bounds
 
-from .fragments import as_rows_cols
+from .fragments import as_rows_cols, ptx_b32
 
 # A thread's columns of one row of a warpgroup-MMA accumulator, in ``as_rows_cols`` order: pairs
 # of adjacent columns, the pairs 8 apart. Column i of the thread's row sits at offset
@@ -52,15 +51,7 @@ def _ones_shifted(amount: Int32, left: bool, *, loc=None, ip=None) -> Uint32:
     """0xFFFFFFFF shifted by ``amount`` in 0..32, in PTX (whose shift by 32 gives 0; the same
     shift in LLVM IR would be poison)."""
     op = "shl" if left else "shr"
-    return Uint32(llvm.inline_asm(
-        T.i32(),
-        [Int32(amount).ir_value(loc=loc, ip=ip)],
-        f"{op}.b32 $0, -1, $1;",
-        "=r,r",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    ))
+    return Uint32(ptx_b32(f"{op}.b32 $0, -1, $1;", "=r,r", [Int32(amount)], loc=loc, ip=ip))
 
 
 @dataclass(frozen=True)

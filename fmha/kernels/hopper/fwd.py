@@ -451,17 +451,13 @@ class HopperAttentionForward:
         """K_0, then (K_i, V_i-1) pairs, then the last V: the order ``mainloop_overlapped`` waits in."""
         tma_k, tKgK, tKsK, desc_k, tma_v, tVgV, tVsV, desc_v = load
         if sched.total > 0:
-            handle = kv_producer.acquire_and_advance()
-            cute.copy(tma_k, tKgK[None, sched.start], tKsK[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_k)
+            kv_producer = self.load_stage(kv_producer, tma_k, tKgK[None, sched.start], tKsK, desc_k)
             for i in cutlass.range(1, sched.total, unroll=1):
                 n_block = sched.start + i
-                handle = kv_producer.acquire_and_advance()
-                cute.copy(tma_k, tKgK[None, n_block], tKsK[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_k)
-                handle = kv_producer.acquire_and_advance()
-                cute.copy(tma_v, tVgV[None, n_block - 1], tVsV[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_v)
-            handle = kv_producer.acquire_and_advance()
-            cute.copy(tma_v, tVgV[None, sched.start + sched.total - 1], tVsV[None, handle.index],
-                      tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_v)
+                kv_producer = self.load_stage(kv_producer, tma_k, tKgK[None, n_block], tKsK, desc_k)
+                kv_producer = self.load_stage(kv_producer, tma_v, tVgV[None, n_block - 1], tVsV, desc_v)
+            kv_producer = self.load_stage(
+                kv_producer, tma_v, tVgV[None, sched.start + sched.total - 1], tVsV, desc_v)
         return kv_producer
 
     @cute.jit
@@ -470,10 +466,16 @@ class HopperAttentionForward:
         tma_k, tKgK, tKsK, desc_k, tma_v, tVgV, tVsV, desc_v = load
         for i in cutlass.range(sched.total, unroll=1):
             n_block = sched.start + i
-            handle = kv_producer.acquire_and_advance()
-            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_k)
-            handle = kv_producer.acquire_and_advance()
-            cute.copy(tma_v, tVgV[None, n_block], tVsV[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_v)
+            kv_producer = self.load_stage(kv_producer, tma_k, tKgK[None, n_block], tKsK, desc_k)
+            kv_producer = self.load_stage(kv_producer, tma_v, tVgV[None, n_block], tVsV, desc_v)
+        return kv_producer
+
+    @cute.jit
+    def load_stage(self, kv_producer: pipeline.PipelineProducer, tma, src, dst_stages, desc):
+        """TMA-load one K or V tile (``src``) into the ring's next free stage. The advanced
+        producer is returned for the caller to rebind (as in ``overlapped_step``)."""
+        handle = kv_producer.acquire_and_advance()
+        cute.copy(tma, src, dst_stages[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc)
         return kv_producer
 
     # ------------------------------------------------------------------ consumer warpgroups
