@@ -22,7 +22,8 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _nvdisasm():
+def find_nvdisasm():
+    """Path of ``nvdisasm``: on PATH, or from the ``nvidia-cuda-nvdisasm`` wheel; None if neither."""
     found = shutil.which("nvdisasm")
     if found:
         return found
@@ -56,7 +57,7 @@ def report(cfg) -> dict:
             "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill", log)),
             "advisories": sorted(set(re.findall(r"\((C7\d\d\d)\)", log))),
         }
-        nvd = _nvdisasm()
+        nvd = find_nvdisasm()
         if nvd and os.path.exists(cubin):
             sass = subprocess.run([nvd, "-c", cubin], capture_output=True, text=True).stdout
             for ins in ("HGMMA", "QGMMA", "UTMALDG", "UTMASTG", "LDL", "STL"):

@@ -14,8 +14,8 @@ docs/PERFORMANCE.md (item 13) traced:
 import functools
 import os
 import re
-import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -25,23 +25,10 @@ pytest.importorskip("cutlass")
 from fmha.kernels.hopper.backend import HopperConfig, allowed_tiles, compile_kernel, shape_choices  # noqa: E402
 from fmha.masking import MaskKind  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+from kernel_report import find_nvdisasm  # noqa: E402
 
-def _nvdisasm():
-    found = shutil.which("nvdisasm")
-    if found:
-        return found
-    try:
-        import nvidia
-    except ImportError:
-        return None
-    for base in nvidia.__path__:
-        cand = os.path.join(base, "cu13", "bin", "nvdisasm")
-        if os.path.exists(cand):
-            return cand
-    return None
-
-
-NVDISASM = _nvdisasm()
+NVDISASM = find_nvdisasm()
 pytestmark = pytest.mark.skipif(NVDISASM is None, reason="needs nvdisasm (pip install nvidia-cuda-nvdisasm)")
 
 
