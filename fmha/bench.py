@@ -153,6 +153,8 @@ VARIANTS = {
     "fmha_late_k_release": dict(late_k_release=True),  # the same call path as the variants above
     "fmha_late_k_rescale_early": dict(late_k_release=True, rescale_before_pv=True),
     "fmha_mask_compare": dict(mask_bits=False),  # two compares per masked score
+    "fmha_direct_o": dict(tma_store_o=False),  # O stored from registers, not staged for TMA
+    "fmha_tma_o": dict(tma_store_o=True),  # the same call path as fmha_direct_o
     "fmha_fp8_n192": dict(tile_n=192, fp8_only=True),  # a wider key tile for fp8, D=128
     "fmha_fp8_m192n96": dict(tile_m=192, tile_n=96, fp8_only=True),  # 3 consumer warpgroups
 }

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -150,6 +151,9 @@ class HopperConfig:
     late_k_release: bool = True
     # masked tiles: per-thread column bit masks (R2P) instead of two compares per score
     mask_bits: bool = True
+    # O staged in the tile's Q buffer and written by TMA (fixed-length batches whose output type
+    # is the 16-bit input type; the kernel stores directly otherwise)
+    tma_store_o: bool = True
 
     @property
     def kv_stages(self) -> int:
@@ -299,28 +303,9 @@ def compile_kernel(cfg: HopperConfig, extra_options: str = ""):
 
     from .fwd import HopperAttentionForward
 
-    kernel = HopperAttentionForward(
-        head_dim=cfg.head_dim,
-        mask_kind=cfg.mask_kind,
-        window_left_bounded=cfg.window_left_bounded,
-        window_right_bounded=cfg.window_right_bounded,
-        bottom_right=cfg.bottom_right,
-        varlen=cfg.varlen,
-        persistent=cfg.persistent,
-        tile_m=cfg.tile_m,
-        tile_n=cfg.tile_n,
-        kv_stages=cfg.kv_stages,
-        q_stages=cfg.q_stages,
-        v_staged=cfg.v_staged,
-        overlap=cfg.overlap,
-        pingpong=cfg.pingpong,
-        serial_max_tiles=cfg.serial_max_tiles,
-        l2_sections=cfg.l2_sections,
-        rescale_before_pv=cfg.rescale_before_pv,
-        softmax_chains=cfg.softmax_chains,
-        late_k_release=cfg.late_k_release,
-        mask_bits=cfg.mask_bits,
-    )
+    # The kernel's parameters are config attributes of the same name (fields or properties).
+    params = inspect.signature(HopperAttentionForward.__init__).parameters
+    kernel = HopperAttentionForward(**{name: getattr(cfg, name) for name in params if name != "self"})
     q, k, v, o, lse, cu_q, cu_k, tiles, descs = _fake_tensors(cfg)
     with _targeting_sm90a():
         return cute.compile(

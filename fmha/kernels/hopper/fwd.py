@@ -41,6 +41,7 @@ from ..common.mask import FragmentMask
 from ..common.scheduler import StaticTileScheduler, TileTableScheduler
 from ..common.softmax import OnlineSoftmax
 from . import L2_BYTES
+from .epilogue import store_lse, store_o_direct, store_o_tma, wg_slice_layout
 from .wgmma import issue_gemm
 
 _WG = 128  # threads per warpgroup
@@ -87,6 +88,7 @@ class HopperAttentionForward:
         softmax_chains: tuple = (1, 1),
         late_k_release: bool = True,
         mask_bits: bool = True,
+        tma_store_o: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_n % 16 == 0
         self.head_dim = head_dim
@@ -126,6 +128,10 @@ class HopperAttentionForward:
         self.late_k_release = late_k_release and overlap
         # Masked tiles: per-thread column bit masks instead of two compares per score.
         self.mask_bits = mask_bits
+        # O staged in the tile's Q buffer and written by TMA (``epilogue.store_o_tma``); needs a
+        # fixed-length batch (TMA clips at the tensor's end, not at a sequence's) and an output of
+        # the input's 16-bit type (``__call__`` decides: ``o_via_tma``).
+        self.tma_store_o = tma_store_o and not varlen
         self.num_consumer_wgs = tile_m // 64
         self.num_threads = _WG * (1 + self.num_consumer_wgs)
         # setmaxnreg budgets: the producer warpgroup gives registers to the consumers; the sums
@@ -158,6 +164,7 @@ class HopperAttentionForward:
     ):
         self.dtype = mQ.element_type
         self.out_dtype = mO.element_type
+        self.o_via_tma = self.tma_store_o and self.dtype.width == 16 and self.out_dtype == self.dtype
         varlen = self.varlen
         q = _bshd_to_sdhb(mQ, varlen)
         k = _bshd_to_sdhb(mK, varlen)
@@ -190,6 +197,11 @@ class HopperAttentionForward:
             load_op, k, cute.select(sK_layout, mode=[0, 1]), (tile_n, d))
         tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(
             load_op, v, cute.select(sV_layout, mode=[0, 1]), (d, tile_n))
+        tma_o = tma_tensor_o = None
+        if const_expr(self.o_via_tma):
+            o_wg_layout = wg_slice_layout(cute.select(sQ_layout, mode=[0, 1]), tile_m, d)
+            tma_o, tma_tensor_o = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), _bshd_to_sdhb(mO, varlen), o_wg_layout, (64, d))
         self.q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
         self.kv_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
 
@@ -224,7 +236,7 @@ class HopperAttentionForward:
             ).launch(grid=[num_batches, 1, 1], block=[32, 1, 1], stream=stream)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
-            tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v,
+            tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_o, tma_tensor_o,
             q, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mTileTable, mSeqDescriptors, num_m_blocks, num_batches,
             scale_log2, output_scale, window_left, window_right,
             sQ_layout, sK_layout, sV_layout,
@@ -248,6 +260,8 @@ class HopperAttentionForward:
         mK_tma: cute.Tensor,
         tma_v: cute.CopyAtom,
         mV_tma: cute.Tensor,
+        tma_o: Optional[cute.CopyAtom],
+        mO_tma: Optional[cute.Tensor],
         mQ_sdhb: cute.Tensor,
         mO: cute.Tensor,
         mLSE: Optional[cute.Tensor],
@@ -270,13 +284,18 @@ class HopperAttentionForward:
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(self.o_via_tma):
+                cpasync.prefetch_descriptor(tma_o)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # TMA pipelines count one arrival per consumer warp on release.
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wgs * 4)
+        # With O staged in the Q buffer, one thread per warpgroup frees it, after the TMA store.
+        q_releasers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wgs) \
+            if const_expr(self.o_via_tma) else consumer_warps
         q_producer, q_consumer = pipeline.PipelineTmaAsync.create(
-            num_stages=self.q_stages, producer_group=one_thread, consumer_group=consumer_warps,
+            num_stages=self.q_stages, producer_group=one_thread, consumer_group=q_releasers,
             tx_count=self.q_bytes, barrier_storage=storage.q_mbar.data_ptr(), defer_sync=True,
         ).make_participants()
         kv_producer, kv_consumer = pipeline.PipelineTmaAsync.create(
@@ -316,7 +335,7 @@ class HopperAttentionForward:
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consumer(
-                scheduler, tiled_mma_qk, tiled_mma_pv, mQ_sdhb, mK_tma, mO, mLSE,
+                scheduler, tiled_mma_qk, tiled_mma_pv, mQ_sdhb, mK_tma, mO, mLSE, tma_o, mO_tma,
                 mCuSeqlensQ, mCuSeqlensK, scale_log2, output_scale, window_left, window_right,
                 sQ, sK, sV, q_consumer, kv_consumer, tidx - _WG,
             )
@@ -482,7 +501,7 @@ class HopperAttentionForward:
     @cute.jit
     def consumer(
         self, scheduler, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-        mQ_sdhb, mK_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK,
+        mQ_sdhb, mK_tma, mO, mLSE, tma_o, mO_tma, mCuSeqlensQ, mCuSeqlensK,
         scale_log2: Float32, output_scale: Float32, window_left, window_right,
         sQ, sK, sV, q_consumer: pipeline.PipelineConsumer, kv_consumer: pipeline.PipelineConsumer,
         tidx: Int32,
@@ -543,9 +562,22 @@ class HopperAttentionForward:
                     kv_consumer = self.mainloop_serial(sched, row_base, mask, softmax, frags, kv_consumer)
                 else:
                     kv_consumer = self.mainloop_overlapped(sched, row_base, mask, softmax, frags, kv_consumer, wg)
-                q_handle.release()
+                if const_expr(not self.o_via_tma):
+                    q_handle.release()
                 softmax.finalize(acc_o, output_scale, lse_rows)
-                self.epilogue(acc_o, lse_rows, tOcO, mO, mLSE, m_block, head, batch, offset_q, seqlen_q)
+                o_out = cute.make_rmem_tensor_like(acc_o, self.out_dtype)
+                o_out.store(acc_o.load().to(self.out_dtype))
+                store_lse(lse_rows, tOcO, mLSE, self.varlen, m_block, self.tile_m, head, batch, offset_q, seqlen_q)
+                if const_expr(self.o_via_tma):
+                    q_pipe = q_handle.get_origin()
+                    q_index = q_handle.index
+                    store_o_tma(
+                        o_out, tiled_mma_pv, self.num_consumer_wgs, tidx, wg, sQ[None, None, q_index], tma_o,
+                        mO_tma, m_block, head, batch,
+                        lambda: q_pipe.sync_object_empty.arrive(q_index, q_pipe.consumer_mask))
+                else:
+                    store_o_direct(o_out, tOcO, mO, self.varlen, m_block, self.tile_m, head, batch, offset_q,
+                                   seqlen_q)
             tile_idx = scheduler.next(tile_idx)
 
     @cute.jit
@@ -673,30 +705,3 @@ class HopperAttentionForward:
     def operand_p(self, p: cute.Tensor) -> cute.Tensor:
         """P as the register A operand of P.V (the fp8 fragment is already in that shape)."""
         return p if const_expr(self.dtype.width == 8) else as_operand_a(p)
-
-    @cute.jit
-    def epilogue(self, acc_o: cute.Tensor, lse_rows: cute.Tensor, tOcO: cute.Tensor,
-                 mO: cute.Tensor, mLSE: Optional[cute.Tensor], m_block: Int32, head: Int32,
-                 batch: Int32, offset_q: Int32, seqlen_q: Int32):
-        """Write this thread's rows of O (predicated on the sequence length, so a ragged tile never
-        touches a neighbouring sequence) and, from the row's first thread, its LSE."""
-        o_out = cute.make_rmem_tensor_like(acc_o, self.out_dtype)
-        o_out.store(acc_o.load().to(self.out_dtype))
-        if const_expr(self.varlen):
-            mO_seq = cute.domain_offset((offset_q, 0), mO[None, head, None])
-        else:
-            mO_seq = mO[batch, None, head, None]
-        row_base = m_block * self.tile_m
-        o_rc = as_rows_cols(o_out)
-        c_rc = as_rows_cols(tOcO)
-        for r in cutlass.range_constexpr(cute.size(o_rc, mode=[0])):
-            row = row_base + c_rc[r, 0][0]
-            if row < seqlen_q:
-                for j in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
-                    mO_seq[row, c_rc[r, j][1]] = o_rc[r, j]
-                if const_expr(mLSE is not None):
-                    if c_rc[r, 0][1] == 0:
-                        if const_expr(self.varlen):
-                            mLSE[head, offset_q + row] = lse_rows[r]
-                        else:
-                            mLSE[batch, head, row] = lse_rows[r]

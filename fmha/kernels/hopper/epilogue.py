@@ -1,0 +1,100 @@
+"""Writing a consumer warpgroup's part of the output tile: O (its 64 query rows) and the LSE.
+
+Two ways to write O:
+
+* ``store_o_direct``: every thread stores its accumulator pairs straight to global memory,
+  predicated on the sequence length. Each store instruction covers half of every 32-byte sector
+  it touches (a quad of threads holds 8 adjacent columns of a row), so L2 sees twice the write
+  requests the data needs. Used for varlen (a TMA box would not stop at a sequence's end) and
+  when the output is wider than the input (fp8 in, 16-bit out: O does not fit the Q buffer).
+* ``store_o_tma``: the warpgroup writes its rows into shared memory with ``stmatrix``, then one
+  thread hands them to a TMA store, which writes whole lines and clips at the tensor's end. The
+  buffer is the tile's own Q buffer, which no MMA reads any more once the mainloop is over: each
+  warpgroup only ever read its own 64 rows of Q, so it can overwrite them without waiting for the
+  other warpgroups.
+"""
+
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+from ..common.fragments import as_rows_cols
+
+_WG = 128  # threads per warpgroup
+# Named barriers 4, 5 (, 6): a consumer warpgroup's O rows are in shared memory (1..3 are the
+# mainloop's turn barriers, 0 is __syncthreads).
+_O_STAGED_BARRIER = 4
+
+
+def wg_slice_layout(stage_layout, tile_m: int, head_dim: int):
+    """The (64, D) rows of one warpgroup within a (tile_m, D) shared-memory tile layout: the
+    same swizzled layout, restricted to 64 rows (the slice of warpgroup ``w`` starts
+    ``w * 64`` rows in, at a whole number of swizzle periods)."""
+    return cute.composition(stage_layout, cute.make_layout((64, head_dim), stride=(1, tile_m)))
+
+
+@cute.jit
+def store_lse(lse_rows: cute.Tensor, tOcO: cute.Tensor, mLSE: Optional[cute.Tensor], varlen: cutlass.Constexpr,
+              m_block: Int32, tile_m: cutlass.Constexpr, head: Int32, batch: Int32, offset_q: Int32,
+              seqlen_q: Int32):
+    """The LSE of this thread's rows, from the thread that holds each row's column 0."""
+    if const_expr(mLSE is not None):
+        c_rc = as_rows_cols(tOcO)
+        row_base = m_block * tile_m
+        for r in cutlass.range_constexpr(cute.size(c_rc, mode=[0])):
+            row = row_base + c_rc[r, 0][0]
+            if row < seqlen_q and c_rc[r, 0][1] == 0:
+                if const_expr(varlen):
+                    mLSE[head, offset_q + row] = lse_rows[r]
+                else:
+                    mLSE[batch, head, row] = lse_rows[r]
+
+
+@cute.jit
+def store_o_direct(o_out: cute.Tensor, tOcO: cute.Tensor, mO: cute.Tensor, varlen: cutlass.Constexpr,
+                   m_block: Int32, tile_m: cutlass.Constexpr, head: Int32, batch: Int32, offset_q: Int32,
+                   seqlen_q: Int32):
+    """This thread's rows of O, predicated on the sequence length (a ragged tile never touches a
+    neighbouring sequence)."""
+    if const_expr(varlen):
+        mO_seq = cute.domain_offset((offset_q, 0), mO[None, head, None])
+    else:
+        mO_seq = mO[batch, None, head, None]
+    row_base = m_block * tile_m
+    o_rc = as_rows_cols(o_out)
+    c_rc = as_rows_cols(tOcO)
+    for r in cutlass.range_constexpr(cute.size(o_rc, mode=[0])):
+        row = row_base + c_rc[r, 0][0]
+        if row < seqlen_q:
+            for j in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
+                mO_seq[row, c_rc[r, j][1]] = o_rc[r, j]
+
+
+@cute.jit
+def store_o_tma(o_out: cute.Tensor, tiled_mma_pv: cute.TiledMma, num_wgs: cutlass.Constexpr, tidx: Int32,
+                wg: Int32, sO: cute.Tensor, tma_o: cute.CopyAtom, mO_tma: cute.Tensor, m_block: Int32,
+                head: Int32, batch: Int32, release_q):
+    """Stage this warpgroup's O rows in ``sO`` (the tile's Q buffer) and TMA-store them.
+    ``release_q`` runs on the storing thread once the TMA has read the buffer, which is then
+    free for the producer's next Q load."""
+    # stmatrix writes 8x8 blocks of 16-bit values from the accumulator's own register order.
+    st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                  o_out.element_type)
+    thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tidx)
+    cute.copy(st_atom, thr_st.retile(o_out), thr_st.partition_D(sO))
+    # Generic-proxy writes must be visible to the TMA (async proxy) before it reads them.
+    cute.arch.fence_view_async_shared()
+    cute.arch.barrier(barrier_id=_O_STAGED_BARRIER + wg, number_of_threads=_WG)
+    if tidx % _WG == 0:
+        wg_tile = (64, cute.size(sO, mode=[1]))
+        sO_wg = cute.local_tile(sO, wg_tile, (wg, 0))
+        gO = cute.local_tile(mO_tma[None, None, head, batch], wg_tile, (m_block * num_wgs + wg, 0))
+        tOsO, tOgO = cpasync.tma_partition(
+            tma_o, 0, cute.make_layout(1), cute.group_modes(sO_wg, 0, 2), cute.group_modes(gO, 0, 2))
+        cute.copy(tma_o, tOsO, tOgO)
+        cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        release_q()
