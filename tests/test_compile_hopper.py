@@ -90,6 +90,31 @@ def test_machine_code_has_wgmma_and_tma(tmp_path):
     assert "setmaxnreg" in ptx
 
 
+_TMA_STORE = re.compile(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_o_is_staged_with_stmatrix_and_tma_stored(head_dim, tmp_path):
+    """16-bit dense output goes through shared memory and TMA (epilogue.store_o_tma): D=64 in
+    a buffer of its own, D=128 in the tile's Q buffer. The only global stores left are the LSE's."""
+    cfg = _config(torch.bfloat16, head_dim, "causal", True)
+    assert cfg.separate_o_buffer == (head_dim == 64)
+    ptx = _ptx(cfg, tmp_path)
+    assert len(_TMA_STORE.findall(ptx)) == head_dim // 64  # one TMA box per 64 columns (128B swizzle)
+    assert "stmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx
+    assert "cp.async.bulk.wait_group.read" in ptx
+    assert len(re.findall(r"st\.global", ptx)) == 2  # the LSE of the thread's two rows
+
+
+@pytest.mark.parametrize("kw", [dict(varlen=True), dict(out_dtype=torch.float16)], ids=["varlen", "mixed_out"])
+def test_o_is_stored_directly_where_tma_cannot_write_it(kw, tmp_path):
+    """Varlen (a TMA box does not stop at a sequence's end) and an output type other than the
+    16-bit input's (the staging buffer is Q's) keep the direct stores."""
+    ptx = _ptx(_config(torch.bfloat16, 64, "none", True, **kw), tmp_path)
+    assert not _TMA_STORE.search(ptx) and "stmatrix" not in ptx
+    assert "st.global" in ptx
+
+
 def test_fp8_machine_code_uses_fp8_wgmma_for_both_products(tmp_path):
     ptx = _ptx(_config(FP8, 128, "none", True, out_dtype=FP8), tmp_path)
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx  # Q.K^T (N = tile_n)

@@ -9,6 +9,7 @@ pytest.importorskip("cutlass")
 from fmha.kernels.common.fragments import FP8_KEY_ORDER  # noqa: E402
 from fmha.kernels.hopper import backend as hb  # noqa: E402
 from fmha.kernels.hopper.v_staging import stage_v_fp8, staged_length  # noqa: E402
+from fmha.masking import MaskKind  # noqa: E402
 from fmha.problem import KernelOptions  # noqa: E402
 from fmha.validation import validate  # noqa: E402
 
@@ -42,6 +43,25 @@ def test_tiles_fit_shared_memory_and_the_fp8_key_blocks(dtype, d):
             assert (q_stages * tm + stages * tn) * d * elem <= 227 * 1024 - 2048
         if dtype == FP8:
             assert tn % len(FP8_KEY_ORDER) == 0  # P.V consumes keys in blocks of 32
+
+
+def test_o_gets_its_own_buffer_only_beside_a_full_kv_ring():
+    """Where the K/V ring has reached its cap (head dim <= 64) O is staged in a buffer of its own;
+    elsewhere in the Q buffer, so that the ring keeps its depth. Varlen, fp8 and mixed output
+    types store O directly."""
+    def cfg(d, dtype=torch.bfloat16, out=None, varlen=False, persistent=True, seqlen=1024):
+        tm, tn = hb.default_tile(dtype, d)
+        return hb.HopperConfig(dtype, out or (torch.bfloat16 if dtype == FP8 else dtype), d, MaskKind.NONE,
+                               False, False, False, varlen, True, persistent, tile_m=tm, tile_n=tn,
+                               **hb.shape_choices(persistent, d, seqlen))
+    for d in (32, 64):
+        for persistent, seqlen in ((True, 1024), (True, 16384), (False, 1024)):
+            c = cfg(d, persistent=persistent, seqlen=seqlen)
+            assert c.separate_o_buffer and c.kv_stages == 8
+            assert ((c.q_stages + 1) * c.tile_m + c.kv_stages * c.tile_n) * d * 2 <= 227 * 1024 - 2048
+    assert not cfg(128).separate_o_buffer and not cfg(256).separate_o_buffer
+    assert not cfg(64, varlen=True).separate_o_buffer and not cfg(64, FP8).separate_o_buffer
+    assert not cfg(64, out=torch.float16).separate_o_buffer
 
 
 def test_fp8_output_only_from_fp8_inputs_and_tiles_are_checked():
@@ -231,3 +251,14 @@ def test_sectioned_cost_order_visits_every_tile_once_costliest_first_per_section
     # the heads-batches of a section are finished before the next section starts
     order = [hb // section for _, hb in tiles]
     assert order == sorted(order)
+
+
+def test_tma_store_of_o_except_where_measured_slower():
+    """D=64 rows that read all of more than 2k keys store O from registers (docs/PERFORMANCE.md,
+    item 16); every other 16-bit dense configuration stages it for TMA."""
+    def cfg(d, causal, s):
+        q = torch.empty(1, s, 2, d, dtype=torch.bfloat16)
+        return hb.HopperConfig.from_problem(validate(q, q, q, causal=causal), KernelOptions())
+    assert not cfg(64, False, 4096).tma_store_o and not cfg(32, False, 16384).tma_store_o
+    assert cfg(64, False, 2048).tma_store_o and cfg(64, True, 16384).tma_store_o
+    assert cfg(128, False, 16384).tma_store_o and cfg(256, False, 8192).tma_store_o

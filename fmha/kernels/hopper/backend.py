@@ -91,6 +91,15 @@ def softmax_chains_for(head_dim: int) -> tuple:
     return (4, 2) if head_dim <= 64 else (1, 1)
 
 
+def tma_store_o_for(head_dim: int, unmasked: bool, seqlen_k: int) -> bool:
+    """O staged in shared memory and written by TMA (``epilogue.store_o_tma``), or stored from
+    registers. Measured on the H200, same-path A/B, 3 rounds (docs/PERFORMANCE.md, item 16): TMA
+    wins at D=128 (S=512 409 -> 470 TFLOP/s, causal S<=2k +7-13%) and D=256 (+2-6%), and at
+    D=64 for short or masked rows; D=64 rows that read all of 4k keys or more lose 2.5-3% with
+    it (484/515/523 vs 471/501/508 TFLOP/s at S=4k/8k/16k), for a reason not found yet."""
+    return not (head_dim <= 64 and unmasked and seqlen_k > 2048)
+
+
 def kv_stages_for(dtype: torch.dtype, head_dim: int, tile_m: int, tile_n: int, q_stages: int = 1) -> int:
     """K/V ring depth: as many stages as shared memory holds beside the Q tile(s), at most 8."""
     elem = _elem_bytes(dtype)
@@ -160,6 +169,17 @@ class HopperConfig:
         return kv_stages_for(self.dtype, self.head_dim, self.tile_m, self.tile_n, self.q_stages)
 
     @property
+    def separate_o_buffer(self) -> bool:
+        """TMA-stored O gets a shared-memory buffer of its own when one fits beside Q and a full
+        K/V ring (head dim <= 64, where the ring stops at its 8-stage cap); otherwise it is staged
+        in the tile's Q buffer, which then stays taken until the store has read it."""
+        if not self.tma_store_o or self.varlen or self.dtype != self.out_dtype:
+            return False
+        elem = _elem_bytes(self.dtype)
+        used = (self.q_stages * self.tile_m + self.kv_stages * self.tile_n) * self.head_dim * elem
+        return used + self.tile_m * self.head_dim * elem <= _SMEM_BYTES
+
+    @property
     def v_staged(self) -> bool:
         """fp8: the P.V product needs V key-major; V goes through ``stage_v_fp8`` first."""
         return self.dtype == torch.float8_e4m3fn
@@ -185,6 +205,7 @@ class HopperConfig:
             tile_m=options.tile_m or tile_m,
             tile_n=options.tile_n or tile_n,
             l2_sections=l2_sections,
+            tma_store_o=tma_store_o_for(problem.head_dim, m.kind == MaskKind.NONE, problem.seqlen_k),
             **shape_choices(bool(persistent), problem.head_dim, problem.seqlen_k),
         )
 

@@ -77,9 +77,21 @@ def store_o_direct(o_out: cute.Tensor, tOcO: cute.Tensor, mO: cute.Tensor, varle
 def store_o_tma(o_out: cute.Tensor, tiled_mma_pv: cute.TiledMma, num_wgs: cutlass.Constexpr, tidx: Int32,
                 wg: Int32, sO: cute.Tensor, tma_o: cute.CopyAtom, mO_tma: cute.Tensor, m_block: Int32,
                 head: Int32, batch: Int32, release_q):
-    """Stage this warpgroup's O rows in ``sO`` (the tile's Q buffer) and TMA-store them.
-    ``release_q`` runs on the storing thread once the TMA has read the buffer, which is then
-    free for the producer's next Q load."""
+    """Stage this warpgroup's O rows in ``sO`` and TMA-store them. ``sO`` is the tile's Q
+    buffer, or a buffer of O's own when ``release_q`` is None. Q buffer: ``release_q`` runs on the
+    storing thread once the TMA has read it, which frees it for the producer's next Q load. Own
+    buffer: the store runs on while the next tile computes; the storing thread waits for its read
+    only before the next tile's O overwrites it.
+
+    The store is issued by the warpgroup's first warp as a whole (the TMA copy elects its own
+    thread), under a warp-uniform condition: a branch on the thread index here made ptxas keep
+    the K/V stage index of the mainloop in ordinary registers (two ``R2UR`` per K/V tile at
+    D=64)."""
+    storing_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0
+    if const_expr(release_q is None):
+        if storing_warp:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous tile's store
+        cute.arch.barrier(barrier_id=_O_STAGED_BARRIER + wg, number_of_threads=_WG)
     # stmatrix writes 8x8 blocks of 16-bit values from the accumulator's own register order.
     st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
                                   o_out.element_type)
@@ -88,7 +100,7 @@ def store_o_tma(o_out: cute.Tensor, tiled_mma_pv: cute.TiledMma, num_wgs: cutlas
     # Generic-proxy writes must be visible to the TMA (async proxy) before it reads them.
     cute.arch.fence_view_async_shared()
     cute.arch.barrier(barrier_id=_O_STAGED_BARRIER + wg, number_of_threads=_WG)
-    if tidx % _WG == 0:
+    if storing_warp:
         wg_tile = (64, cute.size(sO, mode=[1]))
         sO_wg = cute.local_tile(sO, wg_tile, (wg, 0))
         gO = cute.local_tile(mO_tma[None, None, head, batch], wg_tile, (m_block * num_wgs + wg, 0))
@@ -96,5 +108,15 @@ def store_o_tma(o_out: cute.Tensor, tiled_mma_pv: cute.TiledMma, num_wgs: cutlas
             tma_o, 0, cute.make_layout(1), cute.group_modes(sO_wg, 0, 2), cute.group_modes(gO, 0, 2))
         cute.copy(tma_o, tOsO, tOgO)
         cute.arch.cp_async_bulk_commit_group()
+        if const_expr(release_q is not None):
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # a no-op on the lanes that did not store
+            cute.arch.sync_warp()
+            with cute.arch.elect_one():
+                release_q()
+
+
+@cute.jit
+def drain_o_stores():
+    """Before the CTA exits: its last TMA store must have read shared memory."""
+    if cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0:
         cute.arch.cp_async_bulk_wait_group(0, read=True)
-        release_q()

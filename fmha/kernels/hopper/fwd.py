@@ -41,7 +41,7 @@ from ..common.mask import FragmentMask
 from ..common.scheduler import StaticTileScheduler, TileTableScheduler
 from ..common.softmax import OnlineSoftmax
 from . import L2_BYTES
-from .epilogue import store_lse, store_o_direct, store_o_tma, wg_slice_layout
+from .epilogue import drain_o_stores, store_lse, store_o_direct, store_o_tma, wg_slice_layout
 from .wgmma import issue_gemm
 
 _WG = 128  # threads per warpgroup
@@ -89,6 +89,7 @@ class HopperAttentionForward:
         late_k_release: bool = True,
         mask_bits: bool = True,
         tma_store_o: bool = False,
+        separate_o_buffer: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_n % 16 == 0
         self.head_dim = head_dim
@@ -132,6 +133,9 @@ class HopperAttentionForward:
         # fixed-length batch (TMA clips at the tensor's end, not at a sequence's) and an output of
         # the input's 16-bit type (``__call__`` decides: ``o_via_tma``).
         self.tma_store_o = tma_store_o and not varlen
+        # O's own shared-memory buffer instead of the tile's Q buffer (the host's choice: where
+        # shared memory has room for it beside a full K/V ring).
+        self.separate_o_buffer = separate_o_buffer and self.tma_store_o
         self.num_consumer_wgs = tile_m // 64
         self.num_threads = _WG * (1 + self.num_consumer_wgs)
         # setmaxnreg budgets: the producer warpgroup gives registers to the consumers; the sums
@@ -165,6 +169,7 @@ class HopperAttentionForward:
         self.dtype = mQ.element_type
         self.out_dtype = mO.element_type
         self.o_via_tma = self.tma_store_o and self.dtype.width == 16 and self.out_dtype == self.dtype
+        self.o_in_q_buffer = self.o_via_tma and not self.separate_o_buffer
         varlen = self.varlen
         q = _bshd_to_sdhb(mQ, varlen)
         k = _bshd_to_sdhb(mK, varlen)
@@ -197,15 +202,18 @@ class HopperAttentionForward:
             load_op, k, cute.select(sK_layout, mode=[0, 1]), (tile_n, d))
         tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(
             load_op, v, cute.select(sV_layout, mode=[0, 1]), (d, tile_n))
+        # O as staged for the TMA store: the Q tile's layout, in the output type.
+        sO_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d), self.out_dtype, 1)
         tma_o = tma_tensor_o = None
         if const_expr(self.o_via_tma):
-            o_wg_layout = wg_slice_layout(cute.select(sQ_layout, mode=[0, 1]), tile_m, d)
+            o_wg_layout = wg_slice_layout(cute.select(sO_layout, mode=[0, 1]), tile_m, d)
             tma_o, tma_tensor_o = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), _bshd_to_sdhb(mO, varlen), o_wg_layout, (64, d))
         self.q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
         self.kv_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
 
         ring_elems = cute.cosize(sK_layout)
+        o_elems = cute.cosize(sO_layout) if const_expr(self.o_via_tma and self.separate_o_buffer) else 0
 
         @cute.struct
         class SharedStorage:
@@ -213,6 +221,7 @@ class HopperAttentionForward:
             kv_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_stages * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, ring_elems], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.out_dtype, o_elems], 1024]
 
         self.shared_storage = SharedStorage
 
@@ -239,7 +248,7 @@ class HopperAttentionForward:
             tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_o, tma_tensor_o,
             q, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mTileTable, mSeqDescriptors, num_m_blocks, num_batches,
             scale_log2, output_scale, window_left, window_right,
-            sQ_layout, sK_layout, sV_layout,
+            sQ_layout, sK_layout, sV_layout, sO_layout,
         ).launch(
             grid=[grid_x, 1, 1],
             block=[self.num_threads, 1, 1],
@@ -278,6 +287,7 @@ class HopperAttentionForward:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -293,7 +303,7 @@ class HopperAttentionForward:
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wgs * 4)
         # With O staged in the Q buffer, one thread per warpgroup frees it, after the TMA store.
         q_releasers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wgs) \
-            if const_expr(self.o_via_tma) else consumer_warps
+            if const_expr(self.o_in_q_buffer) else consumer_warps
         q_producer, q_consumer = pipeline.PipelineTmaAsync.create(
             num_stages=self.q_stages, producer_group=one_thread, consumer_group=q_releasers,
             tx_count=self.q_bytes, barrier_storage=storage.q_mbar.data_ptr(), defer_sync=True,
@@ -308,6 +318,9 @@ class HopperAttentionForward:
         sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         # V stages alias K stages: the ring holds whichever the schedule put there.
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+        sO = None
+        if const_expr(self.o_via_tma and self.separate_o_buffer):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)[None, None, 0]
 
         if const_expr(self.varlen):
             scheduler = TileTableScheduler.create(mTileTable, mQ_sdhb.shape[2])
@@ -337,7 +350,7 @@ class HopperAttentionForward:
             self.consumer(
                 scheduler, tiled_mma_qk, tiled_mma_pv, mQ_sdhb, mK_tma, mO, mLSE, tma_o, mO_tma,
                 mCuSeqlensQ, mCuSeqlensK, scale_log2, output_scale, window_left, window_right,
-                sQ, sK, sV, q_consumer, kv_consumer, tidx - _WG,
+                sQ, sK, sV, sO, q_consumer, kv_consumer, tidx - _WG,
             )
 
     @cute.jit
@@ -503,8 +516,8 @@ class HopperAttentionForward:
         self, scheduler, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
         mQ_sdhb, mK_tma, mO, mLSE, tma_o, mO_tma, mCuSeqlensQ, mCuSeqlensK,
         scale_log2: Float32, output_scale: Float32, window_left, window_right,
-        sQ, sK, sV, q_consumer: pipeline.PipelineConsumer, kv_consumer: pipeline.PipelineConsumer,
-        tidx: Int32,
+        sQ, sK, sV, sO: Optional[cute.Tensor], q_consumer: pipeline.PipelineConsumer,
+        kv_consumer: pipeline.PipelineConsumer, tidx: Int32,
     ):
         # Uniform by construction, but ptxas cannot see it from tidx: without the hint the
         # warpgroup's Q descriptor lives in ordinary registers and every S-GEMM wgmma waits on
@@ -562,23 +575,28 @@ class HopperAttentionForward:
                     kv_consumer = self.mainloop_serial(sched, row_base, mask, softmax, frags, kv_consumer)
                 else:
                     kv_consumer = self.mainloop_overlapped(sched, row_base, mask, softmax, frags, kv_consumer, wg)
-                if const_expr(not self.o_via_tma):
+                if const_expr(not self.o_in_q_buffer):
                     q_handle.release()
                 softmax.finalize(acc_o, output_scale, lse_rows)
                 o_out = cute.make_rmem_tensor_like(acc_o, self.out_dtype)
                 o_out.store(acc_o.load().to(self.out_dtype))
-                store_lse(lse_rows, tOcO, mLSE, self.varlen, m_block, self.tile_m, head, batch, offset_q, seqlen_q)
-                if const_expr(self.o_via_tma):
+                if const_expr(self.o_in_q_buffer):
                     q_pipe = q_handle.get_origin()
                     q_index = q_handle.index
                     store_o_tma(
                         o_out, tiled_mma_pv, self.num_consumer_wgs, tidx, wg, sQ[None, None, q_index], tma_o,
                         mO_tma, m_block, head, batch,
                         lambda: q_pipe.sync_object_empty.arrive(q_index, q_pipe.consumer_mask))
+                elif const_expr(self.o_via_tma):
+                    store_o_tma(o_out, tiled_mma_pv, self.num_consumer_wgs, tidx, wg, sO, tma_o, mO_tma,
+                                m_block, head, batch, None)
                 else:
                     store_o_direct(o_out, tOcO, mO, self.varlen, m_block, self.tile_m, head, batch, offset_q,
                                    seqlen_q)
+                store_lse(lse_rows, tOcO, mLSE, self.varlen, m_block, self.tile_m, head, batch, offset_q, seqlen_q)
             tile_idx = scheduler.next(tile_idx)
+        if const_expr(self.o_via_tma and not self.o_in_q_buffer):
+            drain_o_stores()
 
     @cute.jit
     def mainloop_serial(self, sched, row_base: Int32, mask: FragmentMask, softmax: OnlineSoftmax,
