@@ -10,7 +10,8 @@ Roles (one CTA works on one query tile of 64 rows per consumer warpgroup at a ti
   memory), mask if the tile is partially kept, online softmax in registers, P converted in
   registers and used directly as the A operand of O += P V. The default mainloop is software
   pipelined (the S GEMM of tile n+1 and the P.V GEMM of tile n run under the softmax of tile n+1)
-  and the warpgroups take turns issuing GEMMs. After the last tile: normalize, write O and LSE.
+  and the warpgroups take turns issuing GEMMs. After the last tile: normalize, write O and LSE
+  (``epilogue``: O through shared memory and a TMA store where it can, ``epilogue.py``).
 
 K/V tiles the mask leaves empty are never loaded; only the boundary tiles pay for element-wise
 masking (``fmha.masking.kv_tile_schedule``, shared with the host and the tests).
@@ -576,27 +577,35 @@ class HopperAttentionForward:
                 else:
                     kv_consumer = self.mainloop_overlapped(sched, row_base, mask, softmax, frags, kv_consumer, wg)
                 if const_expr(not self.o_in_q_buffer):
-                    q_handle.release()
+                    q_handle.release()  # else once the O staged in it has been stored
                 softmax.finalize(acc_o, output_scale, lse_rows)
-                o_out = cute.make_rmem_tensor_like(acc_o, self.out_dtype)
-                o_out.store(acc_o.load().to(self.out_dtype))
-                if const_expr(self.o_in_q_buffer):
-                    q_pipe = q_handle.get_origin()
-                    q_index = q_handle.index
-                    store_o_tma(
-                        o_out, tiled_mma_pv, self.num_consumer_wgs, tidx, wg, sQ[None, None, q_index], tma_o,
-                        mO_tma, m_block, head, batch,
-                        lambda: q_pipe.sync_object_empty.arrive(q_index, q_pipe.consumer_mask))
-                elif const_expr(self.o_via_tma):
-                    store_o_tma(o_out, tiled_mma_pv, self.num_consumer_wgs, tidx, wg, sO, tma_o, mO_tma,
-                                m_block, head, batch, None)
-                else:
-                    store_o_direct(o_out, tOcO, mO, self.varlen, m_block, self.tile_m, head, batch, offset_q,
-                                   seqlen_q)
-                store_lse(lse_rows, tOcO, mLSE, self.varlen, m_block, self.tile_m, head, batch, offset_q, seqlen_q)
+                self.epilogue(acc_o, lse_rows, tiled_mma_pv, tOcO, tidx, wg, q_handle, sQ, sO, tma_o, mO_tma,
+                              mO, mLSE, m_block, head, batch, offset_q, seqlen_q)
             tile_idx = scheduler.next(tile_idx)
         if const_expr(self.o_via_tma and not self.o_in_q_buffer):
             drain_o_stores()
+
+    @cute.jit
+    def epilogue(self, acc_o: cute.Tensor, lse_rows: cute.Tensor, tiled_mma_pv: cute.TiledMma, tOcO: cute.Tensor,
+                 tidx: Int32, wg: Int32, q_handle, sQ: cute.Tensor, sO: Optional[cute.Tensor],
+                 tma_o: Optional[cute.CopyAtom], mO_tma: Optional[cute.Tensor], mO: cute.Tensor,
+                 mLSE: Optional[cute.Tensor], m_block: Int32, head: Int32, batch: Int32, offset_q: Int32,
+                 seqlen_q: Int32):
+        """Write this warpgroup's rows of the normalized O and their LSE."""
+        o_out = cute.make_rmem_tensor_like(acc_o, self.out_dtype)
+        o_out.store(acc_o.load().to(self.out_dtype))
+        if const_expr(self.o_in_q_buffer):
+            q_pipe = q_handle.get_origin()
+            q_index = q_handle.index
+            store_o_tma(o_out, tiled_mma_pv, self.num_consumer_wgs, tidx, wg, sQ[None, None, q_index], tma_o,
+                        mO_tma, m_block, head, batch,
+                        lambda: q_pipe.sync_object_empty.arrive(q_index, q_pipe.consumer_mask))
+        elif const_expr(self.o_via_tma):
+            store_o_tma(o_out, tiled_mma_pv, self.num_consumer_wgs, tidx, wg, sO, tma_o, mO_tma,
+                        m_block, head, batch, None)
+        else:
+            store_o_direct(o_out, tOcO, mO, self.varlen, m_block, self.tile_m, head, batch, offset_q, seqlen_q)
+        store_lse(lse_rows, tOcO, mLSE, self.varlen, m_block, self.tile_m, head, batch, offset_q, seqlen_q)
 
     @cute.jit
     def mainloop_serial(self, sched, row_base: Int32, mask: FragmentMask, softmax: OnlineSoftmax,
