@@ -156,6 +156,8 @@ VARIANTS = {
     "fmha_direct_o": dict(tma_store_o=False),  # O stored from registers, not staged for TMA
     "fmha_tma_o": dict(tma_store_o=True),  # the same call path as fmha_direct_o
     "fmha_fp8_n192": dict(tile_n=192, fp8_only=True),  # a wider key tile for fp8, D=128
+    "fmha_fp8_direct_o": dict(tma_store_o=False, fp8_only=True),  # fp8: O stored from registers
+    "fmha_fp8_tma_o": dict(tma_store_o=True, fp8_only=True),  # fp8: O staged in its own buffer for TMA
     "fmha_fp8_m192n96": dict(tile_m=192, tile_n=96, fp8_only=True),  # 3 consumer warpgroups
 }
 

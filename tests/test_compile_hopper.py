@@ -93,12 +93,13 @@ def test_machine_code_has_wgmma_and_tma(tmp_path):
 _TMA_STORE = re.compile(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta")
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_o_is_staged_with_stmatrix_and_tma_stored(head_dim, tmp_path):
-    """16-bit dense output goes through shared memory and TMA (epilogue.store_o_tma): D=64 in
-    a buffer of its own, D=128 in the tile's Q buffer. The only global stores left are the LSE's."""
-    cfg = _config(torch.bfloat16, head_dim, "causal", True)
-    assert cfg.separate_o_buffer == (head_dim == 64)
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 128), (FP8, 128)])
+def test_o_is_staged_with_stmatrix_and_tma_stored(dtype, head_dim, tmp_path):
+    """16-bit dense output goes through shared memory and TMA (epilogue.store_o_tma): D=64 and
+    fp8 inputs in a buffer of its own, bf16 D=128 in the tile's Q buffer. The only global stores
+    left are the LSE's."""
+    cfg = _config(dtype, head_dim, "causal", True)
+    assert cfg.separate_o_buffer == (head_dim == 64 or dtype == FP8)
     ptx = _ptx(cfg, tmp_path)
     assert len(_TMA_STORE.findall(ptx)) == head_dim // 64  # one TMA box per 64 columns (128B swizzle)
     assert "stmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx
@@ -106,11 +107,16 @@ def test_o_is_staged_with_stmatrix_and_tma_stored(head_dim, tmp_path):
     assert len(re.findall(r"st\.global", ptx)) == 2  # the LSE of the thread's two rows
 
 
-@pytest.mark.parametrize("kw", [dict(varlen=True), dict(out_dtype=torch.float16)], ids=["varlen", "mixed_out"])
-def test_o_is_stored_directly_where_tma_cannot_write_it(kw, tmp_path):
-    """Varlen (a TMA box does not stop at a sequence's end) and an output type other than the
-    16-bit input's (the staging buffer is Q's) keep the direct stores."""
-    ptx = _ptx(_config(torch.bfloat16, 64, "none", True, **kw), tmp_path)
+@pytest.mark.parametrize("dtype,head_dim,kw", [
+    (torch.bfloat16, 64, dict(varlen=True)),
+    (torch.bfloat16, 128, dict(out_dtype=torch.float16)),
+    (FP8, 128, dict(out_dtype=FP8)),
+], ids=["varlen", "mixed_out_d128", "fp8_out"])
+def test_o_is_stored_directly_where_tma_cannot_write_it(dtype, head_dim, kw, tmp_path):
+    """Varlen (a TMA box does not stop at a sequence's end), an output type other than the
+    input's where O would be staged in the Q buffer (D=128), and fp8 outputs keep the direct
+    stores."""
+    ptx = _ptx(_config(dtype, head_dim, "none", True, **kw), tmp_path)
     assert not _TMA_STORE.search(ptx) and "stmatrix" not in ptx
     assert "st.global" in ptx
 

@@ -46,9 +46,9 @@ def test_tiles_fit_shared_memory_and_the_fp8_key_blocks(dtype, d):
 
 
 def test_o_gets_its_own_buffer_only_beside_a_full_kv_ring():
-    """Where the K/V ring has reached its cap (head dim <= 64) O is staged in a buffer of its own;
-    elsewhere in the Q buffer, so that the ring keeps its depth. Varlen, fp8 and mixed output
-    types store O directly."""
+    """Where the K/V ring has reached its cap (head dim <= 64, fp8 inputs) O is staged in a
+    buffer of its own; elsewhere in the Q buffer, so that the ring keeps its depth. Varlen and
+    fp8 outputs store O directly."""
     def cfg(d, dtype=torch.bfloat16, out=None, varlen=False, persistent=True, seqlen=1024):
         tm, tn = hb.default_tile(dtype, d)
         return hb.HopperConfig(dtype, out or (torch.bfloat16 if dtype == FP8 else dtype), d, MaskKind.NONE,
@@ -59,9 +59,13 @@ def test_o_gets_its_own_buffer_only_beside_a_full_kv_ring():
             c = cfg(d, persistent=persistent, seqlen=seqlen)
             assert c.separate_o_buffer and c.kv_stages == 8
             assert ((c.q_stages + 1) * c.tile_m + c.kv_stages * c.tile_n) * d * 2 <= 227 * 1024 - 2048
+    for d in (64, 128, 256):
+        c = cfg(d, FP8)  # 16-bit O beside an 8-stage ring of fp8 K/V
+        assert c.separate_o_buffer and c.kv_stages == 8
+        assert (c.q_stages * c.tile_m + c.kv_stages * c.tile_n) * d + c.tile_m * d * 2 <= 227 * 1024 - 2048
     assert not cfg(128).separate_o_buffer and not cfg(256).separate_o_buffer
-    assert not cfg(64, varlen=True).separate_o_buffer and not cfg(64, FP8).separate_o_buffer
-    assert not cfg(64, out=torch.float16).separate_o_buffer
+    assert not cfg(64, varlen=True).separate_o_buffer and not cfg(64, FP8, out=FP8).separate_o_buffer
+    assert cfg(64, out=torch.float16).separate_o_buffer
 
 
 def test_fp8_output_only_from_fp8_inputs_and_tiles_are_checked():

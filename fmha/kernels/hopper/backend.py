@@ -96,7 +96,8 @@ def tma_store_o_for(head_dim: int, unmasked: bool, seqlen_k: int) -> bool:
     registers. Measured on the H200, same-path A/B, 3 rounds (docs/PERFORMANCE.md, item 16): TMA
     wins at D=128 (S=512 409 -> 470 TFLOP/s, causal S<=2k +7-13%) and D=256 (+2-6%), and at
     D=64 for short or masked rows; D=64 rows that read all of 4k keys or more lose 2.5-3% with
-    it (484/515/523 vs 471/501/508 TFLOP/s at S=4k/8k/16k), for a reason not found yet."""
+    it (484/515/523 vs 471/501/508 TFLOP/s at S=4k/8k/16k), for a reason not found yet. fp8
+    at D=128: +1-6%."""
     return not (head_dim <= 64 and unmasked and seqlen_k > 2048)
 
 
@@ -171,13 +172,14 @@ class HopperConfig:
     @property
     def separate_o_buffer(self) -> bool:
         """TMA-stored O gets a shared-memory buffer of its own when one fits beside Q and a full
-        K/V ring (head dim <= 64, where the ring stops at its 8-stage cap); otherwise it is staged
-        in the tile's Q buffer, which then stays taken until the store has read it."""
-        if not self.tma_store_o or self.varlen or self.dtype != self.out_dtype:
+        K/V ring (head dim <= 64, and fp8 inputs: the ring stops at its 8-stage cap); otherwise
+        it is staged in the tile's Q buffer, which then stays taken until the store has read it
+        (16-bit inputs of the output's type only)."""
+        if not self.tma_store_o or self.varlen or self.out_dtype not in SUPPORTED_OUT_DTYPES:
             return False
         elem = _elem_bytes(self.dtype)
         used = (self.q_stages * self.tile_m + self.kv_stages * self.tile_n) * self.head_dim * elem
-        return used + self.tile_m * self.head_dim * elem <= _SMEM_BYTES
+        return used + self.tile_m * self.head_dim * 2 <= _SMEM_BYTES
 
     @property
     def v_staged(self) -> bool:

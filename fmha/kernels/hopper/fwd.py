@@ -130,9 +130,9 @@ class HopperAttentionForward:
         self.late_k_release = late_k_release and overlap
         # Masked tiles: per-thread column bit masks instead of two compares per score.
         self.mask_bits = mask_bits
-        # O staged in the tile's Q buffer and written by TMA (``epilogue.store_o_tma``); needs a
-        # fixed-length batch (TMA clips at the tensor's end, not at a sequence's) and an output of
-        # the input's 16-bit type (``__call__`` decides: ``o_via_tma``).
+        # O staged in shared memory and written by TMA (``epilogue.store_o_tma``); needs a
+        # fixed-length batch (TMA clips at the tensor's end, not at a sequence's), a 16-bit
+        # output, and, staged in the Q buffer, the input's type (``__call__``: ``o_via_tma``).
         self.tma_store_o = tma_store_o and not varlen
         # O's own shared-memory buffer instead of the tile's Q buffer (the host's choice: where
         # shared memory has room for it beside a full K/V ring).
@@ -169,7 +169,8 @@ class HopperAttentionForward:
     ):
         self.dtype = mQ.element_type
         self.out_dtype = mO.element_type
-        self.o_via_tma = self.tma_store_o and self.dtype.width == 16 and self.out_dtype == self.dtype
+        self.o_via_tma = self.tma_store_o and self.out_dtype.width == 16 and (
+            self.separate_o_buffer or self.out_dtype == self.dtype)
         self.o_in_q_buffer = self.o_via_tma and not self.separate_o_buffer
         varlen = self.varlen
         q = _bshd_to_sdhb(mQ, varlen)
