@@ -88,8 +88,8 @@ def test_q_descriptor_needs_no_r2ur(head_dim, causal, tmp_root):
 def test_tma_store_epilogue_keeps_the_stage_index_uniform(head_dim, tmp_root):
     """The TMA-store epilogue issues from a warp-uniform branch. Branching on the thread index
     there instead (one thread issues) made ptxas move the K/V stage index of the mainloop into
-    ordinary registers at D=64: two R2UR per K/V tile, and 1-4% slower long rows on the H200.
-    (With the LSE written as well, ptxas still does so at D=64: docs/PERFORMANCE.md.)"""
+    ordinary registers at D=64: two R2UR per K/V tile, each on the path to a wgmma. (With the
+    LSE written as well, ptxas still does so at D=64: docs/PERFORMANCE.md, item 16.)"""
     cfg = _config(head_dim, False)
     assert cfg.tma_store_o and not cfg.has_lse
     for body in _mainloops(cfg, tmp_root):

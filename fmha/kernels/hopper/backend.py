@@ -161,8 +161,9 @@ class HopperConfig:
     late_k_release: bool = True
     # masked tiles: per-thread column bit masks (R2P) instead of two compares per score
     mask_bits: bool = True
-    # O staged in the tile's Q buffer and written by TMA (fixed-length batches whose output type
-    # is the 16-bit input type; the kernel stores directly otherwise)
+    # O staged in shared memory (its own buffer or the tile's Q buffer: ``separate_o_buffer``) and
+    # written by TMA; fixed-length batches with a 16-bit output only, the kernel stores directly
+    # otherwise. ``from_problem`` applies ``tma_store_o_for``.
     tma_store_o: bool = True
 
     @property
