@@ -23,11 +23,13 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from ..common.fragments import as_rows_cols
+from .wgmma import WARPGROUP_THREADS
 
-_WG = 128  # threads per warpgroup
-# Named barriers 4, 5 (, 6): a consumer warpgroup's O rows are in shared memory (1..3 are the
-# mainloop's turn barriers, 0 is __syncthreads).
-_O_STAGED_BARRIER = 4
+
+def _is_storing_warp():
+    """The first warp of each consumer warpgroup (warpgroups start at multiples of 4 warps): it
+    issues the warpgroup's TMA stores and waits for them."""
+    return cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0
 
 
 def wg_slice_layout(stage_layout, tile_m: int, head_dim: int):
@@ -76,23 +78,23 @@ def store_o_direct(o_out: cute.Tensor, tOcO: cute.Tensor, mO: cute.Tensor, varle
 
 @cute.jit
 def store_o_tma(o_out: cute.Tensor, tiled_mma_pv: cute.TiledMma, num_wgs: cutlass.Constexpr, tidx: Int32,
-                wg: Int32, sO: cute.Tensor, tma_o: cute.CopyAtom, mO_tma: cute.Tensor, m_block: Int32,
+                wg: Int32, barrier_id: Int32, sO: cute.Tensor, tma_o: cute.CopyAtom, mO_tma: cute.Tensor, m_block: Int32,
                 head: Int32, batch: Int32, release_q):
     """Stage this warpgroup's O rows in ``sO`` and TMA-store them. ``sO`` is the tile's Q
     buffer, or a buffer of O's own when ``release_q`` is None. Q buffer: ``release_q`` runs on the
     storing thread once the TMA has read it, which frees it for the producer's next Q load. Own
     buffer: the store runs on while the next tile computes; the storing thread waits for its read
-    only before the next tile's O overwrites it.
+    only before the next tile's O overwrites it. ``barrier_id``: the warpgroup's own named barrier.
 
     The store is issued by the warpgroup's first warp as a whole (the TMA copy elects its own
     thread), under a warp-uniform condition: a branch on the thread index here made ptxas keep
     the K/V stage index of the mainloop in ordinary registers (two ``R2UR`` per K/V tile at
     D=64)."""
-    storing_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0
+    storing_warp = _is_storing_warp()
     if const_expr(release_q is None):
         if storing_warp:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous tile's store
-        cute.arch.barrier(barrier_id=_O_STAGED_BARRIER + wg, number_of_threads=_WG)
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WARPGROUP_THREADS)
     # stmatrix writes 8x8 blocks of 16-bit values from the accumulator's own register order.
     st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
                                   o_out.element_type)
@@ -100,7 +102,7 @@ def store_o_tma(o_out: cute.Tensor, tiled_mma_pv: cute.TiledMma, num_wgs: cutlas
     cute.copy(st_atom, thr_st.retile(o_out), thr_st.partition_D(sO))
     # Generic-proxy writes must be visible to the TMA (async proxy) before it reads them.
     cute.arch.fence_view_async_shared()
-    cute.arch.barrier(barrier_id=_O_STAGED_BARRIER + wg, number_of_threads=_WG)
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WARPGROUP_THREADS)
     if storing_warp:
         wg_tile = (64, cute.size(sO, mode=[1]))
         sO_wg = cute.local_tile(sO, wg_tile, (wg, 0))
@@ -119,5 +121,5 @@ def store_o_tma(o_out: cute.Tensor, tiled_mma_pv: cute.TiledMma, num_wgs: cutlas
 @cute.jit
 def drain_o_stores():
     """Before the CTA exits: its last TMA store must have read shared memory."""
-    if cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0:
+    if _is_storing_warp():
         cute.arch.cp_async_bulk_wait_group(0, read=True)

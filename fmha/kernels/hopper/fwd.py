@@ -43,11 +43,14 @@ from ..common.scheduler import StaticTileScheduler, TileTableScheduler
 from ..common.softmax import OnlineSoftmax
 from . import L2_BYTES
 from .epilogue import drain_o_stores, store_lse, store_o_direct, store_o_tma, wg_slice_layout
+from .wgmma import WARPGROUP_THREADS as _WG
 from .wgmma import issue_gemm
 
-_WG = 128  # threads per warpgroup
-# Named barriers 1, 2 (, 3): the consumer warpgroups' turns to issue GEMMs (0 is __syncthreads).
+# Named barriers (0 is __syncthreads), one per consumer warpgroup and purpose:
+# 1, 2 (, 3): the consumer warpgroups' turns to issue GEMMs;
+# 4, 5 (, 6): a warpgroup's O rows are staged in shared memory (``epilogue.store_o_tma``).
 _TURN_BARRIER = 1
+_O_STAGED_BARRIER = _TURN_BARRIER + 3
 
 
 def _bshd_to_sdhb(t: cute.Tensor, varlen: bool, d_first: bool = False) -> cute.Tensor:
@@ -172,6 +175,7 @@ class HopperAttentionForward:
         self.o_via_tma = self.tma_store_o and self.out_dtype.width == 16 and (
             self.separate_o_buffer or self.out_dtype == self.dtype)
         self.o_in_q_buffer = self.o_via_tma and not self.separate_o_buffer
+        self.o_in_own_buffer = self.o_via_tma and self.separate_o_buffer
         varlen = self.varlen
         q = _bshd_to_sdhb(mQ, varlen)
         k = _bshd_to_sdhb(mK, varlen)
@@ -215,7 +219,7 @@ class HopperAttentionForward:
         self.kv_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
 
         ring_elems = cute.cosize(sK_layout)
-        o_elems = cute.cosize(sO_layout) if const_expr(self.o_via_tma and self.separate_o_buffer) else 0
+        o_elems = cute.cosize(sO_layout) if const_expr(self.o_in_own_buffer) else 0
 
         @cute.struct
         class SharedStorage:
@@ -321,7 +325,7 @@ class HopperAttentionForward:
         # V stages alias K stages: the ring holds whichever the schedule put there.
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
         sO = None
-        if const_expr(self.o_via_tma and self.separate_o_buffer):
+        if const_expr(self.o_in_own_buffer):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)[None, None, 0]
 
         if const_expr(self.varlen):
@@ -583,7 +587,7 @@ class HopperAttentionForward:
                 self.epilogue(acc_o, lse_rows, tiled_mma_pv, tOcO, tidx, wg, q_handle, sQ, sO, tma_o, mO_tma,
                               mO, mLSE, m_block, head, batch, offset_q, seqlen_q)
             tile_idx = scheduler.next(tile_idx)
-        if const_expr(self.o_via_tma and not self.o_in_q_buffer):
+        if const_expr(self.o_in_own_buffer):
             drain_o_stores()
 
     @cute.jit
@@ -598,12 +602,12 @@ class HopperAttentionForward:
         if const_expr(self.o_in_q_buffer):
             q_pipe = q_handle.get_origin()
             q_index = q_handle.index
-            store_o_tma(o_out, tiled_mma_pv, self.num_consumer_wgs, tidx, wg, sQ[None, None, q_index], tma_o,
-                        mO_tma, m_block, head, batch,
+            store_o_tma(o_out, tiled_mma_pv, self.num_consumer_wgs, tidx, wg, _O_STAGED_BARRIER + wg,
+                        sQ[None, None, q_index], tma_o, mO_tma, m_block, head, batch,
                         lambda: q_pipe.sync_object_empty.arrive(q_index, q_pipe.consumer_mask))
-        elif const_expr(self.o_via_tma):
-            store_o_tma(o_out, tiled_mma_pv, self.num_consumer_wgs, tidx, wg, sO, tma_o, mO_tma,
-                        m_block, head, batch, None)
+        elif const_expr(self.o_in_own_buffer):
+            store_o_tma(o_out, tiled_mma_pv, self.num_consumer_wgs, tidx, wg, _O_STAGED_BARRIER + wg,
+                        sO, tma_o, mO_tma, m_block, head, batch, None)
         else:
             store_o_direct(o_out, tOcO, mO, self.varlen, m_block, self.tile_m, head, batch, offset_q, seqlen_q)
         store_lse(lse_rows, tOcO, mLSE, self.varlen, m_block, self.tile_m, head, batch, offset_q, seqlen_q)

@@ -4,6 +4,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
+WARPGROUP_THREADS = 128
+
 
 @cute.jit
 def issue_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
