@@ -159,6 +159,10 @@ VARIANTS = {
     "fmha_fp8_direct_o": dict(tma_store_o=False, fp8_only=True),  # fp8: O stored from registers
     "fmha_fp8_tma_o": dict(tma_store_o=True, fp8_only=True),  # fp8: O staged in its own buffer for TMA
     "fmha_fp8_m192n96": dict(tile_m=192, tile_n=96, fp8_only=True),  # 3 consumer warpgroups
+    "fmha_eager_rescale": dict(lazy_rescale=False),  # the row max follows every tile, O rescaled each time
+    "fmha_lazy_rescale": dict(lazy_rescale=True),  # the same call path as fmha_eager_rescale
+    "fmha_fp8_eager_rescale": dict(lazy_rescale=False, fp8_only=True),
+    "fmha_fp8_lazy_rescale": dict(lazy_rescale=True, fp8_only=True),
 }
 
 

@@ -58,6 +58,9 @@ class Case:
     tile_m: Optional[int] = None  # None: the backend's default for the head dim
     scales: Optional[tuple] = None  # (scale_q, scale_k, scale_v, inv_scale_o), default all 1
     lens_unread: bool = False  # varlen as FusedAttention.execute(check=False) runs it
+    # "randn", or "rising": keys scaled up along the sequence, with two spiked keys, so that
+    # rows' maxima jump by more than the softmax's slack (``OnlineSoftmax.max_slack``) mid-row
+    scores: str = "randn"
 
     def config_key(self):
         return (self.dtype, self.out_dtype, self.head_dim, self.mask, self.align,
@@ -75,6 +78,7 @@ class Case:
                 + (f" out={self.out_dtype}" if self.out_dtype else "")
                 + (f" scales={self.scales}" if self.scales else "")
                 + (" lens_unread" if self.lens_unread else "")
+                + (f" scores={self.scores}" if self.scores != "randn" else "")
                 + (f" tile_m={self.tile_m}" if self.tile_m else ""))
 
 
@@ -196,6 +200,12 @@ def coverage_cases(shapes, varlens) -> list[Case]:
                           heads_q=4, heads_k=2, lens_unread=True))
     cases.append(Case("bfloat16", 32, "causal", "bottom_right", (None, 0), tile_m=128, batch=2,
                       seqlen_q=1000, seqlen_k=777, heads_q=4, heads_k=2))
+    # Maxima that move mid-row by more than the softmax's slack (the O rescale is then taken).
+    for (dt, d), (m, al, w), pers in itertools.product(
+            [("bfloat16", 64), ("bfloat16", 128), ("float16", 128), ("bfloat16", 256), ("float8_e4m3fn", 128)],
+            masks[::2], [True, False]):
+        cases.append(Case(dt, d, m, al, w, persistent=pers, batch=2, seqlen_q=300, seqlen_k=3000,
+                          heads_q=4, heads_k=2, scores="rising"))
     return cases
 
 
@@ -221,7 +231,18 @@ def _make_inputs(case: Case, torch, device):
         v = rand(b, case.heads_k, sk, d).transpose(1, 2)
     else:
         q, k, v = rand(b, sq, case.heads_q, d), rand(b, sk, case.heads_k, d), rand(b, sk, case.heads_k, d)
+    if case.scores == "rising":
+        rise_keys(k, torch)
     return q, k, v, None, None
+
+
+def rise_keys(k, torch):
+    """Scale key j by 1 + 5 j / S_k and spike two keys (x12): score spreads grow along each row,
+    so running maxima move by more than 2^8 on later tiles, in some rows of a warp and not others."""
+    sk = k.shape[1]
+    ramp = 1 + 5 * torch.arange(sk, device=k.device, dtype=torch.float32) / sk
+    ramp[sk // 3] = ramp[2 * sk // 3] = 12.0
+    k.copy_((k.float() * ramp.view(1, sk, 1, 1)).to(k.dtype))
 
 
 def poison_unread_keys(k, v, lens_q, lens_k):

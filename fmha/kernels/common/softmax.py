@@ -8,6 +8,13 @@ per thread and only reduced across the row's four threads at the end.
 A row that has seen only masked scores has max -inf; it is treated as max 0 so that every
 exp2 gives exactly 0 and no -inf - -inf = NaN appears. Its sum stays 0, which ``finalize`` turns
 into O = 0 and LSE = -inf (SPEC.md).
+
+With ``max_slack`` > 0 the running max is a stale bound: a row keeps the max it has unless a new
+tile exceeds it by more than ``max_slack`` (in log2 units, so probabilities stay <= 2^max_slack).
+The result is the same (every probability, the sum and the output carry the same factor, which
+``finalize`` divides out, and the LSE is taken against the max actually used), but after the
+first tiles of a row its max rarely moves, the output's correction factor is exactly 1, and
+``rescale`` skips the multiplications when no row of the warp moved.
 """
 
 import math
@@ -24,6 +31,9 @@ _THREADS_PER_ROW = 4
 # Independent accumulation chains per row for the max and for the sum (see ``update``).
 MAX_CHAINS = 4
 SUM_CHAINS = 2
+# How far (log2 units) a row's max may be stale: probabilities stay <= 256, which bf16, fp16 and
+# e4m3 (max 448) all hold, and an fp32 row sum of 2^8 per key cannot overflow.
+MAX_SLACK = 8.0
 
 
 def _add(a, b):
@@ -46,16 +56,18 @@ class OnlineSoftmax:
     row_sum: cute.Tensor
     max_chains: int = MAX_CHAINS
     sum_chains: int = SUM_CHAINS
+    max_slack: float = 0.0
 
     @staticmethod
     def create(scale_log2: Float32, num_rows: int, max_chains: int = MAX_CHAINS,
-               sum_chains: int = SUM_CHAINS) -> "OnlineSoftmax":
+               sum_chains: int = SUM_CHAINS, max_slack: float = 0.0) -> "OnlineSoftmax":
         return OnlineSoftmax(
             scale_log2,
             cute.make_rmem_tensor(num_rows, Float32),
             cute.make_rmem_tensor(num_rows, Float32),
             max_chains,
             sum_chains,
+            max_slack,
         )
 
     @cute.jit
@@ -90,6 +102,11 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(num_rows):
             prev_max = self.row_max[r]
             cur_max = local_max[r]
+            if cutlass.const_expr(self.max_slack > 0.0):
+                # Keep the stale max unless the new one is far above it. A first visit (-inf
+                # before) always moves; -inf - -inf is NaN, compares false, and stays -inf.
+                if not ((cur_max - prev_max) * self.scale_log2 > Float32(self.max_slack)):
+                    cur_max = prev_max
             self.row_max[r] = cur_max
             safe_max = cur_max
             if cur_max == Float32(-math.inf):
@@ -109,6 +126,18 @@ class OnlineSoftmax:
 
     @cute.jit
     def rescale(self, acc_o: cute.Tensor, row_scale: cute.Tensor):
+        if cutlass.const_expr(self.max_slack > 0.0):
+            moved = row_scale[0] != Float32(1.0)
+            for r in cutlass.range_constexpr(1, cute.size(row_scale)):
+                moved = moved | (row_scale[r] != Float32(1.0))
+            # One vote per warp keeps the branch uniform.
+            if cute.arch.vote_any_sync(moved):
+                self._multiply_rows(acc_o, row_scale)
+        else:
+            self._multiply_rows(acc_o, row_scale)
+
+    @cute.jit
+    def _multiply_rows(self, acc_o: cute.Tensor, row_scale: cute.Tensor):
         o = as_rows_cols(acc_o)
         for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(o, mode=[1])):

@@ -165,6 +165,9 @@ class HopperConfig:
     # written by TMA; fixed-length batches with a 16-bit output only, the kernel stores directly
     # otherwise. ``from_problem`` applies ``tma_store_o_for``.
     tma_store_o: bool = True
+    # softmax: a row's max may stay up to 2^8 below the true one (``OnlineSoftmax.max_slack``),
+    # so that O is rescaled only on the rare tiles that move it
+    lazy_rescale: bool = True
 
     @property
     def kv_stages(self) -> int:

@@ -40,7 +40,7 @@ from ..common.fragments import (
 )
 from ..common.mask import FragmentMask
 from ..common.scheduler import StaticTileScheduler, TileTableScheduler
-from ..common.softmax import OnlineSoftmax
+from ..common.softmax import MAX_SLACK, OnlineSoftmax
 from . import L2_BYTES
 from .epilogue import drain_o_stores, store_lse, store_o_direct, store_o_tma, wg_slice_layout
 from .wgmma import WARPGROUP_THREADS as _WG
@@ -94,6 +94,7 @@ class HopperAttentionForward:
         mask_bits: bool = True,
         tma_store_o: bool = False,
         separate_o_buffer: bool = False,
+        lazy_rescale: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_n % 16 == 0
         self.head_dim = head_dim
@@ -129,6 +130,8 @@ class HopperAttentionForward:
         self.rescale_before_pv = rescale_before_pv and overlap
         # Independent chains per row for the softmax's max and sum (OnlineSoftmax.update).
         self.softmax_chains = softmax_chains
+        # The running max may lag (OnlineSoftmax.max_slack): O is rescaled only when it moves.
+        self.max_slack = MAX_SLACK if lazy_rescale else 0.0
         # Overlapped loop: release K_n after the softmax (``overlapped_step``).
         self.late_k_release = late_k_release and overlap
         # Masked tiles: per-thread column bit masks instead of two compares per score.
@@ -543,7 +546,7 @@ class HopperAttentionForward:
         tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
 
         num_rows = cute.size(as_rows_cols(acc_o), mode=[0])
-        softmax = OnlineSoftmax.create(scale_log2, num_rows, *self.softmax_chains)
+        softmax = OnlineSoftmax.create(scale_log2, num_rows, *self.softmax_chains, self.max_slack)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
         lse_rows = cute.make_rmem_tensor(num_rows, Float32)
         # P of the tile whose P.V is pending; S itself is allocated per tile (a score fragment
@@ -661,15 +664,21 @@ class HopperAttentionForward:
             unmasked = sched.unmasked - first_unmasked
             trailing = sched.trailing_masked - (1 - first_leading - first_unmasked)
             n_block = sched.start + 1
-            for _ in cutlass.range(leading, unroll=1):
+            remaining = leading
+            while remaining > 0:
                 kv_consumer = self.overlapped_step(True, n_block, row_base, mask, softmax, frags, kv_consumer, wg)
                 n_block += 1
-            for _ in cutlass.range(unmasked, unroll=1):
+                remaining -= 1
+            remaining = unmasked
+            while remaining > 0:
                 kv_consumer = self.overlapped_step(False, n_block, row_base, mask, softmax, frags, kv_consumer, wg)
-                n_block += 1
-            for _ in cutlass.range(trailing, unroll=1):
+                remaining -= 1
+            n_block += unmasked
+            remaining = trailing
+            while remaining > 0:
                 kv_consumer = self.overlapped_step(True, n_block, row_base, mask, softmax, frags, kv_consumer, wg)
                 n_block += 1
+                remaining -= 1
             # Epilogue: the last P.V.
             if const_expr(self.rescale_before_pv):
                 softmax.rescale(acc_o, row_scale)
@@ -709,7 +718,7 @@ class HopperAttentionForward:
             # instead of after it.
             self.release_after(k_handle, softmax.row_sum[0])
         warpgroup.wait_group(0)
-        v_handle.release()
+        self.release_by_one_lane(v_handle)
         if const_expr(not self.rescale_before_pv):
             softmax.rescale(acc_o, row_scale)
         self.store_p(p, acc_s)
@@ -722,9 +731,17 @@ class HopperAttentionForward:
         """``handle.release()``, made data-dependent on ``anchor`` (a softmax row sum: never
         negative, so the condition always holds; NaN compares false and releases too)."""
         pipe = handle.get_origin()
-        if pipe.is_signaling_thread:
+        with cute.arch.elect_one():
             if not (anchor < Float32(0.0)):
                 pipe.sync_object_empty.arrive(handle.index, pipe.consumer_mask)
+
+    @cute.jit
+    def release_by_one_lane(self, handle):
+        """``handle.release()`` by an elected lane of each warp (the pipeline's own test reads the
+        thread index again at every release)."""
+        pipe = handle.get_origin()
+        with cute.arch.elect_one():
+            pipe.sync_object_empty.arrive(handle.index, pipe.consumer_mask)
 
     @cute.jit
     def store_p(self, p: cute.Tensor, acc_s: cute.Tensor):
