@@ -45,7 +45,7 @@ def _config(dtype, head_dim, mask, persistent, varlen=False, lse=True, out_dtype
     out = out_dtype or default_out_dtype(dtype)
     return HopperConfig(dtype, out, head_dim, kind, wl, wr, br, varlen, lse, persistent,
                         tile_m=tm, tile_n=tn, l2_sections=persistent,
-                        **shape_choices(persistent, head_dim, 1024))
+                        **shape_choices(dtype, persistent, head_dim, 1024))
 
 
 _PAIRS = list(itertools.product(SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS))

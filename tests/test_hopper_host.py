@@ -53,7 +53,7 @@ def test_o_gets_its_own_buffer_only_beside_a_full_kv_ring():
         tm, tn = hb.default_tile(dtype, d)
         return hb.HopperConfig(dtype, out or (torch.bfloat16 if dtype == FP8 else dtype), d, MaskKind.NONE,
                                False, False, False, varlen, True, persistent, tile_m=tm, tile_n=tn,
-                               **hb.shape_choices(persistent, d, seqlen))
+                               **hb.shape_choices(dtype, persistent, d, seqlen))
     for d in (32, 64):
         for persistent, seqlen in ((True, 1024), (True, 16384), (False, 1024)):
             c = cfg(d, persistent=persistent, seqlen=seqlen)
@@ -266,3 +266,14 @@ def test_tma_store_of_o_except_where_measured_slower():
     assert not cfg(64, False, 4096).tma_store_o and not cfg(32, False, 16384).tma_store_o
     assert cfg(64, False, 2048).tma_store_o and cfg(64, True, 16384).tma_store_o
     assert cfg(128, False, 16384).tma_store_o and cfg(256, False, 8192).tma_store_o
+
+
+def test_lazy_rescale_only_for_16_bit_inputs_from_head_dim_128():
+    """The stale-max softmax where it measured faster (docs/PERFORMANCE.md, item 17); fp8 keeps
+    the exact max, whose probability e4m3 holds exactly."""
+    def cfg(d, dtype):
+        q = torch.empty(1, 300, 2, d, dtype=dtype)
+        return hb.HopperConfig.from_problem(validate(q, q, q, causal=True), KernelOptions())
+    assert cfg(128, torch.bfloat16).lazy_rescale and cfg(256, torch.float16).lazy_rescale
+    assert not cfg(64, torch.bfloat16).lazy_rescale and not cfg(32, torch.float16).lazy_rescale
+    assert not any(cfg(d, torch.float8_e4m3fn).lazy_rescale for d in (64, 128, 256))

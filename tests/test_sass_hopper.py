@@ -36,7 +36,7 @@ def _config(head_dim, causal, seqlen=16384):
     tm, tn = allowed_tiles(torch.bfloat16, head_dim)[0]
     kind, wr = (MaskKind.WINDOW, True) if causal else (MaskKind.NONE, False)
     return HopperConfig(torch.bfloat16, torch.bfloat16, head_dim, kind, False, wr, False, False, False,
-                        True, tile_m=tm, tile_n=tn, **shape_choices(True, head_dim, seqlen))
+                        True, tile_m=tm, tile_n=tn, **shape_choices(torch.bfloat16, True, head_dim, seqlen))
 
 
 @functools.lru_cache(maxsize=None)

@@ -103,9 +103,10 @@ class OnlineSoftmax:
             prev_max = self.row_max[r]
             cur_max = local_max[r]
             if cutlass.const_expr(self.max_slack > 0.0):
-                # Keep the stale max unless the new one is far above it. A first visit (-inf
-                # before) always moves; -inf - -inf is NaN, compares false, and stays -inf.
-                if not ((cur_max - prev_max) * self.scale_log2 > Float32(self.max_slack)):
+                # Keep the stale max unless the new one is far above it (the bound comes from the
+                # old max alone, so only a compare and a select wait for the new one). A first
+                # visit (-inf before) moves to any finite max; a row still all -inf stays so.
+                if not (cur_max > prev_max + Float32(self.max_slack) / self.scale_log2):
                     cur_max = prev_max
             self.row_max[r] = cur_max
             safe_max = cur_max

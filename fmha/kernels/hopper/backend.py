@@ -118,13 +118,25 @@ def q_stages_for(persistent: bool, head_dim: int, seqlen_k: int) -> int:
     return 2 if persistent and head_dim <= 128 and seqlen_k <= 4096 else 1
 
 
-def shape_choices(persistent: bool, head_dim: int, seqlen_k: int) -> dict:
-    """The compile-time choices ``HopperConfig.from_problem`` makes from the grid, the head dim and
-    the key length (besides tiles and scheduling): ``HopperConfig`` fields by name, so that the
-    compile tests and ``scripts/kernel_report.py`` build the kernels the library builds."""
+def lazy_rescale_for(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the softmax's max may lag (``OnlineSoftmax.max_slack``). Same-path A/B on the H200
+    (docs/PERFORMANCE.md, item 17): it pays at D >= 128 (D=128 S=2k-8k +1..+6%, D=256 +1..+5%)
+    and not at D=64 (5 rounds: causal -1..-4%, non-causal within +-2%). fp8 keeps the exact max:
+    the max element's probability is then exactly 1, which e4m3 holds exactly; 2^(true max -
+    stale max) is rounded to 3 mantissa bits, and on scores a few keys dominate the output's error
+    tripled (1.8e-2 vs 6.6e-3 relative L2; 16-bit inputs: 1.9e-3 vs 1.6e-3, at bf16's rounding)."""
+    return _elem_bytes(dtype) == 2 and head_dim >= 128
+
+
+def shape_choices(dtype: torch.dtype, persistent: bool, head_dim: int, seqlen_k: int) -> dict:
+    """The compile-time choices ``HopperConfig.from_problem`` makes from the input type, the grid,
+    the head dim and the key length (besides tiles and scheduling): ``HopperConfig`` fields by
+    name, so that the compile tests and ``scripts/kernel_report.py`` build the kernels the library
+    builds."""
     return dict(serial_max_tiles=serial_max_tiles_for(head_dim),
                 softmax_chains=softmax_chains_for(head_dim),
-                q_stages=q_stages_for(persistent, head_dim, seqlen_k))
+                q_stages=q_stages_for(persistent, head_dim, seqlen_k),
+                lazy_rescale=lazy_rescale_for(dtype, head_dim))
 
 
 @dataclass(frozen=True)
@@ -166,8 +178,8 @@ class HopperConfig:
     # otherwise. ``from_problem`` applies ``tma_store_o_for``.
     tma_store_o: bool = True
     # softmax: a row's max may stay up to 2^8 below the true one (``OnlineSoftmax.max_slack``),
-    # so that O is rescaled only on the rare tiles that move it
-    lazy_rescale: bool = True
+    # so that O is rescaled only on the rare tiles that move it (``lazy_rescale_for``)
+    lazy_rescale: bool = False
 
     @property
     def kv_stages(self) -> int:
@@ -212,7 +224,7 @@ class HopperConfig:
             tile_n=options.tile_n or tile_n,
             l2_sections=l2_sections,
             tma_store_o=tma_store_o_for(problem.head_dim, m.kind == MaskKind.NONE, problem.seqlen_k),
-            **shape_choices(bool(persistent), problem.head_dim, problem.seqlen_k),
+            **shape_choices(problem.dtype, bool(persistent), problem.head_dim, problem.seqlen_k),
         )
 
 
