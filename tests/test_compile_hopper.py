@@ -14,38 +14,16 @@ import torch
 
 pytest.importorskip("cutlass")
 
-from fmha.kernels.hopper.backend import (  # noqa: E402
-    SUPPORTED_DTYPES,
-    SUPPORTED_HEAD_DIMS,
-    HopperConfig,
-    allowed_tiles,
-    compile_kernel,
-    shape_choices,
-)
-from fmha.masking import MaskKind  # noqa: E402
-from fmha.problem import default_out_dtype  # noqa: E402
+from fmha.kernels.hopper.backend import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, compile_kernel  # noqa: E402
+from kernel_configs import library_config  # noqa: E402
 
-# mask kind, window left bounded, window right bounded, bottom-right alignment
-MASKS = {
-    "none": (MaskKind.NONE, False, False, False),
-    "causal": (MaskKind.WINDOW, False, True, False),
-    "causal_bottom_right": (MaskKind.WINDOW, False, True, True),
-    "window": (MaskKind.WINDOW, True, True, False),
-    "left_window": (MaskKind.WINDOW, True, False, False),
-    "compressed_causal": (MaskKind.COMPRESSED_CAUSAL, False, False, False),
-}
 FP8 = torch.float8_e4m3fn
 
 
 def _config(dtype, head_dim, mask, persistent, varlen=False, lse=True, out_dtype=None, tile=None):
-    """The kernel the library builds for these choices at 1k keys (``shape_choices``). L2 sections
-    go with every persistent grid: the kernel walks them only under causal-like masks."""
-    kind, wl, wr, br = MASKS[mask]
-    tm, tn = tile or allowed_tiles(dtype, head_dim)[0]
-    out = out_dtype or default_out_dtype(dtype)
-    return HopperConfig(dtype, out, head_dim, kind, wl, wr, br, varlen, lse, persistent,
-                        tile_m=tm, tile_n=tn, l2_sections=persistent,
-                        **shape_choices(dtype, persistent, head_dim, 1024))
+    """The kernel the library builds for these choices at 1k keys. L2 sections go with every
+    persistent grid: the kernel walks them only under causal-like masks."""
+    return library_config(dtype, head_dim, mask, persistent, varlen, lse, out_dtype, tile, l2_sections=persistent)
 
 
 _PAIRS = list(itertools.product(SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS))

@@ -9,9 +9,9 @@ pytest.importorskip("cutlass")
 from fmha.kernels.common.fragments import FP8_KEY_ORDER  # noqa: E402
 from fmha.kernels.hopper import backend as hb  # noqa: E402
 from fmha.kernels.hopper.v_staging import stage_v_fp8, staged_length  # noqa: E402
-from fmha.masking import MaskKind  # noqa: E402
 from fmha.problem import KernelOptions  # noqa: E402
 from fmha.validation import validate  # noqa: E402
+from kernel_configs import library_config  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
@@ -50,10 +50,7 @@ def test_o_gets_its_own_buffer_only_beside_a_full_kv_ring():
     buffer of its own; elsewhere in the Q buffer, so that the ring keeps its depth. Varlen and
     fp8 outputs store O directly."""
     def cfg(d, dtype=torch.bfloat16, out=None, varlen=False, persistent=True, seqlen=1024):
-        tm, tn = hb.default_tile(dtype, d)
-        return hb.HopperConfig(dtype, out or (torch.bfloat16 if dtype == FP8 else dtype), d, MaskKind.NONE,
-                               False, False, False, varlen, True, persistent, tile_m=tm, tile_n=tn,
-                               **hb.shape_choices(dtype, persistent, d, seqlen))
+        return library_config(dtype, d, "none", persistent, varlen, out_dtype=out, seqlen_k=seqlen)
     for d in (32, 64):
         for persistent, seqlen in ((True, 1024), (True, 16384), (False, 1024)):
             c = cfg(d, persistent=persistent, seqlen=seqlen)

@@ -22,8 +22,8 @@ import torch
 
 pytest.importorskip("cutlass")
 
-from fmha.kernels.hopper.backend import HopperConfig, allowed_tiles, compile_kernel, shape_choices  # noqa: E402
-from fmha.masking import MaskKind  # noqa: E402
+from fmha.kernels.hopper.backend import compile_kernel  # noqa: E402
+from kernel_configs import library_config  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 from kernel_report import find_nvdisasm  # noqa: E402
@@ -33,10 +33,7 @@ pytestmark = pytest.mark.skipif(NVDISASM is None, reason="needs nvdisasm (pip in
 
 
 def _config(head_dim, causal, seqlen=16384):
-    tm, tn = allowed_tiles(torch.bfloat16, head_dim)[0]
-    kind, wr = (MaskKind.WINDOW, True) if causal else (MaskKind.NONE, False)
-    return HopperConfig(torch.bfloat16, torch.bfloat16, head_dim, kind, False, wr, False, False, False,
-                        True, tile_m=tm, tile_n=tn, **shape_choices(torch.bfloat16, True, head_dim, seqlen))
+    return library_config(torch.bfloat16, head_dim, "causal" if causal else "none", lse=False, seqlen_k=seqlen)
 
 
 @functools.lru_cache(maxsize=None)

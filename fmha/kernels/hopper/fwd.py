@@ -664,6 +664,8 @@ class HopperAttentionForward:
             unmasked = sched.unmasked - first_unmasked
             trailing = sched.trailing_masked - (1 - first_leading - first_unmasked)
             n_block = sched.start + 1
+            # Counted down: with ``range(count)`` ptxas re-derived the bound from the constant bank
+            # in every iteration (9 uniform-datapath instructions per K/V tile).
             remaining = leading
             while remaining > 0:
                 kv_consumer = self.overlapped_step(True, n_block, row_base, mask, softmax, frags, kv_consumer, wg)
