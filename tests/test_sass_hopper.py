@@ -96,7 +96,8 @@ def test_tma_store_epilogue_keeps_the_stage_index_uniform(head_dim, tmp_root):
 @pytest.mark.parametrize("head_dim,causal", CONFIGS)
 def test_exponentials_run_before_the_pv_wait(head_dim, causal, tmp_root):
     """Released before the softmax, K's mbarrier arrive let ptxas hoist the P.V wait to the first
-    row max (0-18 of 66 exponentials before it at D=128); ``release_after`` keeps it below."""
+    row max (0-18 of 66 exponentials before it at D=128); ``release_by_one_lane`` with an anchor
+    keeps it below."""
     steps = 0
     for body in _mainloops(_config(head_dim, causal), tmp_root):
         waits_s = [i for i, t in enumerate(body) if "DEPBAR.LE gsb0, 0x1" in t]

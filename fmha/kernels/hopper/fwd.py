@@ -718,7 +718,7 @@ class HopperAttentionForward:
             # their operands allow. Released here, tied to the softmax's result, K_n's arrive holds
             # the wait for P_{n-1} V_{n-1} below the exponentials, which then run under that GEMM
             # instead of after it.
-            self.release_after(k_handle, softmax.row_sum[0])
+            self.release_by_one_lane(k_handle, anchor=softmax.row_sum[0])
         warpgroup.wait_group(0)
         self.release_by_one_lane(v_handle)
         if const_expr(not self.rescale_before_pv):
@@ -729,21 +729,17 @@ class HopperAttentionForward:
         return kv_consumer
 
     @cute.jit
-    def release_after(self, handle, anchor: Float32):
-        """``handle.release()``, made data-dependent on ``anchor`` (a softmax row sum: never
-        negative, so the condition always holds; NaN compares false and releases too)."""
-        pipe = handle.get_origin()
-        with cute.arch.elect_one():
-            if not (anchor < Float32(0.0)):
-                pipe.sync_object_empty.arrive(handle.index, pipe.consumer_mask)
-
-    @cute.jit
-    def release_by_one_lane(self, handle):
+    def release_by_one_lane(self, handle, anchor: Optional[Float32] = None):
         """``handle.release()`` by an elected lane of each warp (the pipeline's own test reads the
-        thread index again at every release)."""
+        thread index again at every release). With ``anchor`` (a softmax row sum: never negative,
+        so the condition always holds; NaN compares false and releases too) the release is made
+        data-dependent on it."""
         pipe = handle.get_origin()
         with cute.arch.elect_one():
-            pipe.sync_object_empty.arrive(handle.index, pipe.consumer_mask)
+            if const_expr(anchor is None):
+                pipe.sync_object_empty.arrive(handle.index, pipe.consumer_mask)
+            elif not (anchor < Float32(0.0)):
+                pipe.sync_object_empty.arrive(handle.index, pipe.consumer_mask)
 
     @cute.jit
     def store_p(self, p: cute.Tensor, acc_s: cute.Tensor):
