@@ -163,6 +163,11 @@ VARIANTS = {
     "fmha_lazy_rescale": dict(lazy_rescale=True),  # the same call path as fmha_eager_rescale
     "fmha_fp8_eager_rescale": dict(lazy_rescale=False, fp8_only=True),
     "fmha_fp8_lazy_rescale": dict(lazy_rescale=True, fp8_only=True),
+    "fmha_fp8_pingpong": dict(pingpong=True, fp8_only=True),  # the same call path as the next two
+    "fmha_fp8_nopingpong": dict(pingpong=False, fp8_only=True),  # fp8: the warpgroups issue GEMMs freely
+    "fmha_fp8_nopingpong_n192": dict(pingpong=False, tile_n=192, fp8_only=True),
+    "fmha_fp8_p_unscaled": dict(prescale_p=False, fp8_only=True),  # fp8 P rounded without the 2^8
+    "fmha_fp8_p_scaled": dict(prescale_p=True, fp8_only=True),  # the same call path as fmha_fp8_p_unscaled
 }
 
 

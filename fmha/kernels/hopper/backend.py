@@ -128,6 +128,15 @@ def lazy_rescale_for(dtype: torch.dtype, head_dim: int) -> bool:
     return _elem_bytes(dtype) == 2 and head_dim >= 128
 
 
+def prescale_p_for(dtype: torch.dtype) -> bool:
+    """fp8: probabilities are multiplied by 2^8 before they are rounded to e4m3
+    (``OnlineSoftmax.p_exponent``), so that those below 2^-6 of their row's max stay normal
+    numbers instead of losing their bits to e4m3's subnormals. 16-bit types need no room: their
+    normal range reaches far below any probability that matters. (The kernel ignores it with the
+    stale max, which takes that room itself.)"""
+    return _elem_bytes(dtype) == 1
+
+
 def shape_choices(dtype: torch.dtype, persistent: bool, head_dim: int, seqlen_k: int) -> dict:
     """The compile-time choices ``HopperConfig.from_problem`` makes from the input type, the grid,
     the head dim and the key length (besides tiles and scheduling): ``HopperConfig`` fields by
@@ -136,7 +145,8 @@ def shape_choices(dtype: torch.dtype, persistent: bool, head_dim: int, seqlen_k:
     return dict(serial_max_tiles=serial_max_tiles_for(head_dim),
                 softmax_chains=softmax_chains_for(head_dim),
                 q_stages=q_stages_for(persistent, head_dim, seqlen_k),
-                lazy_rescale=lazy_rescale_for(dtype, head_dim))
+                lazy_rescale=lazy_rescale_for(dtype, head_dim),
+                prescale_p=prescale_p_for(dtype))
 
 
 @dataclass(frozen=True)
@@ -180,6 +190,8 @@ class HopperConfig:
     # softmax: a row's max may stay up to 2^8 below the true one (``OnlineSoftmax.max_slack``),
     # so that O is rescaled only on the rare tiles that move it (``lazy_rescale_for``)
     lazy_rescale: bool = False
+    # fp8: probabilities scaled by 2^8 before rounding to e4m3 (``prescale_p_for``)
+    prescale_p: bool = False
 
     @property
     def kv_stages(self) -> int:

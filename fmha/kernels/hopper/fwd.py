@@ -40,7 +40,7 @@ from ..common.fragments import (
 )
 from ..common.mask import FragmentMask
 from ..common.scheduler import StaticTileScheduler, TileTableScheduler
-from ..common.softmax import MAX_SLACK, OnlineSoftmax
+from ..common.softmax import MAX_SLACK, P_EXPONENT_FP8, OnlineSoftmax
 from . import L2_BYTES
 from .epilogue import drain_o_stores, store_lse, store_o_direct, store_o_tma, wg_slice_layout
 from .wgmma import WARPGROUP_THREADS as _WG
@@ -95,6 +95,7 @@ class HopperAttentionForward:
         tma_store_o: bool = False,
         separate_o_buffer: bool = False,
         lazy_rescale: bool = False,
+        prescale_p: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_n % 16 == 0
         self.head_dim = head_dim
@@ -132,6 +133,9 @@ class HopperAttentionForward:
         self.softmax_chains = softmax_chains
         # The running max may lag (OnlineSoftmax.max_slack): O is rescaled only when it moves.
         self.max_slack = MAX_SLACK if lazy_rescale else 0.0
+        # fp8: P scaled by 2^8 before rounding, into e4m3's normal range (OnlineSoftmax.p_exponent);
+        # the stale max already uses that room.
+        self.p_exponent = P_EXPONENT_FP8 if prescale_p and not lazy_rescale else 0.0
         # Overlapped loop: release K_n after the softmax (``overlapped_step``).
         self.late_k_release = late_k_release and overlap
         # Masked tiles: per-thread column bit masks instead of two compares per score.
@@ -546,7 +550,8 @@ class HopperAttentionForward:
         tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
 
         num_rows = cute.size(as_rows_cols(acc_o), mode=[0])
-        softmax = OnlineSoftmax.create(scale_log2, num_rows, *self.softmax_chains, self.max_slack)
+        softmax = OnlineSoftmax.create(scale_log2, num_rows, *self.softmax_chains, self.max_slack,
+                                     self.p_exponent)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
         lse_rows = cute.make_rmem_tensor(num_rows, Float32)
         # P of the tile whose P.V is pending; S itself is allocated per tile (a score fragment
@@ -626,7 +631,7 @@ class HopperAttentionForward:
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             issue_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
             warpgroup.wait_group(0)
-            k_handle.release()
+            self.release_by_one_lane(k_handle)
             # Only the boundary tiles of the schedule pay for the element-wise mask.
             if i < sched.leading_masked or i >= sched.leading_masked + sched.unmasked:
                 mask.apply(acc_s, tScS, row_base, n_block * self.tile_n)
@@ -636,7 +641,7 @@ class HopperAttentionForward:
             v_handle = kv_consumer.wait_and_advance()
             issue_gemm(tiled_mma_pv, acc_o, self.operand_p(p), tOrV[None, None, None, v_handle.index], False)
             warpgroup.wait_group(0)
-            v_handle.release()
+            self.release_by_one_lane(v_handle)
             n_block += 1
         return kv_consumer
 
@@ -653,7 +658,7 @@ class HopperAttentionForward:
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             issue_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
             warpgroup.wait_group(0)
-            k_handle.release()
+            self.release_by_one_lane(k_handle)
             mask.apply(acc_s, tScS, row_base, sched.start * self.tile_n)
             softmax.update(acc_s, row_scale)  # O is still zero: no rescale
             self.store_p(p, acc_s)
@@ -687,7 +692,7 @@ class HopperAttentionForward:
             v_handle = kv_consumer.wait_and_advance()
             issue_gemm(tiled_mma_pv, acc_o, self.operand_p(p), tOrV[None, None, None, v_handle.index], False)
             warpgroup.wait_group(0)
-            v_handle.release()
+            self.release_by_one_lane(v_handle)
         return kv_consumer
 
     @cute.jit
@@ -709,7 +714,7 @@ class HopperAttentionForward:
                                      number_of_threads=2 * _WG)
         warpgroup.wait_group(1)  # S_n is ready; P_{n-1} V_{n-1} may still run
         if const_expr(not self.late_k_release):
-            k_handle.release()
+            self.release_by_one_lane(k_handle)
         if const_expr(masked):
             mask.apply(acc_s, tScS, row_base, n_block * self.tile_n)
         softmax.update(acc_s, row_scale)
