@@ -8,14 +8,20 @@ Layouts are never fixed silently: a tensor the kernels cannot read as it is (hea
 contiguous, rows not 16-byte aligned) is an error that says to call ``.contiguous()``, so the user
 sees the copy they are paying for.
 
-Varlen checks read ``cu_seqlens`` on the host: one device-to-host copy (a sync) per call. That is
-the price of catching bad offsets here instead of as out-of-bounds reads in a kernel.
+Varlen checks read ``cu_seqlens`` on the host: a device-to-host copy, which waits for the GPU.
+That is the price of catching bad offsets here instead of as out-of-bounds reads in a kernel. It
+is paid once per ``cu_seqlens`` tensor, not once per call: the offsets read are kept with the
+tensor's version counter, which every in-place torch operation on it bumps, so the layers of a
+model that share one ``cu_seqlens`` (every attention layer of a batch does) wait once per batch,
+and a changed tensor is read and checked again. Writes that torch does not count (through
+``.data``, DLPack or a raw pointer) are not seen: after one, pass a new tensor.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -124,6 +130,31 @@ def _check_layout(name: str, t: torch.Tensor) -> None:
         )
 
 
+# id(cu_seqlens) -> (weak reference, version, data pointer, offsets): what ``_read_offsets`` read.
+_OFFSETS_READ: dict = {}
+
+
+def _read_offsets(cu: torch.Tensor) -> List[int]:
+    """``cu.tolist()``, reused while ``cu`` is the same tensor at the same version (module
+    docstring). Inference tensors have no version counter: they are read every time."""
+    try:
+        version = cu._version
+    except RuntimeError:
+        return cu.tolist()
+    key = id(cu)
+    seen = _OFFSETS_READ.get(key)
+    if seen is not None and seen[0]() is cu and seen[1] == version and seen[2] == cu.data_ptr():
+        return seen[3]
+    offsets = cu.tolist()  # host sync, see module docstring
+
+    def forget(ref, key=key):
+        if _OFFSETS_READ.get(key, (None,))[0] is ref:
+            del _OFFSETS_READ[key]
+
+    _OFFSETS_READ[key] = (weakref.ref(cu, forget), version, cu.data_ptr(), offsets)
+    return offsets
+
+
 def _seqlens_from_cu(name: str, cu, total: int, q_dev: torch.device) -> List[int]:
     _require_tensor(name, cu)
     if cu.dtype != torch.int32:
@@ -133,7 +164,7 @@ def _seqlens_from_cu(name: str, cu, total: int, q_dev: torch.device) -> List[int
         raise ValueError(f"{name} must be 1-D of length B + 1, got shape {tuple(cu.shape)}")
     if not cu.is_contiguous():
         raise ValueError(f"{name} must be contiguous (stride {cu.stride(0)}); call .contiguous()")
-    offsets = cu.tolist()  # host sync, see module docstring
+    offsets = _read_offsets(cu)
     if offsets[0] != 0:
         raise ValueError(f"{name} must start at 0, got {offsets[0]}")
     lens = [b - a for a, b in zip(offsets[:-1], offsets[1:])]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fmha
-from fmha.validation import device_mismatch_message, kernel_options
+from fmha.validation import device_mismatch_message, kernel_options, validate
 
 B, S, H, D = 2, 16, 2, 32
 
@@ -208,6 +208,28 @@ def test_cu_seqlens_decreasing():
 def test_cu_seqlens_last_is_total():
     raises(ValueError, r"cu_seqlens_q\[-1\] = 7 but the tensor has 8 rows", run_varlen,
            cu_seqlens_q=torch.tensor([0, 3, 3, 7], dtype=torch.int32))
+
+
+def test_cu_seqlens_read_once_per_tensor_version(monkeypatch):
+    """The host read (a GPU sync) is paid once per cu_seqlens tensor; an in-place change is
+    read and checked again, so a bad edit is still caught before any launch."""
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or tolist(self))
+    q, k = t(sum(LENS_Q), H, D), t(sum(LENS_K), H, D)
+
+    def check(cq, ck):
+        validate(q, k, k, varlen=True, cu_seqlens_q=cq, cu_seqlens_k=ck)
+
+    cq, ck = cu(LENS_Q), cu(LENS_K)
+    check(cq, ck)
+    check(cq, ck)
+    assert len(reads) == 2  # one per tensor, not per call
+    check(cq.clone(), ck)
+    assert len(reads) == 3  # a new tensor is read
+    ck[2] = 2  # [0, 4, 2, 10]: no longer nondecreasing
+    raises(ValueError, r"cu_seqlens_k must be nondecreasing: cu_seqlens_k\[2\] = 2", check, cq=cq, ck=ck)
+    assert len(reads) == 4
 
 
 @pytest.mark.parametrize("name,real", [("max_seqlen_q", 5), ("max_seqlen_k", 5)])

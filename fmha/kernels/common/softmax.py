@@ -15,12 +15,6 @@ The result is the same (every probability, the sum and the output carry the same
 ``finalize`` divides out, and the LSE is taken against the max actually used), but after the
 first tiles of a row its max rarely moves, the output's correction factor is exactly 1, and
 ``rescale`` skips the multiplications when no row of the warp moved.
-
-With ``p_exponent`` = e > 0 every probability is multiplied by 2^e (the row's largest becomes
-2^e instead of 1). fp8 uses it: e4m3's normal numbers stop at 2^-6, and below that P keeps at
-most 3 significant bits, down to nothing under 2^-10; scaled by 2^8, probabilities down to
-2^-14 of the row's max stay normal. The sum carries the same factor, so O is unchanged, and
-``finalize`` takes it out of the LSE.
 """
 
 import math
@@ -40,9 +34,6 @@ SUM_CHAINS = 2
 # How far (log2 units) a row's max may be stale: probabilities stay <= 256, which bf16, fp16 and
 # e4m3 (max 448) all hold, and an fp32 row sum of 2^8 per key cannot overflow.
 MAX_SLACK = 8.0
-# fp8: probabilities are scaled by 2^P_EXPONENT_FP8 before rounding (``p_exponent``); the row's
-# largest, 256, is exact in e4m3.
-P_EXPONENT_FP8 = 8.0
 
 
 def _add(a, b):
@@ -66,15 +57,10 @@ class OnlineSoftmax:
     max_chains: int = MAX_CHAINS
     sum_chains: int = SUM_CHAINS
     max_slack: float = 0.0
-    p_exponent: float = 0.0
 
     @staticmethod
     def create(scale_log2: Float32, num_rows: int, max_chains: int = MAX_CHAINS,
-               sum_chains: int = SUM_CHAINS, max_slack: float = 0.0,
-               p_exponent: float = 0.0) -> "OnlineSoftmax":
-        # Probabilities reach 2^(max_slack + p_exponent): keep them inside every input type's
-        # range (e4m3 stops at 448) and the per-thread fp32 sums far from overflow.
-        assert max_slack + p_exponent <= MAX_SLACK
+               sum_chains: int = SUM_CHAINS, max_slack: float = 0.0) -> "OnlineSoftmax":
         return OnlineSoftmax(
             scale_log2,
             cute.make_rmem_tensor(num_rows, Float32),
@@ -82,7 +68,6 @@ class OnlineSoftmax:
             max_chains,
             sum_chains,
             max_slack,
-            p_exponent,
         )
 
     @cute.jit
@@ -128,8 +113,6 @@ class OnlineSoftmax:
             if cur_max == Float32(-math.inf):
                 safe_max = Float32(0.0)
             neg_max_scaled = -safe_max * self.scale_log2
-            if cutlass.const_expr(self.p_exponent != 0.0):
-                neg_max_scaled = neg_max_scaled + Float32(self.p_exponent)
             # prev_max = -inf (first visit) gives exp2(-inf) = 0: nothing to carry over.
             correction = cute.math.exp2((prev_max - safe_max) * self.scale_log2, fastmath=True)
             sum_chains = min(self.sum_chains, num_cols)
@@ -173,10 +156,7 @@ class OnlineSoftmax:
             lse = Float32(-math.inf)
             if total > Float32(0.0):
                 inv = output_scale / total
-                log2_total = cute.math.log2(total, fastmath=True)
-                if cutlass.const_expr(self.p_exponent != 0.0):
-                    log2_total = log2_total - Float32(self.p_exponent)
-                lse = (self.row_max[r] * self.scale_log2 + log2_total) * ln2
+                lse = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * ln2
             lse_out[r] = lse
             for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
                 o[r, c] = o[r, c] * inv

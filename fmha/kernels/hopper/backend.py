@@ -50,13 +50,6 @@ def default_tile(dtype: torch.dtype, head_dim: int) -> tuple:
     return allowed_tiles(dtype, head_dim)[0]
 
 
-def serial_max_tiles_for(head_dim: int) -> int:
-    """Rows that visit at most this many K/V tiles run the serial mainloop (measured on the H200,
-    docs/PERFORMANCE.md: S=512 D=64 313 vs 245 TFLOP/s, D=128 403 vs 376; from 8 tiles on at
-    D=128, and 16 at D=64, the overlapped loop is as fast or faster)."""
-    return 8 if head_dim <= 64 else 4
-
-
 def choose_schedule(problem: AttentionProblem) -> tuple[bool, bool]:
     """(persistent grid, L2 sections) or one CTA per query tile (measured on the H200,
     docs/PERFORMANCE.md)."""
@@ -128,25 +121,14 @@ def lazy_rescale_for(dtype: torch.dtype, head_dim: int) -> bool:
     return _elem_bytes(dtype) == 2 and head_dim >= 128
 
 
-def prescale_p_for(dtype: torch.dtype) -> bool:
-    """fp8: probabilities are multiplied by 2^8 before they are rounded to e4m3
-    (``OnlineSoftmax.p_exponent``), so that those below 2^-6 of their row's max stay normal
-    numbers instead of losing their bits to e4m3's subnormals. 16-bit types need no room: their
-    normal range reaches far below any probability that matters. (The kernel ignores it with the
-    stale max, which takes that room itself.)"""
-    return _elem_bytes(dtype) == 1
-
-
 def shape_choices(dtype: torch.dtype, persistent: bool, head_dim: int, seqlen_k: int) -> dict:
     """The compile-time choices ``HopperConfig.from_problem`` makes from the input type, the grid,
     the head dim and the key length (besides tiles and scheduling): ``HopperConfig`` fields by
     name, so that the compile tests and ``scripts/kernel_report.py`` build the kernels the library
     builds."""
-    return dict(serial_max_tiles=serial_max_tiles_for(head_dim),
-                softmax_chains=softmax_chains_for(head_dim),
+    return dict(softmax_chains=softmax_chains_for(head_dim),
                 q_stages=q_stages_for(persistent, head_dim, seqlen_k),
-                lazy_rescale=lazy_rescale_for(dtype, head_dim),
-                prescale_p=prescale_p_for(dtype))
+                lazy_rescale=lazy_rescale_for(dtype, head_dim))
 
 
 @dataclass(frozen=True)
@@ -169,7 +151,9 @@ class HopperConfig:
     # mainloop variants, kept selectable so that benchmarks can measure what each one buys
     overlap: bool = True
     pingpong: bool = True
-    # rows of at most this many K/V tiles take the serial mainloop (0: never)
+    # rows of at most this many K/V tiles take the serial mainloop (0: never). Off by default:
+    # with the later items the overlapped loop is as fast or faster for short rows too
+    # (docs/PERFORMANCE.md, items 6 and 18)
     serial_max_tiles: int = 0
     # causal-like masks: walk the tiles cost-sorted in sections of heads that fit L2
     l2_sections: bool = False
@@ -190,8 +174,6 @@ class HopperConfig:
     # softmax: a row's max may stay up to 2^8 below the true one (``OnlineSoftmax.max_slack``),
     # so that O is rescaled only on the rare tiles that move it (``lazy_rescale_for``)
     lazy_rescale: bool = False
-    # fp8: probabilities scaled by 2^8 before rounding to e4m3 (``prescale_p_for``)
-    prescale_p: bool = False
 
     @property
     def kv_stages(self) -> int:

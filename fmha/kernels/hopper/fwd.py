@@ -40,7 +40,7 @@ from ..common.fragments import (
 )
 from ..common.mask import FragmentMask
 from ..common.scheduler import StaticTileScheduler, TileTableScheduler
-from ..common.softmax import MAX_SLACK, P_EXPONENT_FP8, OnlineSoftmax
+from ..common.softmax import MAX_SLACK, OnlineSoftmax
 from . import L2_BYTES
 from .epilogue import drain_o_stores, store_lse, store_o_direct, store_o_tma, wg_slice_layout
 from .wgmma import WARPGROUP_THREADS as _WG
@@ -95,7 +95,6 @@ class HopperAttentionForward:
         tma_store_o: bool = False,
         separate_o_buffer: bool = False,
         lazy_rescale: bool = False,
-        prescale_p: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_n % 16 == 0
         self.head_dim = head_dim
@@ -133,9 +132,6 @@ class HopperAttentionForward:
         self.softmax_chains = softmax_chains
         # The running max may lag (OnlineSoftmax.max_slack): O is rescaled only when it moves.
         self.max_slack = MAX_SLACK if lazy_rescale else 0.0
-        # fp8: P scaled by 2^8 before rounding, into e4m3's normal range (OnlineSoftmax.p_exponent);
-        # the stale max already uses that room.
-        self.p_exponent = P_EXPONENT_FP8 if prescale_p and not lazy_rescale else 0.0
         # Overlapped loop: release K_n after the softmax (``overlapped_step``).
         self.late_k_release = late_k_release and overlap
         # Masked tiles: per-thread column bit masks instead of two compares per score.
@@ -550,8 +546,7 @@ class HopperAttentionForward:
         tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
 
         num_rows = cute.size(as_rows_cols(acc_o), mode=[0])
-        softmax = OnlineSoftmax.create(scale_log2, num_rows, *self.softmax_chains, self.max_slack,
-                                     self.p_exponent)
+        softmax = OnlineSoftmax.create(scale_log2, num_rows, *self.softmax_chains, self.max_slack)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
         lse_rows = cute.make_rmem_tensor(num_rows, Float32)
         # P of the tile whose P.V is pending; S itself is allocated per tile (a score fragment
