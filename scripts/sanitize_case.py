@@ -32,9 +32,9 @@ def main():
     ok &= err < 1e-2
 
     # D=128 runs two consumer warpgroups, D=64 three: both turn-taking schemes get checked.
-    # 1100 keys: query tiles of 1..9 key tiles, so a persistent CTA runs the serial mainloop
-    # (rows of <= 4 tiles) and the overlapped one, in the snake order of the causal grid. The
-    # grid is cut to 8 CTAs so that each runs 4-5 tiles and cycles through both Q buffers.
+    # 1100 keys: query tiles of 1..9 key tiles (the overlapped loop's shortest and longer rows),
+    # in the snake order of the causal grid. The grid is cut to 8 CTAs so that each runs 4-5
+    # tiles and cycles through both Q buffers.
     from fmha.kernels.hopper import backend as hopper_backend
 
     hopper_backend._SM_COUNT[torch.cuda.current_device()] = 8
@@ -44,7 +44,7 @@ def main():
     o = fmha.attention(q, k, v, causal=True, mask_align="bottom_right", backend="kernel", persistent=True)
     ref, _ = attention_reference(q, k, v, mask=MaskSpec.from_args(causal=True, mask_align="bottom_right"))
     err = ((o.float() - ref).norm() / ref.norm()).item()
-    print(f"dense causal D=128 persistent (8 CTAs, 36 tiles), both mainloops: rel L2 {err:.2e}")
+    print(f"dense causal D=128 persistent (8 CTAs, 36 tiles): rel L2 {err:.2e}")
     ok &= err < 1e-2
     hopper_backend._SM_COUNT.clear()
 
@@ -60,7 +60,7 @@ def main():
     ok &= err < 1e-2
 
     # The coverage issue's additions: fp8 (staged V, fp8 A operand), head dims 32 and 256.
-    # 700 / 670 keys: both mainloops at D=128 and 256 (the staging kernel runs for fp8).
+    # 700 / 670 keys: odd lengths, ragged last tiles (the staging kernel runs for fp8).
     for dtype, d, tol in [(torch.float8_e4m3fn, 128, 5e-2), (torch.bfloat16, 256, 1e-2), (torch.float16, 32, 1e-2)]:
         q = torch.randn(1, 700, 2, d, device=dev).to(dtype)
         k = torch.randn(1, 670, 1, d, device=dev).to(dtype)
