@@ -114,7 +114,8 @@ def attention_varlen(
     """Attention forward on packed THD tensors: q (T_q, H_q, D), k/v (T_k, H_k, D); sequence b is
     rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32, length B + 1, on q's device). Masks apply per
     sequence. ``max_seqlen_*`` may be None (read from cu_seqlens). LSE is (H_q, T_q).
-    Otherwise as :func:`attention`. cu_seqlens are checked on the host (one sync per call).
+    Otherwise as :func:`attention`. cu_seqlens are checked on the host: one sync per cu_seqlens
+    tensor and version, not per call (``fmha.validation``).
     """
     return _run(
         q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=True, max_seqlen_q=max_seqlen_q,

@@ -117,9 +117,9 @@ class HopperAttentionForward:
         # GEMMs, so one's softmax hides under another's tensor-core work.
         self.overlap = overlap
         self.pingpong = pingpong and overlap and tile_m // 64 >= 2
-        # Rows that visit at most this many K/V tiles take the serial mainloop: with so few
-        # tiles the overlapped loop's exposed prologue (S_0 alone) and epilogue (last P.V alone)
-        # cost more than the overlap hides. 0: always overlapped.
+        # Rows that visit at most this many K/V tiles take the serial mainloop (0: always
+        # overlapped, the library's choice since the overlapped loop's prologue and epilogue got
+        # cheaper; docs/PERFORMANCE.md items 6 and 18). Kept for the benchmark's variants.
         self.serial_max_tiles = serial_max_tiles if overlap else 0
         # Causal-like masks: walk the tiles sorted by cost (last query tile first) in sections of
         # heads whose K/V fit L2 (``cost_sorted_tile``). Persistent: dealt as a snake; one CTA per
