@@ -136,6 +136,9 @@ def _kernel_variant(fp8_only: bool = False, head_dims: tuple = (), **overrides) 
 VARIANTS = {
     "fmha_serial_short_rows": dict(serial_max_tiles=8),  # rows of <= 8 K/V tiles take the serial mainloop
     "fmha_same_path": dict(),  # the default kernel, called like the variants (no validation per call)
+    # causal-like problems whose K/V would not stay in L2: one CTA per tile (the sixth session's
+    # default) instead of persistent CTAs claiming the tiles in that order
+    "fmha_one_cta_per_tile": dict(persistent=False, claim_tiles=False, q_stages=1),
     "fmha_serial": dict(overlap=False, pingpong=False),
     "fmha_nopingpong": dict(pingpong=False),
     "fmha_nonpersistent": dict(persistent=False),

@@ -122,3 +122,7 @@ class KernelOptions:
     persistent: Optional[bool] = None
     tile_m: Optional[int] = None
     tile_n: Optional[int] = None
+    # Where the backend would run one CTA per tile (causal-like masks on dense inputs whose K/V
+    # in flight would not fit L2): persistent CTAs that claim the tiles in that order instead.
+    # None: the backend's choice; ``persistent=False`` given explicitly keeps one CTA per tile.
+    claim_tiles: Optional[bool] = None

@@ -21,7 +21,7 @@ import sys
 import time
 import traceback
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,11 +61,14 @@ class Case:
     # "randn", or "rising": keys scaled up along the sequence, with two spiked keys, so that
     # rows' maxima jump by more than the softmax's slack (``OnlineSoftmax.max_slack``) mid-row
     scores: str = "randn"
+    # with persistent=False: persistent CTAs that claim the tiles in the one-CTA-per-tile order
+    # (``KernelOptions.claim_tiles``)
+    claim: bool = False
 
     def config_key(self):
         return (self.dtype, self.out_dtype, self.head_dim, self.mask, self.align,
                 self.window[0] is not None, self.window[1] is not None,
-                self.varlen_q is not None, self.lse, self.persistent, self.tile_m)
+                self.varlen_q is not None, self.lse, self.persistent, self.tile_m, self.claim)
 
     def name(self):
         shape = (f"varlen q{list(self.varlen_q)} k{list(self.varlen_k)}" if self.varlen_q
@@ -79,7 +82,8 @@ class Case:
                 + (f" scales={self.scales}" if self.scales else "")
                 + (" lens_unread" if self.lens_unread else "")
                 + (f" scores={self.scores}" if self.scores != "randn" else "")
-                + (f" tile_m={self.tile_m}" if self.tile_m else ""))
+                + (f" tile_m={self.tile_m}" if self.tile_m else "")
+                + (" claim" if self.claim else ""))
 
 
 def mask_kwargs(case: Case) -> dict:
@@ -154,6 +158,13 @@ def build_suite(name: str) -> list[Case]:
     for m, al in [("none", "top_left"), ("causal", "bottom_right")]:  # the non-default D=64 tile
         cases.append(Case("bfloat16", 64, m, al, tile_m=128, batch=2, seqlen_q=1000, seqlen_k=777, heads_q=4, heads_k=2))
     cases += coverage_cases(shapes, varlens)
+    # Every one-CTA-per-tile case whose mask gives later query tiles more work, again with
+    # persistent CTAs claiming those tiles (the library's choice for such problems when their
+    # K/V would not stay in L2; these small ones run it because the option asks).
+    causal_like = ("causal", "compressed")
+    cases += [replace(c, claim=True) for c in cases
+              if not c.persistent and c.varlen_q is None
+              and (c.mask in causal_like or (c.mask == "window" and c.window[0] is None))]
     return cases
 
 
@@ -351,20 +362,34 @@ def run_group(cases: list[Case]) -> list[dict]:
     try:
         import torch as _t
         cfg = HopperConfig.from_problem(_problem(first, *_make_inputs(first, _t, _t.device("cuda")), _t),
-                                        KernelOptions(persistent=first.persistent, tile_m=first.tile_m))
+                                        KernelOptions(persistent=first.persistent, tile_m=first.tile_m,
+                                                      claim_tiles=first.claim or None))
         t0 = time.time()
         runner = HopperRunner(cfg, compile_kernel(cfg))
         compile_s = time.time() - t0
     except Exception:
         err = traceback.format_exc(limit=3)
         return [dict(case=asdict(c), name=c.name(), ok=False, error="compile: " + err) for c in cases]
-    for c in cases:
-        try:
-            r = run_case(runner, c, torch)
-        except Exception:
-            r = dict(ok=False, error=traceback.format_exc(limit=4))
-        r.update(case=asdict(c), name=c.name(), compile_s=round(compile_s, 2))
-        results.append(r)
+    if first.claim and not (cfg.claim_tiles and cfg.persistent):
+        return [dict(case=asdict(c), name=c.name(), ok=False, error="the config does not claim tiles")
+                for c in cases]
+    from fmha.kernels.hopper import backend
+
+    dev = torch.cuda.current_device()
+    if first.claim:
+        # A grid of 8 CTAs, so that each claims several tiles (and cycles through its Q buffers
+        # and the hand-off's entries) even in these small problems.
+        backend._SM_COUNT[dev] = 8
+    try:
+        for c in cases:
+            try:
+                r = run_case(runner, c, torch)
+            except Exception:
+                r = dict(ok=False, error=traceback.format_exc(limit=4))
+            r.update(case=asdict(c), name=c.name(), compile_s=round(compile_s, 2))
+            results.append(r)
+    finally:
+        backend._SM_COUNT.pop(dev, None)
     return results
 
 

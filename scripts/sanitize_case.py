@@ -1,8 +1,9 @@
-"""Small cases through the kernel (dense causal at D 64/128, varlen, fp8, D 32/256), for
-compute-sanitizer:
+"""Small cases through the kernel (dense causal at D 64/128, persistent CTAs claiming causal
+tiles, varlen, fp8, D 32/256), for compute-sanitizer (``--claim-only``: the claiming case alone):
 
     compute-sanitizer --tool racecheck python scripts/sanitize_case.py
     compute-sanitizer --tool memcheck  python scripts/sanitize_case.py
+    compute-sanitizer --tool racecheck python scripts/sanitize_case.py --claim-only
 
 Exits 1 if the output disagrees with the reference (the sanitizer reports its own findings)."""
 
@@ -18,9 +19,34 @@ from fmha.masking import MaskSpec
 from fmha.reference import attention_reference
 
 
+def claimed_tiles_case(dev) -> bool:
+    """Persistent CTAs that claim their tiles (``KernelOptions.claim_tiles``): 8 CTAs over 36
+    causal tiles, so each claims several and cycles through its Q buffers and the hand-off."""
+    from fmha.kernels.hopper import backend as hopper_backend
+    from fmha.problem import KernelOptions
+    from fmha.validation import validate
+
+    hopper_backend._SM_COUNT[torch.cuda.current_device()] = 8
+    q = torch.randn(1, 1100, 4, 128, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(1, 1100, 2, 128, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(1, 1100, 2, 128, device=dev, dtype=torch.bfloat16)
+    problem = validate(q, k, v, causal=True)
+    cfg = hopper_backend.HopperConfig.from_problem(problem, KernelOptions(persistent=False, claim_tiles=True))
+    assert cfg.claim_tiles and cfg.persistent
+    o = torch.full_like(q, float("nan"))
+    hopper_backend.HopperRunner(cfg, hopper_backend.compile_kernel(cfg))(problem, q, k, v, o, None)
+    ref, _ = attention_reference(q, k, v, mask=MaskSpec.from_args(causal=True))
+    err = ((o.float() - ref).norm() / ref.norm()).item()
+    print(f"dense causal D=128, 8 CTAs claiming 36 tiles: rel L2 {err:.2e}")
+    hopper_backend._SM_COUNT.clear()
+    return err < 1e-2
+
+
 def main():
     torch.manual_seed(0)
     dev = torch.device("cuda")
+    if "--claim-only" in sys.argv:
+        return 0 if claimed_tiles_case(dev) else 1
     ok = True
     q = torch.randn(1, 200, 2, 64, device=dev, dtype=torch.bfloat16)
     k = torch.randn(1, 200, 1, 64, device=dev, dtype=torch.bfloat16)
@@ -47,6 +73,7 @@ def main():
     print(f"dense causal D=128 persistent (8 CTAs, 36 tiles): rel L2 {err:.2e}")
     ok &= err < 1e-2
     hopper_backend._SM_COUNT.clear()
+    ok &= claimed_tiles_case(dev)
 
     lens = [0, 1, 77, 130]
     cu = torch.tensor([0, 0, 1, 78, 208], dtype=torch.int32, device=dev)

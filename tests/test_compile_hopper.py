@@ -66,6 +66,16 @@ def test_compiles_the_serial_mainloop_variants():
         assert compile_kernel(dataclasses.replace(base, **over)) is not None
 
 
+def test_compiles_claimed_tiles():
+    """Persistent CTAs that claim tiles in the one-CTA-per-tile order (the library's choice for
+    large causal problems): the 16-bit path and fp8's staged V."""
+    import dataclasses
+
+    for dtype, head_dim in ((torch.bfloat16, 64), (FP8, 128)):
+        cfg = dataclasses.replace(_config(dtype, head_dim, "causal", True), l2_sections=False, claim_tiles=True)
+        assert compile_kernel(cfg) is not None
+
+
 def _ptx(cfg, tmp_path):
     compile_kernel(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
     return next(tmp_path.glob("*.ptx")).read_text()

@@ -152,15 +152,16 @@ def test_no_launch_without_query_rows_and_spec_answer_without_keys():
 
 
 @pytest.mark.parametrize("b,s,hq,hk,d,causal,want", [
-    (32, 512, 32, 32, 64, True, (True, False)),   # 132 heads' K/V in flight: 17 MB, fits the 50 MB L2
-    (8, 2048, 32, 32, 64, True, (False, False)),  # 69 MB: one CTA per tile
-    (32, 512, 16, 16, 128, True, (True, True)),   # D=128 up to 2k keys: L2-sized sections of heads
-    (8, 2048, 16, 16, 128, True, (True, True)),
-    (4, 4096, 16, 16, 128, True, (False, False)),
-    (8, 2048, 16, 2, 128, True, (True, True)),    # GQA 8
-    (2, 8192, 16, 2, 128, True, (True, False)),   # GQA 8: 17 KV heads in flight, 36 MB
-    (2, 8192, 8, 8, 256, True, (False, False)),
-    (1, 16384, 16, 16, 128, False, (True, False)),  # even tile costs: always persistent
+    # want: (persistent, L2 sections, claimed tiles)
+    (32, 512, 32, 32, 64, True, (True, False, False)),   # 132 heads' K/V in flight: 17 MB, fits the 50 MB L2
+    (8, 2048, 32, 32, 64, True, (True, False, True)),    # 69 MB: the one-CTA-per-tile order, claimed
+    (32, 512, 16, 16, 128, True, (True, True, False)),   # D=128 up to 2k keys: L2-sized sections of heads
+    (8, 2048, 16, 16, 128, True, (True, True, False)),
+    (4, 4096, 16, 16, 128, True, (True, False, True)),
+    (8, 2048, 16, 2, 128, True, (True, True, False)),    # GQA 8
+    (2, 8192, 16, 2, 128, True, (True, False, False)),   # GQA 8: 17 KV heads in flight, 36 MB
+    (2, 8192, 8, 8, 256, True, (True, False, True)),
+    (1, 16384, 16, 16, 128, False, (True, False, False)),  # even tile costs: always persistent
 ])
 def test_schedule_follows_the_l2_footprint_of_the_tiles_in_flight(b, s, hq, hk, d, causal, want):
     import dataclasses
@@ -168,9 +169,34 @@ def test_schedule_follows_the_l2_footprint_of_the_tiles_in_flight(b, s, hq, hk, 
     small = validate(*_qkv(d), causal=causal)
     problem = dataclasses.replace(small, batch=b, seqlen_q=s, seqlen_k=s, num_heads_q=hq, num_heads_k=hk)
     cfg = hb.HopperConfig.from_problem(problem, KernelOptions())
-    assert (cfg.persistent, cfg.l2_sections) == want
-    forced = hb.HopperConfig.from_problem(problem, KernelOptions(persistent=not want[0]))
-    assert forced.persistent == (not want[0]) and not forced.l2_sections
+    assert (cfg.persistent, cfg.l2_sections, cfg.claim_tiles) == want
+    # An explicit persistent= is obeyed as it is: no claiming, and no sections unless chosen anyway.
+    for persistent in (True, False):
+        forced = hb.HopperConfig.from_problem(problem, KernelOptions(persistent=persistent))
+        assert forced.persistent == persistent and not forced.claim_tiles
+        assert not forced.l2_sections or (persistent, True) == hb.choose_schedule(problem)
+    if want[2]:
+        plain = hb.HopperConfig.from_problem(problem, KernelOptions(claim_tiles=False))
+        assert (plain.persistent, plain.l2_sections, plain.claim_tiles) == (False, False, False)
+
+
+def test_claimed_tiles_only_where_one_cta_per_tile_would_run():
+    """Persistent grids, varlen and even tile costs never claim, whatever the option says."""
+    import dataclasses
+
+    big = dataclasses.replace(validate(*_qkv(128), causal=True), batch=4, seqlen_q=4096, seqlen_k=4096,
+                              num_heads_q=16, num_heads_k=16)
+    assert not hb.HopperConfig.from_problem(big, KernelOptions(persistent=True, claim_tiles=True)).claim_tiles
+    dense = dataclasses.replace(validate(*_qkv(128)), batch=4, seqlen_q=4096, seqlen_k=4096,
+                                num_heads_q=16, num_heads_k=16)
+    assert not hb.HopperConfig.from_problem(dense, KernelOptions(persistent=False, claim_tiles=True)).claim_tiles
+    lens = [5, 40, 17]
+    cu = torch.tensor([0, 5, 45, 62], dtype=torch.int32)
+    q, k, v = (torch.randn(62, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+    varlen = validate(q, k, v, varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+                      max_seqlen_k=max(lens), causal=True)
+    assert not hb.HopperConfig.from_problem(varlen, KernelOptions(persistent=False, claim_tiles=True)).claim_tiles
+    assert hb.HopperConfig.from_problem(big, KernelOptions(persistent=False, claim_tiles=True)).claim_tiles
 
 
 def test_two_q_buffers_only_for_persistent_grids_up_to_4k_keys_and_d128():
@@ -184,13 +210,13 @@ def test_two_q_buffers_only_for_persistent_grids_up_to_4k_keys_and_d128():
 def test_l2_sections_only_where_measured_bf16_d128_up_to_2k_keys():
     import dataclasses
 
-    for dtype, want in ((torch.bfloat16, (True, True)), (torch.float8_e4m3fn, (False, False))):
+    for dtype, want in ((torch.bfloat16, (True, True, False)), (torch.float8_e4m3fn, (True, False, True))):
         q, k, v = (t.to(dtype) for t in _qkv(128))
         small = validate(q, k, v, causal=True)
         problem = dataclasses.replace(small, batch=8, seqlen_q=2048, seqlen_k=2048, num_heads_q=16,
                                       num_heads_k=16)
         cfg = hb.HopperConfig.from_problem(problem, KernelOptions())
-        assert (cfg.persistent, cfg.l2_sections) == want
+        assert (cfg.persistent, cfg.l2_sections, cfg.claim_tiles) == want
 
 
 def test_softmax_chains_per_head_dim():

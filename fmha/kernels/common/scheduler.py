@@ -13,6 +13,11 @@ round and G-1 back to 0 in the next, so each CTA's total lands close to the mean
 grid-stride deal would give CTA 0 the costliest tile of every round. The same cost-sorted walk
 in sections of heads (``cost_sorted_tile``) also serves one CTA per tile: the hardware then
 hands the tiles to SMs costliest first, a few heads' K/V at a time.
+
+``ClaimingTileScheduler`` walks the one-CTA-per-tile order with a persistent grid: a CTA that
+finishes a tile claims the next unclaimed one from a counter in global memory, as the hardware
+hands out CTAs, so the balance is the same; but the CTA stays resident, so the next tile's Q and
+first K/V tiles load while the current one still computes instead of after it has exited.
 """
 
 from dataclasses import dataclass
@@ -40,6 +45,16 @@ def cost_sorted_tile(idx, num_m_blocks, heads_batches, section, imin=min):
     size = imin(section, heads_batches - first)
     r = idx - (idx // per_section) * per_section
     return num_m_blocks - 1 - r // size, first + r % size
+
+
+def m_fastest_tile(idx, num_m_blocks, num_heads, longest_first: bool):
+    """(m_block, head, batch) of tile ``idx`` when the query tile index varies fastest (from the
+    last query tile down with ``longest_first``). Plain arithmetic: the tests run it on ints."""
+    m = idx % num_m_blocks
+    rest = idx // num_m_blocks
+    if longest_first:
+        m = num_m_blocks - 1 - m
+    return m, rest % num_heads, rest // num_heads
 
 
 class _GridStride:
@@ -90,12 +105,44 @@ class StaticTileScheduler(_GridStride):
         if cutlass.const_expr(self.m_slowest):
             m, rest = cost_sorted_tile(idx, self.num_m_blocks, self.num_tiles // self.num_m_blocks,
                                        self.section, imin=cutlass.min)
-        else:
-            m = idx % self.num_m_blocks
-            rest = idx // self.num_m_blocks
-            if cutlass.const_expr(self.longest_first):
-                m = self.num_m_blocks - 1 - m
-        return m, rest % self.num_heads, rest // self.num_heads
+            return m, rest % self.num_heads, rest // self.num_heads
+        return m_fastest_tile(idx, self.num_m_blocks, self.num_heads, self.longest_first)
+
+
+@dataclass(frozen=True)
+class ClaimingTileScheduler:
+    """Persistent CTAs over the one-CTA-per-tile order (``m_fastest_tile``): CTA ``b`` starts at
+    tile ``b``; afterwards its producer warp claims the next tile with an atomic add on
+    ``counter`` (zeroed before the launch; claim ``c`` is tile ``grid + c``) and hands it to the
+    consumers (``HopperAttentionForward.publish_next_tile``). A CTA's last claim is past the end,
+    so a launch adds exactly ``num_tiles`` to the counter."""
+
+    num_m_blocks: Int32
+    num_heads: Int32
+    num_tiles: Int32
+    longest_first: bool
+    counter: cute.Tensor  # (1,) int32 in global memory
+
+    @staticmethod
+    def create(num_m_blocks, num_heads, num_batches, longest_first: bool, counter) -> "ClaimingTileScheduler":
+        return ClaimingTileScheduler(num_m_blocks, num_heads, num_m_blocks * num_heads * num_batches,
+                                     longest_first, counter)
+
+    def first(self) -> Int32:
+        return Int32(cute.arch.block_idx()[0])
+
+    @cute.jit
+    def claim(self) -> Int32:
+        """The next tile for this CTA; called by every lane of one warp, one of which claims."""
+        claimed = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            claimed = cute.arch.atomic_add(self.counter.iterator, Int32(1))
+        claimed = cute.arch.shuffle_sync(claimed, 0)
+        return claimed + Int32(cute.arch.grid_dim()[0])
+
+    def decode(self, idx: Int32):
+        """-> (m_block, head, batch)"""
+        return m_fastest_tile(idx, self.num_m_blocks, self.num_heads, self.longest_first)
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,11 @@ def choose_schedule(problem: AttentionProblem) -> tuple[bool, bool]:
     return kv_bytes <= L2_BYTES, False
 
 
+# Causal-like problems that ``choose_schedule`` gives one CTA per tile run that order on persistent
+# CTAs claiming their tiles (docs/PERFORMANCE.md, item 19).
+CLAIM_TILES_BY_DEFAULT = True
+
+
 def softmax_chains_for(head_dim: int) -> tuple:
     """Independent (max, sum) chains per softmax row. At D <= 64 (192-row tiles: three consumer
     warpgroups of 160 registers each) the shorter dependency chains pay: D=64 S=16k 511-517 vs 490-494
@@ -174,6 +179,9 @@ class HopperConfig:
     # softmax: a row's max may stay up to 2^8 below the true one (``OnlineSoftmax.max_slack``),
     # so that O is rescaled only on the rare tiles that move it (``lazy_rescale_for``)
     lazy_rescale: bool = False
+    # persistent CTAs that claim tiles from a global counter in the one-CTA-per-tile order
+    # (``ClaimingTileScheduler``; ``from_problem``)
+    claim_tiles: bool = False
 
     @property
     def kv_stages(self) -> int:
@@ -202,6 +210,11 @@ class HopperConfig:
         persistent, l2_sections = choose_schedule(problem)
         if options.persistent is not None and options.persistent != persistent:
             persistent, l2_sections = options.persistent, False
+        claim_tiles = False
+        if not persistent and not problem.varlen and later_rows_cost_more(m.kind, m.window_left is not None):
+            claim_tiles = options.claim_tiles if options.claim_tiles is not None else (
+                options.persistent is None and CLAIM_TILES_BY_DEFAULT)
+            persistent = persistent or claim_tiles
         tile_m, tile_n = default_tile(problem.dtype, problem.head_dim)
         return HopperConfig(
             dtype=problem.dtype,
@@ -217,6 +230,7 @@ class HopperConfig:
             tile_m=options.tile_m or tile_m,
             tile_n=options.tile_n or tile_n,
             l2_sections=l2_sections,
+            claim_tiles=claim_tiles,
             tma_store_o=tma_store_o_for(problem.head_dim, m.kind == MaskKind.NONE, problem.seqlen_k),
             **shape_choices(problem.dtype, bool(persistent), problem.head_dim, problem.seqlen_k),
         )
@@ -308,7 +322,9 @@ def _fake_tensors(cfg: HopperConfig):
         tiles = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=4)
         descs = cute.runtime.make_fake_tensor(cutlass.Int64, (cute.sym_int(), 3, 16), stride=(48, 16, 1),
                                               assumed_align=128)
-    return q, k, v, o, lse, cu_q, cu_k, tiles, descs
+    counter = cute.runtime.make_fake_tensor(cutlass.Int32, (1,), stride=(1,), assumed_align=4) \
+        if cfg.claim_tiles else None
+    return q, k, v, o, lse, cu_q, cu_k, tiles, descs, counter
 
 
 @contextlib.contextmanager
@@ -339,11 +355,11 @@ def compile_kernel(cfg: HopperConfig, extra_options: str = ""):
     # The kernel's parameters are config attributes of the same name (fields or properties).
     params = inspect.signature(HopperAttentionForward.__init__).parameters
     kernel = HopperAttentionForward(**{name: getattr(cfg, name) for name in params if name != "self"})
-    q, k, v, o, lse, cu_q, cu_k, tiles, descs = _fake_tensors(cfg)
+    q, k, v, o, lse, cu_q, cu_k, tiles, descs, counter = _fake_tensors(cfg)
     with _targeting_sm90a():
         return cute.compile(
             kernel,
-            q, k, v, o, lse, cu_q, cu_k, tiles, descs,
+            q, k, v, o, lse, cu_q, cu_k, tiles, descs, counter,
             Int32(1),  # max_seqlen_q
             Float32(1.0),  # scale_log2
             Float32(1.0),  # output_scale
@@ -401,6 +417,8 @@ class HopperRunner:
             cu_seqlens_k if cfg.varlen else None,
             tiles,
             descs,
+            # the claim counter starts at 0 in every launch (ClaimingTileScheduler)
+            torch.zeros(1, dtype=torch.int32, device=q.device) if cfg.claim_tiles else None,
             problem.seqlen_q,
             problem.score_scale_log2,
             problem.output_scale,

@@ -39,7 +39,7 @@ from ..common.fragments import (
     as_operand_a, as_operand_a_fp8, as_rows_cols, fp8_operand_a_shape, store_as_16bit_pairs,
 )
 from ..common.mask import FragmentMask
-from ..common.scheduler import StaticTileScheduler, TileTableScheduler
+from ..common.scheduler import ClaimingTileScheduler, StaticTileScheduler, TileTableScheduler
 from ..common.softmax import MAX_SLACK, OnlineSoftmax
 from . import L2_BYTES
 from .epilogue import drain_o_stores, store_lse, store_o_direct, store_o_tma, wg_slice_layout
@@ -51,6 +51,9 @@ from .wgmma import issue_gemm
 # 4, 5 (, 6): a warpgroup's O rows are staged in shared memory (``epilogue.store_o_tma``).
 _TURN_BARRIER = 1
 _O_STAGED_BARRIER = _TURN_BARRIER + 3
+# Entries of the claimed-tile hand-off (``claim_tiles``): one per tile a CTA holds at once (the
+# current one and, with two Q buffers, the next).
+_CLAIM_STAGES = 2
 
 
 def _bshd_to_sdhb(t: cute.Tensor, varlen: bool, d_first: bool = False) -> cute.Tensor:
@@ -95,6 +98,7 @@ class HopperAttentionForward:
         tma_store_o: bool = False,
         separate_o_buffer: bool = False,
         lazy_rescale: bool = False,
+        claim_tiles: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_n % 16 == 0
         self.head_dim = head_dim
@@ -151,6 +155,9 @@ class HopperAttentionForward:
             self.num_consumer_wgs]
         # Causal-like masks give later query tiles more work: start those first.
         self.longest_first = later_rows_cost_more(mask_kind, window_left_bounded)
+        # Persistent CTAs claim their tiles one at a time, in the one-CTA-per-tile order
+        # (``ClaimingTileScheduler``); the producer hands each claim to the consumers.
+        self.claim_tiles = claim_tiles and persistent and not varlen
 
     # ------------------------------------------------------------------ host-side JIT
     @cute.jit
@@ -165,6 +172,7 @@ class HopperAttentionForward:
         mCuSeqlensK: Optional[cute.Tensor],
         mTileTable: Optional[cute.Tensor],
         mSeqDescriptors: Optional[cute.Tensor],
+        mTileCounter: Optional[cute.Tensor],
         max_seqlen_q: Int32,
         scale_log2: Float32,
         output_scale: Float32,
@@ -231,6 +239,9 @@ class HopperAttentionForward:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, ring_elems], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.out_dtype, o_elems], 1024]
+            # claimed tiles on their way from the producer to the consumers (``claim_tiles``)
+            tile_mbar: cute.struct.MemRange[cutlass.Int64, _CLAIM_STAGES * 2 if self.claim_tiles else 0]
+            next_tile: cute.struct.MemRange[Int32, _CLAIM_STAGES if self.claim_tiles else 0]
 
         self.shared_storage = SharedStorage
 
@@ -255,7 +266,8 @@ class HopperAttentionForward:
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_o, tma_tensor_o,
-            q, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mTileTable, mSeqDescriptors, num_m_blocks, num_batches,
+            q, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mTileTable, mSeqDescriptors, mTileCounter, num_m_blocks,
+            num_batches,
             scale_log2, output_scale, window_left, window_right,
             sQ_layout, sK_layout, sV_layout, sO_layout,
         ).launch(
@@ -287,6 +299,7 @@ class HopperAttentionForward:
         mCuSeqlensK: Optional[cute.Tensor],
         mTileTable: Optional[cute.Tensor],
         mSeqDescriptors: Optional[cute.Tensor],
+        mTileCounter: Optional[cute.Tensor],
         num_m_blocks: Int32,
         num_batches: Int32,
         scale_log2: Float32,
@@ -321,6 +334,16 @@ class HopperAttentionForward:
             num_stages=self.kv_stages, producer_group=one_thread, consumer_group=consumer_warps,
             tx_count=self.kv_bytes, barrier_storage=storage.kv_mbar.data_ptr(), defer_sync=True,
         ).make_participants()
+        claim_producer = claim_consumer = sNextTile = None
+        if const_expr(self.claim_tiles):
+            sNextTile = storage.next_tile.get_tensor(cute.make_layout(_CLAIM_STAGES))
+            # Read by every consumer thread before it releases the entry (each one's arrive
+            # orders its own read before the producer's next write there).
+            claim_producer, claim_consumer = pipeline.PipelineAsync.create(
+                num_stages=_CLAIM_STAGES, producer_group=one_thread,
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wgs * _WG),
+                barrier_storage=storage.tile_mbar.data_ptr(), defer_sync=True,
+            ).make_participants()
         pipeline.pipeline_init_arrive()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -333,6 +356,9 @@ class HopperAttentionForward:
 
         if const_expr(self.varlen):
             scheduler = TileTableScheduler.create(mTileTable, mQ_sdhb.shape[2])
+        elif const_expr(self.claim_tiles):
+            scheduler = ClaimingTileScheduler.create(
+                num_m_blocks, mQ_sdhb.shape[2], num_batches, self.longest_first, mTileCounter)
         else:
             section = None
             if const_expr(self.l2_sections):
@@ -352,14 +378,14 @@ class HopperAttentionForward:
                 self.producer(
                     scheduler, mQ_tma, mK_tma, mV_tma, mQ_sdhb, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors,
                     window_left, window_right, tma_q, tma_k, tma_v, sQ, sK, sV,
-                    q_producer, kv_producer,
+                    q_producer, kv_producer, claim_producer, sNextTile,
                 )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consumer(
                 scheduler, tiled_mma_qk, tiled_mma_pv, mQ_sdhb, mK_tma, mO, mLSE, tma_o, mO_tma,
                 mCuSeqlensQ, mCuSeqlensK, scale_log2, output_scale, window_left, window_right,
-                sQ, sK, sV, sO, q_consumer, kv_consumer, tidx - _WG,
+                sQ, sK, sV, sO, q_consumer, kv_consumer, claim_consumer, sNextTile, tidx - _WG,
             )
 
     @cute.jit
@@ -438,6 +464,7 @@ class HopperAttentionForward:
         mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, window_left, window_right,
         tma_q, tma_k, tma_v, sQ, sK, sV,
         q_producer: pipeline.PipelineProducer, kv_producer: pipeline.PipelineProducer,
+        claim_producer: Optional[pipeline.PipelineProducer], sNextTile: Optional[cute.Tensor],
     ):
         tile_idx = scheduler.first()
         num_tiles = scheduler.num_tiles
@@ -485,7 +512,16 @@ class HopperAttentionForward:
                     kv_producer = self.load_kv_serial_order(sched, load, kv_producer)
                 else:
                     kv_producer = self.load_kv_overlapped_order(sched, load, kv_producer)
-            tile_idx = scheduler.next(tile_idx)
+            if const_expr(self.claim_tiles):
+                # Claimed once this tile's loads are issued: the consumers get it well before
+                # they finish the tile, and the claim order stays the order tiles start in.
+                tile_idx = scheduler.claim()
+                handle = claim_producer.acquire_and_advance()
+                with cute.arch.elect_one():
+                    sNextTile[handle.index] = tile_idx
+                    handle.commit()
+            else:
+                tile_idx = scheduler.next(tile_idx)
 
     @cute.jit
     def load_kv_overlapped_order(self, sched, load, kv_producer: pipeline.PipelineProducer):
@@ -526,7 +562,8 @@ class HopperAttentionForward:
         mQ_sdhb, mK_tma, mO, mLSE, tma_o, mO_tma, mCuSeqlensQ, mCuSeqlensK,
         scale_log2: Float32, output_scale: Float32, window_left, window_right,
         sQ, sK, sV, sO: Optional[cute.Tensor], q_consumer: pipeline.PipelineConsumer,
-        kv_consumer: pipeline.PipelineConsumer, tidx: Int32,
+        kv_consumer: pipeline.PipelineConsumer, claim_consumer: Optional[pipeline.PipelineConsumer],
+        sNextTile: Optional[cute.Tensor], tidx: Int32,
     ):
         # Uniform by construction, but ptxas cannot see it from tidx: without the hint the
         # warpgroup's Q descriptor lives in ordinary registers and every S-GEMM wgmma waits on
@@ -589,7 +626,12 @@ class HopperAttentionForward:
                 softmax.finalize(acc_o, output_scale, lse_rows)
                 self.epilogue(acc_o, lse_rows, tiled_mma_pv, tOcO, tidx, wg, q_handle, sQ, sO, tma_o, mO_tma,
                               mO, mLSE, m_block, head, batch, offset_q, seqlen_q)
-            tile_idx = scheduler.next(tile_idx)
+            if const_expr(self.claim_tiles):
+                handle = claim_consumer.wait_and_advance()
+                tile_idx = sNextTile[handle.index]
+                handle.release()
+            else:
+                tile_idx = scheduler.next(tile_idx)
         if const_expr(self.o_in_own_buffer):
             drain_o_stores()
 
