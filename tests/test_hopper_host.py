@@ -160,7 +160,7 @@ def test_no_launch_without_query_rows_and_spec_answer_without_keys():
     (4, 4096, 16, 16, 128, True, (True, False, True)),
     (8, 2048, 16, 2, 128, True, (True, True, False)),    # GQA 8
     (2, 8192, 16, 2, 128, True, (True, False, False)),   # GQA 8: 17 KV heads in flight, 36 MB
-    (2, 8192, 8, 8, 256, True, (True, False, True)),
+    (2, 8192, 8, 8, 256, True, (False, False, False)),   # 134 MB, but rows of 8k keys: one CTA per tile
     (1, 16384, 16, 16, 128, False, (True, False, False)),  # even tile costs: always persistent
 ])
 def test_schedule_follows_the_l2_footprint_of_the_tiles_in_flight(b, s, hq, hk, d, causal, want):
@@ -176,6 +176,7 @@ def test_schedule_follows_the_l2_footprint_of_the_tiles_in_flight(b, s, hq, hk, 
         assert forced.persistent == persistent and not forced.claim_tiles
         assert not forced.l2_sections or (persistent, True) == hb.choose_schedule(problem)
     if want[2]:
+        assert hb.claim_tiles_for(s)
         plain = hb.HopperConfig.from_problem(problem, KernelOptions(claim_tiles=False))
         assert (plain.persistent, plain.l2_sections, plain.claim_tiles) == (False, False, False)
 

@@ -76,9 +76,13 @@ def choose_schedule(problem: AttentionProblem) -> tuple[bool, bool]:
     return kv_bytes <= L2_BYTES, False
 
 
-# Causal-like problems that ``choose_schedule`` gives one CTA per tile run that order on persistent
-# CTAs claiming their tiles (docs/PERFORMANCE.md, item 19).
-CLAIM_TILES_BY_DEFAULT = True
+def claim_tiles_for(seqlen_k: int) -> bool:
+    """Whether a causal-like problem that ``choose_schedule`` gives one CTA per tile runs that order
+    on persistent CTAs that claim their tiles (``ClaimingTileScheduler``). Same-path A/B on the
+    H200, three rounds (docs/PERFORMANCE.md, item 19): claimed tiles win while a tile is short
+    enough for a CTA's start and exit to weigh (D=64 causal S=2k 392 vs 349 TFLOP/s, S=4k 429 vs
+    409; D=128 S=4k 587 vs 549; D=256 S=2k 549 vs 521) and are level from 8k keys (-2..+1.5%)."""
+    return seqlen_k <= 4096
 
 
 def softmax_chains_for(head_dim: int) -> tuple:
@@ -213,7 +217,7 @@ class HopperConfig:
         claim_tiles = False
         if not persistent and not problem.varlen and later_rows_cost_more(m.kind, m.window_left is not None):
             claim_tiles = options.claim_tiles if options.claim_tiles is not None else (
-                options.persistent is None and CLAIM_TILES_BY_DEFAULT)
+                options.persistent is None and claim_tiles_for(problem.seqlen_k))
             persistent = persistent or claim_tiles
         tile_m, tile_n = default_tile(problem.dtype, problem.head_dim)
         return HopperConfig(
