@@ -142,8 +142,8 @@ VARIANTS = {
     "fmha_serial": dict(overlap=False, pingpong=False),
     "fmha_nopingpong": dict(pingpong=False),
     "fmha_nonpersistent": dict(persistent=False),
-    "fmha_persistent": dict(persistent=True),
-    "fmha_persistent_l2": dict(persistent=True, l2_sections=True),  # causal: heads in L2-sized sections
+    "fmha_persistent": dict(persistent=True, claim_tiles=False),
+    "fmha_persistent_l2": dict(persistent=True, l2_sections=True, claim_tiles=False),  # causal: heads in L2-sized sections
     # causal: one CTA per tile, launched costliest first in L2-sized sections of heads
     "fmha_lpt": dict(persistent=False, l2_sections=True),
     "fmha_tile128": dict(tile_m=128),

@@ -389,7 +389,8 @@ def run_group(cases: list[Case]) -> list[dict]:
             r.update(case=asdict(c), name=c.name(), compile_s=round(compile_s, 2))
             results.append(r)
     finally:
-        backend._SM_COUNT.pop(dev, None)
+        if first.claim:
+            backend._SM_COUNT.pop(dev, None)
     return results
 
 

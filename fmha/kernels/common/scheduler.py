@@ -114,8 +114,9 @@ class ClaimingTileScheduler:
     """Persistent CTAs over the one-CTA-per-tile order (``m_fastest_tile``): CTA ``b`` starts at
     tile ``b``; afterwards its producer warp claims the next tile with an atomic add on
     ``counter`` (zeroed before the launch; claim ``c`` is tile ``grid + c``) and hands it to the
-    consumers (``HopperAttentionForward.publish_next_tile``). A CTA's last claim is past the end,
-    so a launch adds exactly ``num_tiles`` to the counter."""
+    consumers through shared memory (the end of the producer's and the consumers' tile loops in
+    ``fmha/kernels/hopper/fwd.py``). A CTA's last claim is past the end, so a launch adds exactly
+    ``num_tiles`` to the counter."""
 
     num_m_blocks: Int32
     num_heads: Int32
