@@ -644,15 +644,15 @@ class HopperAttentionForward:
         """Write this warpgroup's rows of the normalized O and their LSE."""
         o_out = cute.make_rmem_tensor_like(acc_o, self.out_dtype)
         o_out.store(acc_o.load().to(self.out_dtype))
-        if const_expr(self.o_in_q_buffer):
-            q_pipe = q_handle.get_origin()
-            q_index = q_handle.index
+        if const_expr(self.o_via_tma):
+            staging, release_q = sO, None  # O's own buffer
+            if const_expr(self.o_in_q_buffer):
+                q_pipe = q_handle.get_origin()
+                q_index = q_handle.index
+                staging = sQ[None, None, q_index]
+                release_q = lambda: q_pipe.sync_object_empty.arrive(q_index, q_pipe.consumer_mask)  # noqa: E731
             store_o_tma(o_out, tiled_mma_pv, self.num_consumer_wgs, tidx, wg, _O_STAGED_BARRIER + wg,
-                        sQ[None, None, q_index], tma_o, mO_tma, m_block, head, batch,
-                        lambda: q_pipe.sync_object_empty.arrive(q_index, q_pipe.consumer_mask))
-        elif const_expr(self.o_in_own_buffer):
-            store_o_tma(o_out, tiled_mma_pv, self.num_consumer_wgs, tidx, wg, _O_STAGED_BARRIER + wg,
-                        sO, tma_o, mO_tma, m_block, head, batch, None)
+                        staging, tma_o, mO_tma, m_block, head, batch, release_q)
         else:
             store_o_direct(o_out, tOcO, mO, self.varlen, m_block, self.tile_m, head, batch, offset_q, seqlen_q)
         store_lse(lse_rows, tOcO, mLSE, self.varlen, m_block, self.tile_m, head, batch, offset_q, seqlen_q)
