@@ -99,7 +99,8 @@ def _mask_kwargs(p: Point) -> dict:
     return dict(causal=p.causal)
 
 
-def _kernel_variant(fp8_only: bool = False, head_dims: tuple = (), **overrides) -> Callable:
+def _kernel_variant(fp8_only: bool = False, head_dims: tuple = (), causal_only: bool = False,
+                    **overrides) -> Callable:
     """fmha's Hopper kernel with some compile-time choices overridden (mainloop, scheduling,
     tile), called below the public API: to measure what each technique buys."""
     import dataclasses
@@ -116,6 +117,8 @@ def _kernel_variant(fp8_only: bool = False, head_dims: tuple = (), **overrides) 
             raise NotImplementedError(f"this variant is timed on {'fp8' if fp8_only else 'bf16'} points")
         if head_dims and p.head_dim not in head_dims:
             raise NotImplementedError(f"this variant is timed at head dims {head_dims}")
+        if causal_only and not p.causal:
+            raise NotImplementedError("this variant changes the schedule of causal-like masks only")
         if p not in prepared:  # a varlen check reads cu_seqlens on the host
             kw = dict(varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(p.varlen),
                       max_seqlen_k=max(p.varlen)) if p.varlen else {}
@@ -139,6 +142,14 @@ VARIANTS = {
     # causal-like problems whose K/V would not stay in L2: one CTA per tile (the sixth session's
     # default) instead of persistent CTAs claiming the tiles in that order
     "fmha_one_cta_per_tile": dict(persistent=False, claim_tiles=False, q_stages=1),
+    "fmha_fp8_same_path": dict(fp8_only=True),  # the default fp8 kernel on the variants' path
+    # persistent CTAs claiming the one-CTA-per-tile order where the library does not (longer
+    # rows, fp8 rows of more than 4k keys) and in place of the persistent snake (D=128 rows of up to 2k)
+    "fmha_claim": dict(persistent=True, claim_tiles=True, l2_sections=False, causal_only=True),
+    "fmha_fp8_claim": dict(persistent=True, claim_tiles=True, l2_sections=False, fp8_only=True,
+                           causal_only=True),
+    "fmha_fp8_one_cta_per_tile": dict(persistent=False, claim_tiles=False, q_stages=1, fp8_only=True,
+                                      causal_only=True),
     "fmha_serial": dict(overlap=False, pingpong=False),
     "fmha_nopingpong": dict(pingpong=False),
     "fmha_nonpersistent": dict(persistent=False),

@@ -122,7 +122,8 @@ class KernelOptions:
     persistent: Optional[bool] = None
     tile_m: Optional[int] = None
     tile_n: Optional[int] = None
-    # Where the backend would run one CTA per tile (causal-like masks on dense inputs whose K/V
-    # in flight would not fit L2): persistent CTAs that claim the tiles in that order instead.
-    # None: the backend's choice; ``persistent=False`` given explicitly keeps one CTA per tile.
+    # Causal-like masks on dense inputs: persistent CTAs claim the tiles one at a time in the
+    # one-CTA-per-tile order (True), or not (False: one CTA per tile where the backend would have
+    # claimed). None: the backend's choice (it claims when the problem's K/V exceeds half the
+    # L2). An explicit ``persistent=True`` keeps the static persistent walk.
     claim_tiles: Optional[bool] = None

@@ -56,6 +56,7 @@ def main(argv=None):
     ap.add_argument("--heads-k", type=int, default=None)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"])
     ap.add_argument("--calls", type=int, default=3, help="calls after the compiling one")
     args = ap.parse_args(argv)
     if args.summarize:
@@ -66,7 +67,8 @@ def main(argv=None):
 
     from fmha.bench import Point, _implementations, _inputs
 
-    p = Point(args.batch, args.seqlen, args.heads, args.heads_k or args.heads, args.head_dim, args.causal)
+    p = Point(args.batch, args.seqlen, args.heads, args.heads_k or args.heads, args.head_dim, args.causal,
+              dtype=args.dtype)
     impls = _implementations(torch, variants=args.impl not in ("fmha", "fa4", "cudnn", "sdpa_flash"))
     fn = impls[args.impl]
     q, k, v, cu = _inputs(p, torch)

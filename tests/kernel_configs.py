@@ -21,9 +21,9 @@ MASKS = {
 
 def library_config(dtype=torch.bfloat16, head_dim=128, mask="none", persistent=True, varlen=False, lse=True,
                    out_dtype=None, tile=None, seqlen_k=1024, l2_sections=False) -> HopperConfig:
-    """The configuration for these choices at ``seqlen_k`` keys. ``l2_sections`` is the
-    scheduler's (``choose_schedule``), which needs the batch and head counts; the kernel walks
-    sections only under causal-like masks on a persistent grid."""
+    """The configuration for these choices at ``seqlen_k`` keys. ``l2_sections`` (the static
+    persistent walk in sections of heads, a benchmark variant) is walked only under causal-like
+    masks on a persistent grid."""
     kind, left, right, bottom_right = MASKS[mask]
     tile_m, tile_n = tile or default_tile(dtype, head_dim)
     return HopperConfig(dtype, out_dtype or default_out_dtype(dtype), head_dim, kind, left, right, bottom_right,

@@ -21,8 +21,9 @@ FP8 = torch.float8_e4m3fn
 
 
 def _config(dtype, head_dim, mask, persistent, varlen=False, lse=True, out_dtype=None, tile=None):
-    """The kernel the library builds for these choices at 1k keys. L2 sections go with every
-    persistent grid: the kernel walks them only under causal-like masks."""
+    """The kernel the library builds for these choices at 1k keys. L2 sections (a benchmark
+    variant) ride along with every persistent grid so that their code keeps compiling: the
+    kernel walks them only under causal-like masks."""
     return library_config(dtype, head_dim, mask, persistent, varlen, lse, out_dtype, tile, l2_sections=persistent)
 
 

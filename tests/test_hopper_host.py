@@ -151,37 +151,41 @@ def test_no_launch_without_query_rows_and_spec_answer_without_keys():
     assert calls == [] and not out.float().any() and torch.isneginf(lse).all()
 
 
-@pytest.mark.parametrize("b,s,hq,hk,d,causal,want", [
-    # want: (persistent, L2 sections, claimed tiles)
-    (32, 512, 32, 32, 64, True, (True, False, False)),   # 132 heads' K/V in flight: 17 MB, fits the 50 MB L2
-    (8, 2048, 32, 32, 64, True, (True, False, True)),    # 69 MB: the one-CTA-per-tile order, claimed
-    (32, 512, 16, 16, 128, True, (True, True, False)),   # D=128 up to 2k keys: L2-sized sections of heads
-    (8, 2048, 16, 16, 128, True, (True, True, False)),
-    (4, 4096, 16, 16, 128, True, (True, False, True)),
-    (8, 2048, 16, 2, 128, True, (True, True, False)),    # GQA 8
-    (2, 8192, 16, 2, 128, True, (True, False, False)),   # GQA 8: 17 KV heads in flight, 36 MB
-    (2, 8192, 8, 8, 256, True, (False, False, False)),   # 134 MB, but rows of 8k keys: one CTA per tile
-    (1, 16384, 16, 16, 128, False, (True, False, False)),  # even tile costs: always persistent
+@pytest.mark.parametrize("b,s,hq,hk,d,causal,dtype,want", [
+    # want: (persistent, claimed tiles). The problem's K/V against half the 50 MB L2:
+    (32, 512, 32, 32, 64, True, torch.bfloat16, (True, True)),    # 134 MB: claimed
+    (8, 2048, 32, 32, 64, True, torch.bfloat16, (True, True)),
+    (32, 512, 16, 16, 128, True, torch.bfloat16, (True, True)),
+    (1, 16384, 16, 16, 128, True, torch.bfloat16, (True, True)),
+    (2, 8192, 8, 8, 256, True, torch.bfloat16, (True, True)),
+    (2, 8192, 16, 16, 128, True, torch.float8_e4m3fn, (True, True)),   # 67 MB
+    (8, 2048, 16, 2, 128, True, torch.bfloat16, (True, False)),   # GQA 8: 17 MB, the static walk
+    (2, 8192, 16, 2, 128, True, torch.bfloat16, (True, False)),
+    (1, 2048, 8, 8, 128, True, torch.bfloat16, (True, False)),    # 4 MB
+    (1, 16384, 16, 16, 128, False, torch.bfloat16, (True, False)),  # even tile costs: grid-stride
 ])
-def test_schedule_follows_the_l2_footprint_of_the_tiles_in_flight(b, s, hq, hk, d, causal, want):
+def test_causal_tiles_are_claimed_unless_all_kv_fits_half_the_l2(b, s, hq, hk, d, causal, dtype, want):
     import dataclasses
 
-    small = validate(*_qkv(d), causal=causal)
+    q, k, v = (t.to(dtype) for t in _qkv(d))
+    small = validate(q, k, v, causal=causal)
     problem = dataclasses.replace(small, batch=b, seqlen_q=s, seqlen_k=s, num_heads_q=hq, num_heads_k=hk)
     cfg = hb.HopperConfig.from_problem(problem, KernelOptions())
-    assert (cfg.persistent, cfg.l2_sections, cfg.claim_tiles) == want
-    # An explicit persistent= is obeyed as it is: no claiming, and no sections unless chosen anyway.
+    assert (cfg.persistent, cfg.claim_tiles) == want and not cfg.l2_sections
+    # An explicit persistent= is obeyed as it is: no claiming.
     for persistent in (True, False):
         forced = hb.HopperConfig.from_problem(problem, KernelOptions(persistent=persistent))
         assert forced.persistent == persistent and not forced.claim_tiles
-        assert not forced.l2_sections or (persistent, True) == hb.choose_schedule(problem)
-    if want[2]:
-        assert hb.claim_tiles_for(s)
-        plain = hb.HopperConfig.from_problem(problem, KernelOptions(claim_tiles=False))
-        assert (plain.persistent, plain.l2_sections, plain.claim_tiles) == (False, False, False)
+    if causal:
+        # claim_tiles=True claims anywhere (unless persistent=True is pinned); False where the
+        # backend would claim gives one CTA per tile, elsewhere changes nothing.
+        on = hb.HopperConfig.from_problem(problem, KernelOptions(claim_tiles=True))
+        assert on.persistent and on.claim_tiles
+        off = hb.HopperConfig.from_problem(problem, KernelOptions(claim_tiles=False))
+        assert (off.persistent, off.claim_tiles) == ((False, False) if want[1] else want)
 
 
-def test_claimed_tiles_only_where_one_cta_per_tile_would_run():
+def test_claimed_tiles_never_for_pinned_persistent_grids_even_costs_or_varlen():
     """Persistent grids, varlen and even tile costs never claim, whatever the option says."""
     import dataclasses
 
@@ -206,18 +210,6 @@ def test_two_q_buffers_only_for_persistent_grids_up_to_4k_keys_and_d128():
     assert hb.q_stages_for(False, 128, 512) == 1 and hb.q_stages_for(True, 256, 512) == 1
     cfg = hb.HopperConfig.from_problem(validate(*_qkv(128)), KernelOptions())
     assert cfg.persistent and cfg.q_stages == 2 and cfg.kv_stages == 5
-
-
-def test_l2_sections_only_where_measured_bf16_d128_up_to_2k_keys():
-    import dataclasses
-
-    for dtype, want in ((torch.bfloat16, (True, True, False)), (torch.float8_e4m3fn, (True, False, True))):
-        q, k, v = (t.to(dtype) for t in _qkv(128))
-        small = validate(q, k, v, causal=True)
-        problem = dataclasses.replace(small, batch=8, seqlen_q=2048, seqlen_k=2048, num_heads_q=16,
-                                      num_heads_k=16)
-        cfg = hb.HopperConfig.from_problem(problem, KernelOptions())
-        assert (cfg.persistent, cfg.l2_sections, cfg.claim_tiles) == want
 
 
 def test_softmax_chains_per_head_dim():

@@ -16,7 +16,7 @@ from fmha.problem import AttentionProblem, KernelOptions
 
 from fmha.work_tiles import work_tile_table
 
-from . import L2_BYTES, NUM_SMS, disk_cache
+from . import L2_BYTES, disk_cache
 from .v_staging import stage_v_fp8
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
@@ -51,38 +51,27 @@ def default_tile(dtype: torch.dtype, head_dim: int) -> tuple:
 
 
 def choose_schedule(problem: AttentionProblem) -> tuple[bool, bool]:
-    """(persistent grid, L2 sections) or one CTA per query tile (measured on the H200,
-    docs/PERFORMANCE.md)."""
+    """(persistent grid, claimed tiles): how the query tiles meet the SMs (measured on the H200,
+    docs/PERFORMANCE.md, items 7, 10, 19 and 20). Both kinds of grid are persistent; one CTA
+    per tile only runs when a caller pins ``persistent=False``."""
     m = problem.mask
     if not later_rows_cost_more(m.kind, m.window_left is not None):
-        return True, False  # even tile costs: the persistent grid is as fast or faster
+        return True, False  # even tile costs: a plain grid-stride walk is balanced
     if problem.varlen:
         # The tile table runs a sequence's heads side by side, so the tiles in flight share a
         # few sequences' K/V: the persistent grid wins (causal varlen 401 vs 371 TFLOP/s).
         return True, False
-    # Uneven costs (causal-like). The persistent grid deals the tiles out sorted by cost, so the
-    # tiles in flight are one query-tile level of ~132 different heads: it wins (S=512 causal:
-    # 237 vs 217 TFLOP/s at D=128) while those heads' K/V fit in L2 together, and loses beyond
-    # (S=2k, D=128: 375 vs 410) to one CTA per tile, whose order keeps a few heads in flight and
-    # lets the hardware balance the load.
-    heads_in_flight = min(-(-NUM_SMS // problem.qhead_per_kvhead), problem.batch * problem.num_heads_k)
-    kv_bytes = heads_in_flight * problem.seqlen_k * problem.head_dim * 2 * _elem_bytes(problem.dtype)
-    # D=128 up to 2k keys: the same sorted walk in sections of heads whose K/V fill half the L2
-    # beats both (bf16, 3 runs: S=1k 347/340/356 vs 315-319, S=2k 423/427/391 vs 395-419, S=512
-    # 247-251 vs 237-240); from S=4k, and at D=64, it loses; at D=256 S=2k it ties. Not
-    # measured for fp8, which keeps the rule below.
-    if problem.head_dim == 128 and problem.seqlen_k <= 2048 and _elem_bytes(problem.dtype) == 2:
-        return True, True
-    return kv_bytes <= L2_BYTES, False
-
-
-def claim_tiles_for(seqlen_k: int) -> bool:
-    """Whether a causal-like problem that ``choose_schedule`` gives one CTA per tile runs that order
-    on persistent CTAs that claim their tiles (``ClaimingTileScheduler``). Same-path A/B on the
-    H200, three rounds (docs/PERFORMANCE.md, item 19): claimed tiles win while a tile is short
-    enough for a CTA's start and exit to weigh (D=64 causal S=2k 392 vs 349 TFLOP/s, S=4k 429 vs
-    409; D=128 S=4k 587 vs 549; D=256 S=2k 549 vs 521) and are level from 8k keys (-2..+1.5%)."""
-    return seqlen_k <= 4096
+    # Uneven costs (causal-like). The static walk deals the tiles out sorted by cost, every
+    # head's last query tile first: the best balance, but a head's next tile comes a whole cost
+    # level later, after every other head's, so its K/V stays in L2 only if all of the
+    # problem's K/V does (GQA 16:2, D=128, 17 MB: 551 vs 541 TFLOP/s at S=2k, 634 vs 613 at
+    # 8k). Otherwise CTAs claim the tiles one at a time in the order that keeps the query tile
+    # fastest (a head's tiles together, the longest first): 134 MB of K/V, D=128 S=512-2k
+    # 345/447/518 vs 317/425/502 for the static walk in L2-sized sections, D=64 S=512/1k 236/296
+    # vs 227/272 for the static walk, and from S=8k 1-4% above one CTA per tile (item 20).
+    kv_bytes = problem.batch * problem.num_heads_k * problem.seqlen_k * problem.head_dim * 2 * _elem_bytes(
+        problem.dtype)
+    return True, kv_bytes > L2_BYTES // 2
 
 
 def softmax_chains_for(head_dim: int) -> tuple:
@@ -164,7 +153,9 @@ class HopperConfig:
     # with the later items the overlapped loop is as fast or faster for short rows too
     # (docs/PERFORMANCE.md, items 6 and 18)
     serial_max_tiles: int = 0
-    # causal-like masks: walk the tiles cost-sorted in sections of heads that fit L2
+    # causal-like masks on a static persistent grid: walk the tiles cost-sorted in sections of
+    # heads whose K/V fit L2 (a benchmark variant since item 20: ``choose_schedule`` claims
+    # the tiles where the plain walk would not keep K/V in L2)
     l2_sections: bool = False
     # overlapped loop: rescale O just before the P.V GEMM (under the S GEMM), not after softmax
     rescale_before_pv: bool = False
@@ -211,14 +202,15 @@ class HopperConfig:
     @staticmethod
     def from_problem(problem: AttentionProblem, options: KernelOptions) -> "HopperConfig":
         m = problem.mask
-        persistent, l2_sections = choose_schedule(problem)
-        if options.persistent is not None and options.persistent != persistent:
-            persistent, l2_sections = options.persistent, False
-        claim_tiles = False
-        if not persistent and not problem.varlen and later_rows_cost_more(m.kind, m.window_left is not None):
-            claim_tiles = options.claim_tiles if options.claim_tiles is not None else (
-                options.persistent is None and claim_tiles_for(problem.seqlen_k))
-            persistent = persistent or claim_tiles
+        persistent, claim_tiles = choose_schedule(problem)
+        if options.persistent is not None:
+            persistent, claim_tiles = options.persistent, False
+        claimable = not problem.varlen and later_rows_cost_more(m.kind, m.window_left is not None)
+        if claimable and options.claim_tiles is not None and options.persistent is not True:
+            if options.claim_tiles:
+                persistent, claim_tiles = True, True
+            elif claim_tiles:  # the same order without claiming: one CTA per tile
+                persistent, claim_tiles = False, False
         tile_m, tile_n = default_tile(problem.dtype, problem.head_dim)
         return HopperConfig(
             dtype=problem.dtype,
@@ -233,7 +225,6 @@ class HopperConfig:
             persistent=bool(persistent),
             tile_m=options.tile_m or tile_m,
             tile_n=options.tile_n or tile_n,
-            l2_sections=l2_sections,
             claim_tiles=claim_tiles,
             tma_store_o=tma_store_o_for(problem.head_dim, m.kind == MaskKind.NONE, problem.seqlen_k),
             **shape_choices(problem.dtype, bool(persistent), problem.head_dim, problem.seqlen_k),
