@@ -146,6 +146,8 @@ VARIANTS = {
     # persistent CTAs claiming the one-CTA-per-tile order where the library does not (longer
     # rows, fp8 rows of more than 4k keys) and in place of the persistent snake (D=128 rows of up to 2k)
     "fmha_claim": dict(persistent=True, claim_tiles=True, l2_sections=False, causal_only=True),
+    # even tile costs too (non-causal): claiming instead of the grid-stride walk
+    "fmha_claim_even": dict(persistent=True, claim_tiles=True, head_dims=(64, 128)),
     "fmha_fp8_claim": dict(persistent=True, claim_tiles=True, l2_sections=False, fp8_only=True,
                            causal_only=True),
     "fmha_fp8_one_cta_per_tile": dict(persistent=False, claim_tiles=False, q_stages=1, fp8_only=True,
