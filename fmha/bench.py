@@ -162,6 +162,8 @@ VARIANTS = {
     "fmha_tile128": dict(tile_m=128),
     "fmha_chain_softmax": dict(softmax_chains=(1, 1)),  # one dependent max/sum chain per row
     "fmha_tree_softmax": dict(softmax_chains=(4, 2)),  # 4 max / 2 sum chains per row
+    "fmha_fp8_tree_softmax": dict(softmax_chains=(4, 2), fp8_only=True),
+    "fmha_fp8_tree_softmax_n192": dict(softmax_chains=(4, 2), tile_n=192, fp8_only=True),
     "fmha_q1": dict(q_stages=1),  # one Q buffer: the next tile's Q loads after this one's mainloop
     "fmha_rescale_early": dict(rescale_before_pv=True),  # O rescaled under the S GEMM
     "fmha_n176": dict(tile_n=176, head_dims=(128,)),  # a wider key tile, D=128

@@ -5,7 +5,7 @@ kernels ``HopperConfig.from_problem`` builds (``shape_choices``) rather than nea
 import torch
 
 from fmha.kernels.hopper.backend import HopperConfig, default_tile, shape_choices
-from fmha.masking import MaskKind
+from fmha.masking import MaskKind, later_rows_cost_more
 from fmha.problem import default_out_dtype
 
 # mask kind, window left bounded, window right bounded, bottom-right alignment
@@ -28,4 +28,4 @@ def library_config(dtype=torch.bfloat16, head_dim=128, mask="none", persistent=T
     tile_m, tile_n = tile or default_tile(dtype, head_dim)
     return HopperConfig(dtype, out_dtype or default_out_dtype(dtype), head_dim, kind, left, right, bottom_right,
                         varlen, lse, persistent, tile_m=tile_m, tile_n=tile_n, l2_sections=l2_sections,
-                        **shape_choices(dtype, persistent, head_dim, seqlen_k))
+                        **shape_choices(dtype, persistent, head_dim, seqlen_k, later_rows_cost_more(kind, left)))

@@ -212,9 +212,16 @@ def test_two_q_buffers_only_for_persistent_grids_up_to_4k_keys_and_d128():
     assert cfg.persistent and cfg.q_stages == 2 and cfg.kv_stages == 5
 
 
-def test_softmax_chains_per_head_dim():
+def test_softmax_chains_per_head_dim_and_for_fp8_under_causal_masks():
     assert hb.HopperConfig.from_problem(validate(*_qkv(64)), KernelOptions()).softmax_chains == (4, 2)
     assert hb.HopperConfig.from_problem(validate(*_qkv(128)), KernelOptions()).softmax_chains == (1, 1)
+    assert hb.HopperConfig.from_problem(validate(*_qkv(128), causal=True), KernelOptions()).softmax_chains == (1, 1)
+    fp8 = [t.to(torch.float8_e4m3fn) for t in _qkv(128)]
+    assert hb.HopperConfig.from_problem(validate(*fp8), KernelOptions()).softmax_chains == (1, 1)
+    for mask in (dict(causal=True), dict(window_size=(None, 0)), dict(compressed_causal=True)):
+        assert hb.HopperConfig.from_problem(validate(*fp8, **mask), KernelOptions()).softmax_chains == (4, 2)
+    # a sliding window's rows cost the same: one chain
+    assert hb.HopperConfig.from_problem(validate(*fp8, window_size=(64, 0)), KernelOptions()).softmax_chains == (1, 1)
 
 
 def test_varlen_causal_runs_a_persistent_grid_and_short_rows_stay_overlapped():

@@ -74,12 +74,16 @@ def choose_schedule(problem: AttentionProblem) -> tuple[bool, bool]:
     return True, kv_bytes > L2_BYTES // 2
 
 
-def softmax_chains_for(head_dim: int) -> tuple:
+def softmax_chains_for(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal_like: bool = False) -> tuple:
     """Independent (max, sum) chains per softmax row. At D <= 64 (192-row tiles: three consumer
     warpgroups of 160 registers each) the shorter dependency chains pay: D=64 S=16k 511-517 vs 490-494
     TFLOP/s in two runs; two warpgroups do not (D=128 S=512 383-386 vs 402-405, long rows
-    within 1%)."""
-    return (4, 2) if head_dim <= 64 else (1, 1)
+    within 1%). fp8 at D=128 under causal-like masks, where the softmax weighs more against the
+    twice faster GEMMs: +1.3..+3.4% in two runs (causal S=4k/8k/16k 725/805/880 and 727/798/863
+    vs 708/779/859 and 714/787/852); non-causal -1.5..+0.5%, so it keeps one chain."""
+    if head_dim <= 64 or (dtype == torch.float8_e4m3fn and causal_like):
+        return (4, 2)
+    return (1, 1)
 
 
 def tma_store_o_for(head_dim: int, unmasked: bool, seqlen_k: int) -> bool:
@@ -119,12 +123,13 @@ def lazy_rescale_for(dtype: torch.dtype, head_dim: int) -> bool:
     return _elem_bytes(dtype) == 2 and head_dim >= 128
 
 
-def shape_choices(dtype: torch.dtype, persistent: bool, head_dim: int, seqlen_k: int) -> dict:
+def shape_choices(dtype: torch.dtype, persistent: bool, head_dim: int, seqlen_k: int,
+                  causal_like: bool = False) -> dict:
     """The compile-time choices ``HopperConfig.from_problem`` makes from the input type, the grid,
-    the head dim and the key length (besides tiles and scheduling): ``HopperConfig`` fields by
-    name, so that the compile tests and ``scripts/kernel_report.py`` build the kernels the library
-    builds."""
-    return dict(softmax_chains=softmax_chains_for(head_dim),
+    the head dim, the key length and whether later rows cost more (besides tiles and
+    scheduling): ``HopperConfig`` fields by name, so that the compile tests and
+    ``scripts/kernel_report.py`` build the kernels the library builds."""
+    return dict(softmax_chains=softmax_chains_for(head_dim, dtype, causal_like),
                 q_stages=q_stages_for(persistent, head_dim, seqlen_k),
                 lazy_rescale=lazy_rescale_for(dtype, head_dim))
 
@@ -227,7 +232,8 @@ class HopperConfig:
             tile_n=options.tile_n or tile_n,
             claim_tiles=claim_tiles,
             tma_store_o=tma_store_o_for(problem.head_dim, m.kind == MaskKind.NONE, problem.seqlen_k),
-            **shape_choices(problem.dtype, bool(persistent), problem.head_dim, problem.seqlen_k),
+            **shape_choices(problem.dtype, bool(persistent), problem.head_dim, problem.seqlen_k,
+                            later_rows_cost_more(m.kind, m.window_left is not None)),
         )
 
 
