@@ -143,8 +143,8 @@ VARIANTS = {
     # default) instead of persistent CTAs claiming the tiles in that order
     "fmha_one_cta_per_tile": dict(persistent=False, claim_tiles=False, q_stages=1),
     "fmha_fp8_same_path": dict(fp8_only=True),  # the default fp8 kernel on the variants' path
-    # persistent CTAs claiming the one-CTA-per-tile order where the library does not (longer
-    # rows, fp8 rows of more than 4k keys) and in place of the persistent snake (D=128 rows of up to 2k)
+    # persistent CTAs claiming the one-CTA-per-tile order, forced on: the library's choice since
+    # item 20 where the problem's K/V exceeds half the L2; elsewhere (GQA) in place of the static walk
     "fmha_claim": dict(persistent=True, claim_tiles=True, l2_sections=False, causal_only=True),
     # even tile costs too (non-causal): claiming instead of the grid-stride walk
     "fmha_claim_even": dict(persistent=True, claim_tiles=True, head_dims=(64, 128)),
