@@ -145,11 +145,10 @@ VARIANTS = {
     "fmha_fp8_same_path": dict(fp8_only=True),  # the default fp8 kernel on the variants' path
     # persistent CTAs claiming the one-CTA-per-tile order, forced on: the library's choice since
     # item 20 where the problem's K/V exceeds half the L2; elsewhere (GQA) in place of the static walk
-    "fmha_claim": dict(persistent=True, claim_tiles=True, l2_sections=False, causal_only=True),
+    "fmha_claim": dict(persistent=True, claim_tiles=True, causal_only=True),
     # even tile costs too (non-causal): claiming instead of the grid-stride walk
     "fmha_claim_even": dict(persistent=True, claim_tiles=True, head_dims=(64, 128)),
-    "fmha_fp8_claim": dict(persistent=True, claim_tiles=True, l2_sections=False, fp8_only=True,
-                           causal_only=True),
+    "fmha_fp8_claim": dict(persistent=True, claim_tiles=True, fp8_only=True, causal_only=True),
     "fmha_fp8_one_cta_per_tile": dict(persistent=False, claim_tiles=False, q_stages=1, fp8_only=True,
                                       causal_only=True),
     "fmha_serial": dict(overlap=False, pingpong=False),

@@ -50,17 +50,18 @@ def default_tile(dtype: torch.dtype, head_dim: int) -> tuple:
     return allowed_tiles(dtype, head_dim)[0]
 
 
-def choose_schedule(problem: AttentionProblem) -> tuple[bool, bool]:
-    """(persistent grid, claimed tiles): how the query tiles meet the SMs (measured on the H200,
-    docs/PERFORMANCE.md, items 7, 10, 19 and 20). Both kinds of grid are persistent; one CTA
-    per tile only runs when a caller pins ``persistent=False``."""
+def choose_schedule(problem: AttentionProblem) -> bool:
+    """Whether the persistent grid's CTAs claim their tiles (``ClaimingTileScheduler``) instead
+    of walking a static order: how the query tiles meet the SMs (measured on the H200,
+    docs/PERFORMANCE.md, items 7, 10, 19 and 20). The grid is persistent either way; one CTA per
+    tile only runs when a caller pins ``persistent=False``."""
     m = problem.mask
     if not later_rows_cost_more(m.kind, m.window_left is not None):
-        return True, False  # even tile costs: a plain grid-stride walk is balanced
+        return False  # even tile costs: a plain grid-stride walk is balanced
     if problem.varlen:
         # The tile table runs a sequence's heads side by side, so the tiles in flight share a
         # few sequences' K/V: the persistent grid wins (causal varlen 401 vs 371 TFLOP/s).
-        return True, False
+        return False
     # Uneven costs (causal-like). The static walk deals the tiles out sorted by cost, every
     # head's last query tile first: the best balance, but a head's next tile comes a whole cost
     # level later, after every other head's, so its K/V stays in L2 only if all of the
@@ -71,7 +72,7 @@ def choose_schedule(problem: AttentionProblem) -> tuple[bool, bool]:
     # vs 227/272 for the static walk, and from S=8k 1-4% above one CTA per tile (item 20).
     kv_bytes = problem.batch * problem.num_heads_k * problem.seqlen_k * problem.head_dim * 2 * _elem_bytes(
         problem.dtype)
-    return True, kv_bytes > L2_BYTES // 2
+    return kv_bytes > L2_BYTES // 2
 
 
 def softmax_chains_for(head_dim: int, dtype: torch.dtype = torch.bfloat16, causal_like: bool = False) -> tuple:
@@ -207,7 +208,7 @@ class HopperConfig:
     @staticmethod
     def from_problem(problem: AttentionProblem, options: KernelOptions) -> "HopperConfig":
         m = problem.mask
-        persistent, claim_tiles = choose_schedule(problem)
+        persistent, claim_tiles = True, choose_schedule(problem)
         if options.persistent is not None:
             persistent, claim_tiles = options.persistent, False
         claimable = not problem.varlen and later_rows_cost_more(m.kind, m.window_left is not None)
