@@ -57,10 +57,14 @@ class OnlineSoftmax:
     max_chains: int = MAX_CHAINS
     sum_chains: int = SUM_CHAINS
     max_slack: float = 0.0
+    # Timing experiments only (``scripts/phase_costs.py``): phases left out, so the results are
+    # wrong. "max": the row max is taken as 0 (no max, no shuffles); "exp": minus the exponent's
+    # argument stands in for the exponential (no MUFU); "sum": no row sums.
+    drop: tuple = ()
 
     @staticmethod
     def create(scale_log2: Float32, num_rows: int, max_chains: int = MAX_CHAINS,
-               sum_chains: int = SUM_CHAINS, max_slack: float = 0.0) -> "OnlineSoftmax":
+               sum_chains: int = SUM_CHAINS, max_slack: float = 0.0, drop: tuple = ()) -> "OnlineSoftmax":
         return OnlineSoftmax(
             scale_log2,
             cute.make_rmem_tensor(num_rows, Float32),
@@ -68,6 +72,7 @@ class OnlineSoftmax:
             max_chains,
             sum_chains,
             max_slack,
+            tuple(drop),
         )
 
     @cute.jit
@@ -91,14 +96,17 @@ class OnlineSoftmax:
         num_cols = cute.size(s, mode=[1])
         chains = min(self.max_chains, num_cols)
         local_max = []
-        for r in cutlass.range_constexpr(num_rows):
-            part = [s[r, c] for c in range(chains)]
-            part[0] = cute.arch.fmax(part[0], self.row_max[r])
-            for c in cutlass.range_constexpr(chains, num_cols):
-                part[c % chains] = cute.arch.fmax(part[c % chains], s[r, c])
-            local_max.append(_tree(part, cute.arch.fmax))
-        for r in cutlass.range_constexpr(num_rows):
-            local_max[r] = cute.arch.warp_reduction_max(local_max[r], threads_in_group=_THREADS_PER_ROW)
+        if cutlass.const_expr("max" in self.drop):
+            local_max = [Float32(0.0) for _ in range(num_rows)]
+        else:
+            for r in cutlass.range_constexpr(num_rows):
+                part = [s[r, c] for c in range(chains)]
+                part[0] = cute.arch.fmax(part[0], self.row_max[r])
+                for c in cutlass.range_constexpr(chains, num_cols):
+                    part[c % chains] = cute.arch.fmax(part[c % chains], s[r, c])
+                local_max.append(_tree(part, cute.arch.fmax))
+            for r in cutlass.range_constexpr(num_rows):
+                local_max[r] = cute.arch.warp_reduction_max(local_max[r], threads_in_group=_THREADS_PER_ROW)
         for r in cutlass.range_constexpr(num_rows):
             prev_max = self.row_max[r]
             cur_max = local_max[r]
@@ -118,12 +126,67 @@ class OnlineSoftmax:
             sum_chains = min(self.sum_chains, num_cols)
             part = [None] * sum_chains
             for c in cutlass.range_constexpr(num_cols):
-                p = cute.math.exp2(s[r, c] * self.scale_log2 + neg_max_scaled, fastmath=True)
+                p = Float32(0.0)
+                if cutlass.const_expr("exp" in self.drop):
+                    # non-negative, as probabilities are: a negative row sum would hold back the
+                    # K release tied to it (``release_by_one_lane``) and stall the pipeline
+                    p = s[r, c] * (-self.scale_log2) - neg_max_scaled
+                else:
+                    p = cute.math.exp2(s[r, c] * self.scale_log2 + neg_max_scaled, fastmath=True)
                 s[r, c] = p
                 k = c % sum_chains
                 part[k] = p if c < sum_chains else part[k] + p
-            self.row_sum[r] = self.row_sum[r] * correction + _tree(part, _add)
+            if cutlass.const_expr("sum" in self.drop):
+                self.row_sum[r] = correction
+            else:
+                self.row_sum[r] = self.row_sum[r] * correction + _tree(part, _add)
             row_scale[r] = correction
+
+    @cute.jit
+    def update_against_kept_max(self, acc_s: cute.Tensor, probs: cute.Tensor, row_scale: cute.Tensor):
+        """``update`` for a stale max (``max_slack`` > 0) that does not wait for this tile's max:
+        the probabilities go into ``probs`` against the max each row already has, while the new
+        max is found alongside, so the exponentials no longer queue behind the max and its
+        shuffles. Returns whether any row of the warp moved beyond the slack (warp-uniform): the
+        probabilities are then wrong, nothing has been committed, and the caller runs ``update``
+        on the unchanged ``acc_s``. A row that has seen only masked scores so far moves on its
+        first finite score; one that stays masked gets probabilities 0, as in ``update``."""
+        s = as_rows_cols(acc_s)
+        pr = as_rows_cols(probs)
+        num_rows = cute.size(s, mode=[0])
+        num_cols = cute.size(s, mode=[1])
+        chains = min(self.max_chains, num_cols)
+        local_max = []
+        for r in cutlass.range_constexpr(num_rows):
+            part = [s[r, c] for c in range(chains)]
+            for c in cutlass.range_constexpr(chains, num_cols):
+                part[c % chains] = cute.arch.fmax(part[c % chains], s[r, c])
+            local_max.append(_tree(part, cute.arch.fmax))
+        for r in cutlass.range_constexpr(num_rows):
+            local_max[r] = cute.arch.warp_reduction_max(local_max[r], threads_in_group=_THREADS_PER_ROW)
+        sums = []
+        moved = local_max[0] > self.row_max[0] + Float32(self.max_slack) / self.scale_log2
+        for r in cutlass.range_constexpr(num_rows):
+            kept = self.row_max[r]
+            if r > 0:
+                moved = moved | (local_max[r] > kept + Float32(self.max_slack) / self.scale_log2)
+            if kept == Float32(-math.inf):
+                kept = Float32(0.0)
+            neg_max_scaled = -kept * self.scale_log2
+            sum_chains = min(self.sum_chains, num_cols)
+            part = [None] * sum_chains
+            for c in cutlass.range_constexpr(num_cols):
+                p = cute.math.exp2(s[r, c] * self.scale_log2 + neg_max_scaled, fastmath=True)
+                pr[r, c] = p
+                k = c % sum_chains
+                part[k] = p if c < sum_chains else part[k] + p
+            sums.append(_tree(part, _add))
+        redo = cute.arch.vote_any_sync(moved)
+        if not redo:
+            for r in cutlass.range_constexpr(num_rows):
+                self.row_sum[r] = self.row_sum[r] + sums[r]
+                row_scale[r] = Float32(1.0)
+        return redo
 
     @cute.jit
     def rescale(self, acc_o: cute.Tensor, row_scale: cute.Tensor):

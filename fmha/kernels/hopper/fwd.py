@@ -99,6 +99,9 @@ class HopperAttentionForward:
         separate_o_buffer: bool = False,
         lazy_rescale: bool = False,
         claim_tiles: bool = False,
+        drop_phases: tuple = (),
+        speculative_exp: bool = False,
+        p_buffers: int = 1,
     ):
         assert tile_m % 64 == 0 and tile_n % 16 == 0
         self.head_dim = head_dim
@@ -136,6 +139,13 @@ class HopperAttentionForward:
         self.softmax_chains = softmax_chains
         # The running max may lag (OnlineSoftmax.max_slack): O is rescaled only when it moves.
         self.max_slack = MAX_SLACK if lazy_rescale else 0.0
+        # With a stale max, the overlapped loop's exponentials run against the max a row already
+        # has while the tile's max is found alongside (``OnlineSoftmax.update_against_kept_max``;
+        # a warp whose rows moved beyond the slack redoes its tile). P is packed into a fragment
+        # of its own, copied into the P.V operand once the previous P.V has read it.
+        self.speculative_exp = speculative_exp and lazy_rescale and overlap
+        # P in two fragments taken in turns (``mainloop_two_p``): 16-bit inputs, overlapped loop.
+        self.two_p = (p_buffers == 2 or self.speculative_exp) and overlap
         # Overlapped loop: release K_n after the softmax (``overlapped_step``).
         self.late_k_release = late_k_release and overlap
         # Masked tiles: per-thread column bit masks instead of two compares per score.
@@ -158,6 +168,10 @@ class HopperAttentionForward:
         # Persistent CTAs claim their tiles one at a time, in the one-CTA-per-tile order
         # (``ClaimingTileScheduler``); the producer hands each claim to the consumers.
         self.claim_tiles = claim_tiles and persistent and not varlen
+        # Timing experiments only (``scripts/phase_costs.py``; wrong results): softmax phases
+        # left out ("max", "exp", "sum": ``OnlineSoftmax.drop``), "rescale" (O is never
+        # rescaled) and "pack" (P is not converted: the P.V GEMM reads a stale fragment).
+        self.drop_phases = tuple(drop_phases)
 
     # ------------------------------------------------------------------ host-side JIT
     @cute.jit
@@ -583,16 +597,20 @@ class HopperAttentionForward:
         tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
 
         num_rows = cute.size(as_rows_cols(acc_o), mode=[0])
-        softmax = OnlineSoftmax.create(scale_log2, num_rows, *self.softmax_chains, self.max_slack)
+        softmax = OnlineSoftmax.create(scale_log2, num_rows, *self.softmax_chains, self.max_slack,
+                                       tuple(x for x in self.drop_phases if x in ("max", "exp", "sum")))
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
         lse_rows = cute.make_rmem_tensor(num_rows, Float32)
         # P of the tile whose P.V is pending; S itself is allocated per tile (a score fragment
         # that outlived its tile would stay live across the loop and crowd out the registers the
         # in-flight GEMMs need).
+        p_next = None  # the next P, packed before the P.V that reads ``p`` is done
         if const_expr(self.dtype.width == 8):
             p = cute.make_rmem_tensor(fp8_operand_a_shape(s_shape), self.dtype)
         else:
             p = cute.make_rmem_tensor(s_shape, self.dtype)
+            if const_expr(self.two_p):
+                p_next = cute.make_rmem_tensor(s_shape, self.dtype)
         if const_expr(self.pingpong):
             if wg == 0:
                 # Warpgroup 0 issues first: pre-arrive on its own turn barrier.
@@ -613,12 +631,14 @@ class HopperAttentionForward:
                 acc_o.fill(0.0)
                 q_handle = q_consumer.wait_and_advance()
                 frags = (tiled_mma_qk, tiled_mma_pv, tSrQ[None, None, None, q_handle.index], tSrK, tOrV,
-                         tScS, s_shape, p, acc_o, row_scale)
+                         tScS, s_shape, p, acc_o, row_scale, p_next)
                 # The producer filled the ring by the same choice. All warpgroups of the CTA share
                 # the tile, so they take the same branch and the ping-pong turn order is left
                 # where it was.
                 if self.takes_serial_loop(sched):
                     kv_consumer = self.mainloop_serial(sched, row_base, mask, softmax, frags, kv_consumer)
+                elif const_expr(p_next is not None):
+                    kv_consumer = self.mainloop_two_p(sched, row_base, mask, softmax, frags, kv_consumer, wg)
                 else:
                     kv_consumer = self.mainloop_overlapped(sched, row_base, mask, softmax, frags, kv_consumer, wg)
                 if const_expr(not self.o_in_q_buffer):
@@ -661,7 +681,7 @@ class HopperAttentionForward:
     def mainloop_serial(self, sched, row_base: Int32, mask: FragmentMask, softmax: OnlineSoftmax,
                         frags, kv_consumer: pipeline.PipelineConsumer):
         """One K/V tile at a time: S = Q K^T, wait, softmax, O += P V, wait."""
-        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, s_shape, p, acc_o, row_scale = frags
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, s_shape, p, acc_o, row_scale, p_next = frags
         n_block = sched.start
         for i in cutlass.range(sched.total, unroll=1):
             k_handle = kv_consumer.wait_and_advance()
@@ -673,7 +693,7 @@ class HopperAttentionForward:
             if i < sched.leading_masked or i >= sched.leading_masked + sched.unmasked:
                 mask.apply(acc_s, tScS, row_base, n_block * self.tile_n)
             softmax.update(acc_s, row_scale)
-            softmax.rescale(acc_o, row_scale)
+            self.rescale(softmax, acc_o, row_scale)
             self.store_p(p, acc_s)
             v_handle = kv_consumer.wait_and_advance()
             issue_gemm(tiled_mma_pv, acc_o, self.operand_p(p), tOrV[None, None, None, v_handle.index], False)
@@ -687,7 +707,7 @@ class HopperAttentionForward:
                             frags, kv_consumer: pipeline.PipelineConsumer, wg: Int32):
         """Software-pipelined over K/V tiles: while the softmax of tile n runs, the tensor cores
         compute P_{n-1} V_{n-1}. The ring order (K_0, K_1, V_0, K_2, V_1, ..., V_last) matches."""
-        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, s_shape, p, acc_o, row_scale = frags
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, s_shape, p, acc_o, row_scale, p_next = frags
         if sched.total > 0:
             # Prologue: S_0 alone. It is always masked: the cost is one tile, and it spares a
             # dynamic choice of code path.
@@ -725,7 +745,7 @@ class HopperAttentionForward:
                 remaining -= 1
             # Epilogue: the last P.V.
             if const_expr(self.rescale_before_pv):
-                softmax.rescale(acc_o, row_scale)
+                self.rescale(softmax, acc_o, row_scale)
             v_handle = kv_consumer.wait_and_advance()
             issue_gemm(tiled_mma_pv, acc_o, self.operand_p(p), tOrV[None, None, None, v_handle.index], False)
             warpgroup.wait_group(0)
@@ -736,14 +756,14 @@ class HopperAttentionForward:
     def overlapped_step(self, masked: cutlass.Constexpr, n_block: Int32, row_base: Int32,
                         mask: FragmentMask, softmax: OnlineSoftmax, frags,
                         kv_consumer: pipeline.PipelineConsumer, wg: Int32):
-        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, s_shape, p, acc_o, row_scale = frags
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, s_shape, p, acc_o, row_scale, p_next = frags
         k_handle = kv_consumer.wait_and_advance()
         if const_expr(self.pingpong):
             cute.arch.barrier(barrier_id=_TURN_BARRIER + wg, number_of_threads=2 * _WG)
         acc_s = cute.make_rmem_tensor(s_shape, Float32)
         issue_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
         if const_expr(self.rescale_before_pv):
-            softmax.rescale(acc_o, row_scale)  # the previous tile's correction
+            self.rescale(softmax, acc_o, row_scale)  # the previous tile's correction
         v_handle = kv_consumer.wait_and_advance()
         issue_gemm(tiled_mma_pv, acc_o, self.operand_p(p), tOrV[None, None, None, v_handle.index], False)
         if const_expr(self.pingpong):
@@ -764,10 +784,91 @@ class HopperAttentionForward:
         warpgroup.wait_group(0)
         self.release_by_one_lane(v_handle)
         if const_expr(not self.rescale_before_pv):
-            softmax.rescale(acc_o, row_scale)
+            self.rescale(softmax, acc_o, row_scale)
         self.store_p(p, acc_s)
         # Returned so the caller rebinds it: pipeline state advanced here must be a plain local
         # of the enclosing staged loop.
+        return kv_consumer
+
+    @cute.jit
+    def mainloop_two_p(self, sched, row_base: Int32, mask: FragmentMask, softmax: OnlineSoftmax,
+                       frags, kv_consumer: pipeline.PipelineConsumer, wg: Int32):
+        """``mainloop_overlapped`` with P in two fragments taken in turns (16-bit inputs): P_n is
+        packed while P_{n-1} V_{n-1} still reads the other one, instead of after it. Steps come
+        in pairs so that which fragment is which stays static; a step masks its tile when the
+        schedule says so (a run-time branch instead of one loop per group)."""
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, s_shape, p, acc_o, row_scale, p_next = frags
+        if sched.total > 0:
+            k_handle = kv_consumer.wait_and_advance()
+            acc_s = cute.make_rmem_tensor(s_shape, Float32)
+            issue_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
+            warpgroup.wait_group(0)
+            self.release_by_one_lane(k_handle)
+            mask.apply(acc_s, tScS, row_base, sched.start * self.tile_n)
+            softmax.update(acc_s, row_scale)  # O is still zero: no rescale
+            self.store_p(p, acc_s)
+            unmasked_from = sched.leading_masked
+            unmasked_to = sched.leading_masked + sched.unmasked
+            i = Int32(1)
+            remaining = sched.total - 1
+            while remaining >= 2:
+                kv_consumer = self.two_p_step((i < unmasked_from) | (i >= unmasked_to), sched.start + i, row_base,
+                                              mask, softmax, frags, kv_consumer, wg, p, p_next)
+                kv_consumer = self.two_p_step((i + 1 < unmasked_from) | (i + 1 >= unmasked_to),
+                                              sched.start + i + 1, row_base, mask, softmax, frags, kv_consumer,
+                                              wg, p_next, p)
+                i += 2
+                remaining -= 2
+            odd = remaining == 1
+            if odd:
+                kv_consumer = self.two_p_step((i < unmasked_from) | (i >= unmasked_to), sched.start + i, row_base,
+                                              mask, softmax, frags, kv_consumer, wg, p, p_next)
+            # Epilogue: the last P.V, from whichever fragment holds the last P.
+            v_handle = kv_consumer.wait_and_advance()
+            if odd:
+                issue_gemm(tiled_mma_pv, acc_o, as_operand_a(p_next), tOrV[None, None, None, v_handle.index], False)
+            else:
+                issue_gemm(tiled_mma_pv, acc_o, as_operand_a(p), tOrV[None, None, None, v_handle.index], False)
+            warpgroup.wait_group(0)
+            self.release_by_one_lane(v_handle)
+        return kv_consumer
+
+    @cute.jit
+    def two_p_step(self, masked, n_block: Int32, row_base: Int32, mask: FragmentMask, softmax: OnlineSoftmax,
+                   frags, kv_consumer: pipeline.PipelineConsumer, wg: Int32, p_in: cute.Tensor,
+                   p_out: cute.Tensor):
+        """``overlapped_step`` reading P_{n-1} from ``p_in`` and packing P_n into ``p_out``."""
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, s_shape, p, acc_o, row_scale, p_next = frags
+        k_handle = kv_consumer.wait_and_advance()
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=_TURN_BARRIER + wg, number_of_threads=2 * _WG)
+        acc_s = cute.make_rmem_tensor(s_shape, Float32)
+        issue_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
+        v_handle = kv_consumer.wait_and_advance()
+        issue_gemm(tiled_mma_pv, acc_o, as_operand_a(p_in), tOrV[None, None, None, v_handle.index], False)
+        if const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER + (wg + 1) % self.num_consumer_wgs,
+                                     number_of_threads=2 * _WG)
+        warpgroup.wait_group(1)  # S_n is ready; P_{n-1} V_{n-1} may still run
+        if masked:
+            mask.apply(acc_s, tScS, row_base, n_block * self.tile_n)
+        if const_expr(self.speculative_exp):
+            probs = cute.make_rmem_tensor(s_shape, Float32)
+            redo = softmax.update_against_kept_max(acc_s, probs, row_scale)
+            # Packed before the branch, so the fp32 probabilities die as they are made.
+            store_as_16bit_pairs(p_out, probs)
+            if redo:
+                softmax.update(acc_s, row_scale)
+                store_as_16bit_pairs(p_out, acc_s)
+        else:
+            softmax.update(acc_s, row_scale)
+            store_as_16bit_pairs(p_out, acc_s)
+        # As in ``overlapped_step``: K_n's release, tied to the softmax's result, holds the wait
+        # for P_{n-1} V_{n-1} below the exponentials.
+        self.release_by_one_lane(k_handle, anchor=softmax.row_sum[0])
+        warpgroup.wait_group(0)
+        self.release_by_one_lane(v_handle)
+        self.rescale(softmax, acc_o, row_scale)
         return kv_consumer
 
     @cute.jit
@@ -784,9 +885,16 @@ class HopperAttentionForward:
                 pipe.sync_object_empty.arrive(handle.index, pipe.consumer_mask)
 
     @cute.jit
+    def rescale(self, softmax: OnlineSoftmax, acc_o: cute.Tensor, row_scale: cute.Tensor):
+        if const_expr("rescale" not in self.drop_phases):
+            softmax.rescale(acc_o, row_scale)
+
+    @cute.jit
     def store_p(self, p: cute.Tensor, acc_s: cute.Tensor):
         """Round the probabilities to the input dtype into the P fragment."""
-        if const_expr(self.dtype.width == 8):
+        if const_expr("pack" in self.drop_phases):
+            pass
+        elif const_expr(self.dtype.width == 8):
             p.store(as_operand_a_fp8(acc_s).load().to(self.dtype))
         else:
             store_as_16bit_pairs(p, acc_s)
