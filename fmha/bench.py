@@ -184,10 +184,10 @@ VARIANTS = {
     "fmha_fp8_pingpong": dict(pingpong=True, fp8_only=True),  # the same call path as the next two
     "fmha_fp8_nopingpong": dict(pingpong=False, fp8_only=True),  # fp8: the warpgroups issue GEMMs freely
     "fmha_fp8_nopingpong_n192": dict(pingpong=False, tile_n=192, fp8_only=True),
-    # D=128: the eighth session's loop (one P fragment, exponentials after the max) and the two
-    # P fragments alone, against the default (two fragments, exponentials against the kept max)
-    "fmha_one_p": dict(speculative_exp=False, p_buffers=1, head_dims=(128,)),
-    "fmha_two_p": dict(speculative_exp=False, p_buffers=2, head_dims=(128,)),
+    # P in two fragments taken in turns, alone and with the exponentials against the kept max
+    # (docs/PERFORMANCE.md, item 22: level within noise, the first much slower under causal masks)
+    "fmha_two_p": dict(p_buffers=2, head_dims=(128,)),
+    "fmha_spec": dict(speculative_exp=True, head_dims=(128, 256)),
 }
 
 

@@ -67,6 +67,21 @@ def test_compiles_the_serial_mainloop_variants():
         assert compile_kernel(dataclasses.replace(base, **over)) is not None
 
 
+def test_compiles_the_softmax_experiments():
+    """The ninth session's measured-but-not-adopted softmax loops (docs/PERFORMANCE.md, item 22):
+    two P fragments, alone and with exponentials against the kept max, and the timing-only copies
+    of ``scripts/phase_costs.py`` that leave a phase out."""
+    import dataclasses
+
+    for mask in ("none", "causal"):
+        base = _config(torch.bfloat16, 128, mask, True)
+        assert base.lazy_rescale and not base.speculative_exp and base.p_buffers == 1
+        for over in (dict(p_buffers=2), dict(speculative_exp=True)):
+            assert compile_kernel(dataclasses.replace(base, **over)) is not None
+    for drop in (("max",), ("exp",), ("rescale",), ("pack",)):
+        assert compile_kernel(dataclasses.replace(_config(FP8, 128, "none", True), drop_phases=drop)) is not None
+
+
 def test_compiles_claimed_tiles():
     """Persistent CTAs that claim tiles in the one-CTA-per-tile order (the library's choice for
     large causal problems): the 16-bit path and fp8's staged V."""

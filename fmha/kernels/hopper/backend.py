@@ -124,14 +124,6 @@ def lazy_rescale_for(dtype: torch.dtype, head_dim: int) -> bool:
     return _elem_bytes(dtype) == 2 and head_dim >= 128
 
 
-def speculative_exp_for(dtype: torch.dtype, head_dim: int) -> bool:
-    """Exponentials against the kept (stale) max, alongside the tile's max, with P packed into a
-    second fragment before the previous P.V is done (``mainloop_two_p``). Needs the stale max
-    (``lazy_rescale_for``) and registers for a second P: D=128 (at D=256 ptxas spills inside the
-    loops; D=64, 160 registers per thread, spills ~100 words)."""
-    return lazy_rescale_for(dtype, head_dim) and head_dim == 128
-
-
 def shape_choices(dtype: torch.dtype, persistent: bool, head_dim: int, seqlen_k: int,
                   causal_like: bool = False) -> dict:
     """The compile-time choices ``HopperConfig.from_problem`` makes from the input type, the grid,
@@ -140,8 +132,7 @@ def shape_choices(dtype: torch.dtype, persistent: bool, head_dim: int, seqlen_k:
     ``scripts/kernel_report.py`` build the kernels the library builds."""
     return dict(softmax_chains=softmax_chains_for(head_dim, dtype, causal_like),
                 q_stages=q_stages_for(persistent, head_dim, seqlen_k),
-                lazy_rescale=lazy_rescale_for(dtype, head_dim),
-                speculative_exp=speculative_exp_for(dtype, head_dim))
+                lazy_rescale=lazy_rescale_for(dtype, head_dim))
 
 
 @dataclass(frozen=True)
@@ -196,9 +187,11 @@ class HopperConfig:
     # out, which makes the output wrong; never set by ``from_problem``
     drop_phases: tuple = ()
     # with ``lazy_rescale``: exponentials against the kept max, alongside the tile's max
-    # (``OnlineSoftmax.update_against_kept_max``)
+    # (``OnlineSoftmax.update_against_kept_max``), P packed into a second fragment. Off: level
+    # with the default within the run's noise at D=128 and D=256 (docs/PERFORMANCE.md, item 22)
     speculative_exp: bool = False
-    # overlapped loop, 16-bit inputs: 2 = P in two fragments taken in turns (``mainloop_two_p``)
+    # overlapped loop, 16-bit inputs: 2 = P in two fragments taken in turns (``mainloop_two_p``);
+    # without ``speculative_exp`` 23-36% slower under causal masks (item 22)
     p_buffers: int = 1
 
     @property
