@@ -59,22 +59,29 @@ class ConsumerMainloops:
         return kv_consumer
 
     @cute.jit
+    def first_tile(self, sched, row_base: Int32, mask: FragmentMask, softmax: OnlineSoftmax, frags,
+                   kv_consumer: pipeline.PipelineConsumer):
+        """The pipelined loops' prologue: S_0 alone, its softmax, P_0 into ``p``. It is always
+        masked: the cost is one tile, and it spares a dynamic choice of code path."""
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, s_shape, p, acc_o, row_scale, p_next = frags
+        k_handle = kv_consumer.wait_and_advance()
+        acc_s = cute.make_rmem_tensor(s_shape, Float32)
+        issue_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
+        warpgroup.wait_group(0)
+        self.release_by_one_lane(k_handle)
+        mask.apply(acc_s, tScS, row_base, sched.start * self.tile_n)
+        softmax.update(acc_s, row_scale)  # O is still zero: no rescale
+        self.store_p(p, acc_s)
+        return kv_consumer
+
+    @cute.jit
     def mainloop_overlapped(self, sched, row_base: Int32, mask: FragmentMask, softmax: OnlineSoftmax,
                             frags, kv_consumer: pipeline.PipelineConsumer, wg: Int32):
         """Software-pipelined over K/V tiles: while the softmax of tile n runs, the tensor cores
         compute P_{n-1} V_{n-1}. The ring order (K_0, K_1, V_0, K_2, V_1, ..., V_last) matches."""
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, s_shape, p, acc_o, row_scale, p_next = frags
         if sched.total > 0:
-            # Prologue: S_0 alone. It is always masked: the cost is one tile, and it spares a
-            # dynamic choice of code path.
-            k_handle = kv_consumer.wait_and_advance()
-            acc_s = cute.make_rmem_tensor(s_shape, Float32)
-            issue_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
-            warpgroup.wait_group(0)
-            self.release_by_one_lane(k_handle)
-            mask.apply(acc_s, tScS, row_base, sched.start * self.tile_n)
-            softmax.update(acc_s, row_scale)  # O is still zero: no rescale
-            self.store_p(p, acc_s)
+            kv_consumer = self.first_tile(sched, row_base, mask, softmax, frags, kv_consumer)
             # Tile 0 came out of the first non-empty group of the schedule.
             first_leading = cutlass.min(sched.leading_masked, 1)
             first_unmasked = cutlass.min(sched.unmasked, 1 - first_leading)
@@ -155,14 +162,7 @@ class ConsumerMainloops:
         schedule says so (a run-time branch instead of one loop per group)."""
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, s_shape, p, acc_o, row_scale, p_next = frags
         if sched.total > 0:
-            k_handle = kv_consumer.wait_and_advance()
-            acc_s = cute.make_rmem_tensor(s_shape, Float32)
-            issue_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
-            warpgroup.wait_group(0)
-            self.release_by_one_lane(k_handle)
-            mask.apply(acc_s, tScS, row_base, sched.start * self.tile_n)
-            softmax.update(acc_s, row_scale)  # O is still zero: no rescale
-            self.store_p(p, acc_s)
+            kv_consumer = self.first_tile(sched, row_base, mask, softmax, frags, kv_consumer)
             unmasked_from = sched.leading_masked
             unmasked_to = sched.leading_masked + sched.unmasked
             i = Int32(1)
