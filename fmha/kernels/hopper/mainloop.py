@@ -116,23 +116,35 @@ class ConsumerMainloops:
         return kv_consumer
 
     @cute.jit
-    def overlapped_step(self, masked: cutlass.Constexpr, n_block: Int32, row_base: Int32,
-                        mask: FragmentMask, softmax: OnlineSoftmax, frags,
-                        kv_consumer: pipeline.PipelineConsumer, wg: Int32):
+    def issue_step_gemms(self, frags, kv_consumer: pipeline.PipelineConsumer, wg: Int32, p_operand: cute.Tensor,
+                         rescale_with: Optional[OnlineSoftmax] = None):
+        """The GEMM half of an overlapped step: wait for K_n, take this warpgroup's turn, issue
+        S_n = Q K_n^T and O += P_{n-1} V_{n-1} (``p_operand``; O first rescaled by the previous
+        tile's correction when ``rescale_with`` is given), pass the turn on, and wait for S_n.
+        Returns S_n, the K_n and V_{n-1} handles and the advanced pipeline state."""
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, s_shape, p, acc_o, row_scale, p_next = frags
         k_handle = kv_consumer.wait_and_advance()
         if const_expr(self.pingpong):
             cute.arch.barrier(barrier_id=TURN_BARRIER + wg, number_of_threads=2 * _WG)
         acc_s = cute.make_rmem_tensor(s_shape, Float32)
         issue_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
-        if const_expr(self.rescale_before_pv):
-            self.rescale(softmax, acc_o, row_scale)  # the previous tile's correction
+        if const_expr(rescale_with is not None):
+            self.rescale(rescale_with, acc_o, row_scale)  # the previous tile's correction
         v_handle = kv_consumer.wait_and_advance()
-        issue_gemm(tiled_mma_pv, acc_o, self.operand_p(p), tOrV[None, None, None, v_handle.index], False)
+        issue_gemm(tiled_mma_pv, acc_o, p_operand, tOrV[None, None, None, v_handle.index], False)
         if const_expr(self.pingpong):
             cute.arch.barrier_arrive(barrier_id=TURN_BARRIER + (wg + 1) % self.num_consumer_wgs,
                                      number_of_threads=2 * _WG)
         warpgroup.wait_group(1)  # S_n is ready; P_{n-1} V_{n-1} may still run
+        return acc_s, k_handle, v_handle, kv_consumer
+
+    @cute.jit
+    def overlapped_step(self, masked: cutlass.Constexpr, n_block: Int32, row_base: Int32,
+                        mask: FragmentMask, softmax: OnlineSoftmax, frags,
+                        kv_consumer: pipeline.PipelineConsumer, wg: Int32):
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, s_shape, p, acc_o, row_scale, p_next = frags
+        acc_s, k_handle, v_handle, kv_consumer = self.issue_step_gemms(
+            frags, kv_consumer, wg, self.operand_p(p), softmax if const_expr(self.rescale_before_pv) else None)
         if const_expr(not self.late_k_release):
             self.release_by_one_lane(k_handle)
         if const_expr(masked):
@@ -195,17 +207,7 @@ class ConsumerMainloops:
                    p_out: cute.Tensor):
         """``overlapped_step`` reading P_{n-1} from ``p_in`` and packing P_n into ``p_out``."""
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, tScS, s_shape, p, acc_o, row_scale, p_next = frags
-        k_handle = kv_consumer.wait_and_advance()
-        if const_expr(self.pingpong):
-            cute.arch.barrier(barrier_id=TURN_BARRIER + wg, number_of_threads=2 * _WG)
-        acc_s = cute.make_rmem_tensor(s_shape, Float32)
-        issue_gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
-        v_handle = kv_consumer.wait_and_advance()
-        issue_gemm(tiled_mma_pv, acc_o, as_operand_a(p_in), tOrV[None, None, None, v_handle.index], False)
-        if const_expr(self.pingpong):
-            cute.arch.barrier_arrive(barrier_id=TURN_BARRIER + (wg + 1) % self.num_consumer_wgs,
-                                     number_of_threads=2 * _WG)
-        warpgroup.wait_group(1)  # S_n is ready; P_{n-1} V_{n-1} may still run
+        acc_s, k_handle, v_handle, kv_consumer = self.issue_step_gemms(frags, kv_consumer, wg, as_operand_a(p_in))
         if masked:
             mask.apply(acc_s, tScS, row_base, n_block * self.tile_n)
         if const_expr(self.speculative_exp):
