@@ -333,6 +333,18 @@ def run_point(p: Point, impls: dict, torch, do_bench, rounds: int = 1) -> list[d
     return list(rows.values())
 
 
+# Rounds of one implementation at one point that differ by more than this are listed in the report.
+SPREAD_NOTE = 0.05
+
+
+def round_spreads(rows: list[dict]) -> list[tuple]:
+    """(max/min - 1 of the rounds' times, impl, point label) for every row timed more than once,
+    largest first: how far apart the rounds of one kernel landed, the run's own noise measure."""
+    spreads = [(max(r["ms_rounds"]) / min(r["ms_rounds"]) - 1, r["impl"], Point(**r["point"]).label())
+               for r in rows if len(r.get("ms_rounds", ())) > 1]
+    return sorted(spreads, reverse=True)
+
+
 def write_reports(rows: list[dict], out_dir: str, meta: dict) -> str:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "bench.json"), "w") as f:
@@ -384,6 +396,12 @@ def write_reports(rows: list[dict], out_dir: str, meta: dict) -> str:
             summary.append(f"- fp8 / bf16 (fmha, {p.label()}): {a['tflops'] / b['tflops']:.2f}"
                            + (f" (V staging: {a['v_staging_ms']:.3f} of {a['ms']:.3f} ms per call)"
                               if "v_staging_ms" in a else ""))
+    spreads = round_spreads(rows)
+    if spreads:
+        wide = [f"{impl} {label} ({spread:.1%})" for spread, impl, label in spreads if spread > SPREAD_NOTE]
+        summary.append(f"- noise: the rounds of one implementation at one point differ by "
+                       f"{statistics.median([x[0] for x in spreads]):.1%} in the median (max/min of their "
+                       f"times); by more than {SPREAD_NOTE:.0%} for " + ("; ".join(wide) if wide else "none"))
     lines += ["", "n/a: the implementation does not offer that configuration (fp8, sliding window or varlen "
               "for SDPA; fp8 for FA4 on SM90), or a variant not meant for it.", "", *summary]
     errs = [f"- {r['impl']} {Point(**r['point']).label()}: {r['error']}" for r in rows

@@ -49,3 +49,19 @@ def test_small_call_cost_is_the_median_of_interleaved_loops():
     assert state["calls"] == 1 + bench.SMALL_CALL_ROUNDS * n_per_loop
     assert [round(x, 6) for x in row["us_per_loop"]] == per_round
     assert round(row["us_per_call"], 6) == 12.0  # median of the seven loops
+
+
+def test_the_report_names_points_whose_rounds_disagree(tmp_path, monkeypatch):
+    """Rounds of one kernel that land more than 5% apart are listed with their spread, so that a
+    reader of the table sees which cells the run's own noise makes doubtful."""
+    point = bench.asdict(bench.Point(2, 8192, 16, 16, 128, False))
+    rows = [dict(point=point, impl="fmha", ms=1.0, ms_rounds=[1.0, 1.08, 1.01], tflops=600.0),
+            dict(point=point, impl="fa4", ms=1.0, ms_rounds=[1.0, 1.01, 1.0], tflops=600.0)]
+    spreads = bench.round_spreads(rows)
+    assert [impl for _, impl, _ in spreads] == ["fmha", "fa4"]
+    assert abs(spreads[0][0] - 0.08) < 1e-9
+    monkeypatch.setattr(bench, "_plot", lambda *a, **k: None)  # no plotting library needed for the text
+    text = bench.write_reports(rows, str(tmp_path), dict(device="GPU", date="today", command="x"))
+    noise = next(line for line in text.splitlines() if line.startswith("- noise"))
+    assert "fmha B2 S8192 H16/16 D128 (8.0%)" in noise and "fa4 B2" not in noise
+
