@@ -168,7 +168,7 @@ class OnlineSoftmax:
         moved = local_max[0] > self.row_max[0] + Float32(self.max_slack) / self.scale_log2
         for r in cutlass.range_constexpr(num_rows):
             kept = self.row_max[r]
-            if r > 0:
+            if cutlass.const_expr(r > 0):
                 moved = moved | (local_max[r] > kept + Float32(self.max_slack) / self.scale_log2)
             if kept == Float32(-math.inf):
                 kept = Float32(0.0)

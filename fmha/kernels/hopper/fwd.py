@@ -139,10 +139,11 @@ class HopperAttentionForward(ConsumerMainloops):
         self.max_slack = MAX_SLACK if lazy_rescale else 0.0
         # With a stale max, the overlapped loop's exponentials run against the max a row already
         # has while the tile's max is found alongside (``OnlineSoftmax.update_against_kept_max``;
-        # a warp whose rows moved beyond the slack redoes its tile). P is packed into a fragment
-        # of its own, copied into the P.V operand once the previous P.V has read it.
+        # a warp whose rows moved beyond the slack redoes its tile), and P goes into the other of
+        # two fragments. Measured, not a default (docs/PERFORMANCE.md, item 22).
         self.speculative_exp = speculative_exp and lazy_rescale and overlap
-        # P in two fragments taken in turns (``mainloop_two_p``): 16-bit inputs, overlapped loop.
+        # P in two fragments taken in turns (``mainloop_two_p``): 16-bit inputs, overlapped loop
+        # (fp8 keeps ``mainloop_overlapped``).
         self.two_p = (p_buffers == 2 or self.speculative_exp) and overlap
         # Overlapped loop: release K_n after the softmax (``overlapped_step``).
         self.late_k_release = late_k_release and overlap
