@@ -93,20 +93,11 @@ class OnlineSoftmax:
         in full."""
         s = as_rows_cols(acc_s)
         num_rows = cute.size(s, mode=[0])
-        num_cols = cute.size(s, mode=[1])
-        chains = min(self.max_chains, num_cols)
         local_max = []
         if cutlass.const_expr("max" in self.drop):
             local_max = [Float32(0.0) for _ in range(num_rows)]
         else:
-            for r in cutlass.range_constexpr(num_rows):
-                part = [s[r, c] for c in range(chains)]
-                part[0] = cute.arch.fmax(part[0], self.row_max[r])
-                for c in cutlass.range_constexpr(chains, num_cols):
-                    part[c % chains] = cute.arch.fmax(part[c % chains], s[r, c])
-                local_max.append(_tree(part, cute.arch.fmax))
-            for r in cutlass.range_constexpr(num_rows):
-                local_max[r] = cute.arch.warp_reduction_max(local_max[r], threads_in_group=_THREADS_PER_ROW)
+            local_max = self._row_maxes(s, with_running_max=True)
         for r in cutlass.range_constexpr(num_rows):
             prev_max = self.row_max[r]
             cur_max = local_max[r]
@@ -123,23 +114,11 @@ class OnlineSoftmax:
             neg_max_scaled = -safe_max * self.scale_log2
             # prev_max = -inf (first visit) gives exp2(-inf) = 0: nothing to carry over.
             correction = cute.math.exp2((prev_max - safe_max) * self.scale_log2, fastmath=True)
-            sum_chains = min(self.sum_chains, num_cols)
-            part = [None] * sum_chains
-            for c in cutlass.range_constexpr(num_cols):
-                p = Float32(0.0)
-                if cutlass.const_expr("exp" in self.drop):
-                    # non-negative, as probabilities are: a negative row sum would hold back the
-                    # K release tied to it (``release_by_one_lane``) and stall the pipeline
-                    p = s[r, c] * (-self.scale_log2) - neg_max_scaled
-                else:
-                    p = cute.math.exp2(s[r, c] * self.scale_log2 + neg_max_scaled, fastmath=True)
-                s[r, c] = p
-                k = c % sum_chains
-                part[k] = p if c < sum_chains else part[k] + p
+            tile_sum = self._exponentiate_row(s, s, r, neg_max_scaled)
             if cutlass.const_expr("sum" in self.drop):
                 self.row_sum[r] = correction
             else:
-                self.row_sum[r] = self.row_sum[r] * correction + _tree(part, _add)
+                self.row_sum[r] = self.row_sum[r] * correction + tile_sum
             row_scale[r] = correction
 
     @cute.jit
@@ -154,16 +133,7 @@ class OnlineSoftmax:
         s = as_rows_cols(acc_s)
         pr = as_rows_cols(probs)
         num_rows = cute.size(s, mode=[0])
-        num_cols = cute.size(s, mode=[1])
-        chains = min(self.max_chains, num_cols)
-        local_max = []
-        for r in cutlass.range_constexpr(num_rows):
-            part = [s[r, c] for c in range(chains)]
-            for c in cutlass.range_constexpr(chains, num_cols):
-                part[c % chains] = cute.arch.fmax(part[c % chains], s[r, c])
-            local_max.append(_tree(part, cute.arch.fmax))
-        for r in cutlass.range_constexpr(num_rows):
-            local_max[r] = cute.arch.warp_reduction_max(local_max[r], threads_in_group=_THREADS_PER_ROW)
+        local_max = self._row_maxes(s, with_running_max=False)
         sums = []
         moved = local_max[0] > self.row_max[0] + Float32(self.max_slack) / self.scale_log2
         for r in cutlass.range_constexpr(num_rows):
@@ -172,21 +142,51 @@ class OnlineSoftmax:
                 moved = moved | (local_max[r] > kept + Float32(self.max_slack) / self.scale_log2)
             if kept == Float32(-math.inf):
                 kept = Float32(0.0)
-            neg_max_scaled = -kept * self.scale_log2
-            sum_chains = min(self.sum_chains, num_cols)
-            part = [None] * sum_chains
-            for c in cutlass.range_constexpr(num_cols):
-                p = cute.math.exp2(s[r, c] * self.scale_log2 + neg_max_scaled, fastmath=True)
-                pr[r, c] = p
-                k = c % sum_chains
-                part[k] = p if c < sum_chains else part[k] + p
-            sums.append(_tree(part, _add))
+            sums.append(self._exponentiate_row(s, pr, r, -kept * self.scale_log2))
         redo = cute.arch.vote_any_sync(moved)
         if not redo:
             for r in cutlass.range_constexpr(num_rows):
                 self.row_sum[r] = self.row_sum[r] + sums[r]
                 row_scale[r] = Float32(1.0)
         return redo
+
+    def _row_maxes(self, s: cute.Tensor, with_running_max: bool) -> list:
+        """Each row's max over this tile (rows x cols view ``s``), as a tree over ``max_chains``
+        chains, then across the row's four threads; ``with_running_max`` folds in the running
+        max too. Plain Python loops, unrolled while the calling ``cute.jit`` method is traced."""
+        num_cols = cute.size(s, mode=[1])
+        chains = min(self.max_chains, num_cols)
+        local_max = []
+        for r in range(cute.size(s, mode=[0])):
+            part = [s[r, c] for c in range(chains)]
+            if cutlass.const_expr(with_running_max):
+                part[0] = cute.arch.fmax(part[0], self.row_max[r])
+            for c in range(chains, num_cols):
+                part[c % chains] = cute.arch.fmax(part[c % chains], s[r, c])
+            local_max.append(_tree(part, cute.arch.fmax))
+        for r in range(len(local_max)):
+            local_max[r] = cute.arch.warp_reduction_max(local_max[r], threads_in_group=_THREADS_PER_ROW)
+        return local_max
+
+    def _exponentiate_row(self, s: cute.Tensor, out: cute.Tensor, r: int, neg_max_scaled) -> Float32:
+        """``out[r, c] = exp2(s[r, c] * scale_log2 + neg_max_scaled)`` for this thread's columns
+        of row ``r`` (``neg_max_scaled``: minus the finite reference max, scaled); returns their
+        sum, a tree over ``sum_chains`` chains."""
+        num_cols = cute.size(s, mode=[1])
+        sum_chains = min(self.sum_chains, num_cols)
+        part = [None] * sum_chains
+        for c in range(num_cols):
+            p = Float32(0.0)
+            if cutlass.const_expr("exp" in self.drop):
+                # non-negative, as probabilities are: a negative row sum would hold back the
+                # K release tied to it (``release_by_one_lane``) and stall the pipeline
+                p = s[r, c] * (-self.scale_log2) - neg_max_scaled
+            else:
+                p = cute.math.exp2(s[r, c] * self.scale_log2 + neg_max_scaled, fastmath=True)
+            out[r, c] = p
+            k = c % sum_chains
+            part[k] = p if c < sum_chains else part[k] + p
+        return _tree(part, _add)
 
     @cute.jit
     def rescale(self, acc_o: cute.Tensor, row_scale: cute.Tensor):
