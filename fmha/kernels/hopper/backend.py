@@ -191,7 +191,7 @@ class HopperConfig:
     # with the default within the run's noise at D=128 and D=256 (docs/PERFORMANCE.md, item 22)
     speculative_exp: bool = False
     # overlapped loop, 16-bit inputs: 2 = P in two fragments taken in turns (``mainloop_two_p``);
-    # without ``speculative_exp`` 23-36% slower under causal masks (item 22)
+    # without ``speculative_exp`` 23-27% slower under causal masks (item 22)
     p_buffers: int = 1
 
     @property
@@ -221,7 +221,8 @@ class HopperConfig:
         persistent, claim_tiles = True, choose_schedule(problem)
         if options.persistent is not None:
             persistent, claim_tiles = options.persistent, False
-        claimable = not problem.varlen and later_rows_cost_more(m.kind, m.window_left is not None)
+        causal_like = later_rows_cost_more(m.kind, m.window_left is not None)
+        claimable = not problem.varlen and causal_like
         if claimable and options.claim_tiles is not None and options.persistent is not True:
             if options.claim_tiles:
                 persistent, claim_tiles = True, True
@@ -243,8 +244,7 @@ class HopperConfig:
             tile_n=options.tile_n or tile_n,
             claim_tiles=claim_tiles,
             tma_store_o=tma_store_o_for(problem.head_dim, m.kind == MaskKind.NONE, problem.seqlen_k),
-            **shape_choices(problem.dtype, bool(persistent), problem.head_dim, problem.seqlen_k,
-                            later_rows_cost_more(m.kind, m.window_left is not None)),
+            **shape_choices(problem.dtype, bool(persistent), problem.head_dim, problem.seqlen_k, causal_like),
         )
 
 
