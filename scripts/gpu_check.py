@@ -13,6 +13,7 @@ untouched. Kernels are compiled once per configuration, in parallel worker proce
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -373,14 +374,12 @@ def run_group(cases: list[Case]) -> list[dict]:
     if first.claim and not (cfg.claim_tiles and cfg.persistent):
         return [dict(case=asdict(c), name=c.name(), ok=False, error="the config does not claim tiles")
                 for c in cases]
-    from fmha.kernels.hopper import backend
+    from fmha.kernels.hopper.backend import persistent_grid_of
 
-    dev = torch.cuda.current_device()
-    if first.claim:
-        # A grid of 8 CTAs, so that each claims several tiles (and cycles through its Q buffers
-        # and the hand-off's entries) even in these small problems.
-        backend._SM_COUNT[dev] = 8
-    try:
+    # Claiming cases run on a grid of 8 CTAs, so that each claims several tiles (and cycles
+    # through its Q buffers and the hand-off's entries) even in these small problems.
+    grid = persistent_grid_of(8, torch.cuda.current_device()) if first.claim else contextlib.nullcontext()
+    with grid:
         for c in cases:
             try:
                 r = run_case(runner, c, torch)
@@ -388,9 +387,6 @@ def run_group(cases: list[Case]) -> list[dict]:
                 r = dict(ok=False, error=traceback.format_exc(limit=4))
             r.update(case=asdict(c), name=c.name(), compile_s=round(compile_s, 2))
             results.append(r)
-    finally:
-        if first.claim:
-            backend._SM_COUNT.pop(dev, None)
     return results
 
 

@@ -26,7 +26,6 @@ def claimed_tiles_case(dev) -> bool:
     from fmha.problem import KernelOptions
     from fmha.validation import validate
 
-    hopper_backend._SM_COUNT[torch.cuda.current_device()] = 8
     q = torch.randn(1, 1100, 4, 128, device=dev, dtype=torch.bfloat16)
     k = torch.randn(1, 1100, 2, 128, device=dev, dtype=torch.bfloat16)
     v = torch.randn(1, 1100, 2, 128, device=dev, dtype=torch.bfloat16)
@@ -34,11 +33,11 @@ def claimed_tiles_case(dev) -> bool:
     cfg = hopper_backend.HopperConfig.from_problem(problem, KernelOptions(persistent=False, claim_tiles=True))
     assert cfg.claim_tiles and cfg.persistent
     o = torch.full_like(q, float("nan"))
-    hopper_backend.HopperRunner(cfg, hopper_backend.compile_kernel(cfg))(problem, q, k, v, o, None)
+    with hopper_backend.persistent_grid_of(8, torch.cuda.current_device()):
+        hopper_backend.HopperRunner(cfg, hopper_backend.compile_kernel(cfg))(problem, q, k, v, o, None)
     ref, _ = attention_reference(q, k, v, mask=MaskSpec.from_args(causal=True))
     err = ((o.float() - ref).norm() / ref.norm()).item()
     print(f"dense causal D=128, 8 CTAs claiming 36 tiles: rel L2 {err:.2e}")
-    hopper_backend._SM_COUNT.clear()
     return err < 1e-2
 
 
@@ -63,16 +62,15 @@ def main():
     # tiles and cycles through both Q buffers.
     from fmha.kernels.hopper import backend as hopper_backend
 
-    hopper_backend._SM_COUNT[torch.cuda.current_device()] = 8
     q = torch.randn(1, 1100, 4, 128, device=dev, dtype=torch.float16)
     k = torch.randn(1, 1100, 2, 128, device=dev, dtype=torch.float16)
     v = torch.randn(1, 1100, 2, 128, device=dev, dtype=torch.float16)
-    o = fmha.attention(q, k, v, causal=True, mask_align="bottom_right", backend="kernel", persistent=True)
+    with hopper_backend.persistent_grid_of(8, torch.cuda.current_device()):
+        o = fmha.attention(q, k, v, causal=True, mask_align="bottom_right", backend="kernel", persistent=True)
     ref, _ = attention_reference(q, k, v, mask=MaskSpec.from_args(causal=True, mask_align="bottom_right"))
     err = ((o.float() - ref).norm() / ref.norm()).item()
     print(f"dense causal D=128 persistent (8 CTAs, 36 tiles): rel L2 {err:.2e}")
     ok &= err < 1e-2
-    hopper_backend._SM_COUNT.clear()
     ok &= claimed_tiles_case(dev)
 
     lens = [0, 1, 77, 130]

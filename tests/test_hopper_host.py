@@ -301,3 +301,19 @@ def test_lazy_rescale_only_for_16_bit_inputs_from_head_dim_128():
     assert cfg(128, torch.bfloat16).lazy_rescale and cfg(256, torch.float16).lazy_rescale
     assert not cfg(64, torch.bfloat16).lazy_rescale and not cfg(32, torch.float16).lazy_rescale
     assert not any(cfg(d, torch.float8_e4m3fn).lazy_rescale for d in (64, 128, 256))
+
+
+def test_a_capped_persistent_grid_ends_with_its_block():
+    """``persistent_grid_of`` (the GPU check's and the sanitizer's small grids) sets the CTA count
+    persistent launches use, and forgets it on leaving, an exception included, so the next
+    launch looks the SM count up again."""
+    dev = torch.device("cuda", 0)  # an explicit index: sm_count needs no GPU for a cached entry
+    for fail in (False, True):
+        try:
+            with hb.persistent_grid_of(8, 0):
+                assert hb.sm_count(dev) == 8
+                if fail:
+                    raise RuntimeError("launch failed")
+        except RuntimeError:
+            assert fail
+        assert 0 not in hb._SM_COUNT

@@ -393,6 +393,18 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+@contextlib.contextmanager
+def persistent_grid_of(num_ctas: int, device_index: int):
+    """Persistent launches on ``device_index`` use ``num_ctas`` CTAs inside the block (the GPU
+    check and the sanitizer cases: a small grid makes every CTA run, and claim, several tiles
+    of a small problem); the SM count is looked up again afterwards."""
+    _SM_COUNT[device_index] = num_ctas
+    try:
+        yield
+    finally:
+        _SM_COUNT.pop(device_index, None)
+
+
 class HopperRunner:
     """A compiled kernel plus the per-call argument preparation."""
 
