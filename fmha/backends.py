@@ -3,10 +3,11 @@
 A kernel backend is any object with
 
 - ``name: str``
+- ``capabilities``: the CUDA compute capabilities ((major, minor) pairs) it runs on
 - ``why_unsupported(problem, options) -> list[str]``: every reason it cannot run this
-  configuration (empty: it can). The dispatcher checks the platform (CUDA tensors, SM90) itself
-  and validation the tensors' layouts, so this is about the configuration only, and must answer
-  without a GPU.
+  configuration (empty: it can). The dispatcher checks the platform (CUDA tensors, the GPU's
+  architecture) itself and validation the tensors' layouts, so this is about the configuration
+  only, and must answer without a GPU.
 - ``cache_key(problem, options) -> Hashable``: which prepared runner can serve this problem. The
   dispatcher reuses one runner for every problem with the same key (kept per backend name), so
   the key holds what is compiled in (dtypes, head dim, mask kind, ...) and leaves out what the
@@ -16,7 +17,8 @@ A kernel backend is any object with
   prepared one), writes ``out`` (and ``lse`` unless it is None) in place and returns nothing.
 
 Kernel backends are imported lazily (the CuTe DSL costs about a second to import) and only
-when the tensors are on a GPU, or when the caller asks for the reasons.
+when the tensors are on a GPU, or when the caller asks for the reasons. An architecture joins
+by adding its package under ``fmha/kernels/`` and a line to ``KERNEL_BACKENDS``.
 """
 
 from __future__ import annotations
@@ -95,16 +97,23 @@ class ReferenceBackend:
 REFERENCE = ReferenceBackend()
 
 
+#: the kernel backends, tried in this order: (what the user reads, module, class)
+KERNEL_BACKENDS = (
+    ("the Hopper kernel", "fmha.kernels.hopper.backend", "HopperBackend"),
+)
+
+
 @functools.lru_cache(maxsize=None)
 def _load_kernel_backends() -> Tuple[tuple, tuple]:
     """(backends, reasons some could not be loaded); imported once per process."""
+    import importlib
+
     backends, reasons = [], []
-    try:
-        from fmha.kernels.hopper.backend import HopperBackend
-    except ImportError as e:  # ModuleNotFoundError included
-        reasons.append(f"the Hopper kernel could not be imported: {e}")
-    else:
-        backends.append(HopperBackend())
+    for what, module, cls in KERNEL_BACKENDS:
+        try:
+            backends.append(getattr(importlib.import_module(module), cls)())
+        except ImportError as e:  # ModuleNotFoundError included
+            reasons.append(f"{what} could not be imported: {e}")
     return tuple(backends), tuple(reasons)
 
 
@@ -113,21 +122,26 @@ def kernel_backends() -> Tuple[tuple, tuple]:
 
 
 def _platform_reasons(device: torch.device) -> List[str]:
-    """Reasons no kernel can run, whatever the backend: the kernels are CUDA SM90 code."""
+    """Reasons no kernel can run, whatever the backend: the kernels are CUDA code."""
     reasons = []
     if device.type != "cuda":
         reasons.append(f"inputs are on the {'CPU' if device.type == 'cpu' else device}"
                        " (the kernels need CUDA tensors)")
     if not torch.cuda.is_available():
         reasons.append("no CUDA device is available (torch.cuda.is_available() is False)")
-    elif device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        if (major, minor) != (9, 0):
-            reasons.append(
-                f"the GPU {torch.cuda.get_device_name(device)} is SM{major}{minor}; "
-                "the kernels need SM90 (Hopper)"
-            )
     return reasons
+
+
+def _architecture_reason(backend, device: torch.device) -> Optional[str]:
+    """Why ``backend`` cannot run on the GPU of ``device`` (None: it can, or no GPU to ask)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) in backend.capabilities:
+        return None
+    wanted = "/".join(f"SM{a}{b}" for a, b in backend.capabilities)
+    return (f"the GPU {torch.cuda.get_device_name(device)} is SM{capability[0]}{capability[1]}; "
+            f"this kernel runs on {wanted}")
 
 
 def unsupported_reasons(problem: AttentionProblem, options: KernelOptions,
@@ -142,7 +156,8 @@ def unsupported_reasons(problem: AttentionProblem, options: KernelOptions,
     backends, load_reasons = kernel_backends()
     reasons = platform + list(load_reasons)
     for backend in backends:
-        why = backend.why_unsupported(problem, options)
+        arch = _architecture_reason(backend, problem.device)
+        why = ([arch] if arch else []) + backend.why_unsupported(problem, options)
         if not why and not platform:
             return backend, []
         reasons += [f"{backend.name}: {r}" for r in why]

@@ -11,15 +11,25 @@ import torch
 
 from .masking import MaskKind, MaskSpec
 
-#: input dtypes the library accepts (SPEC.md "dtypes")
+#: input dtypes the library accepts (docs/semantics.md, "Inputs")
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
-#: head dims SPEC.md names; a backend may support fewer
+#: head dims the semantics name; a backend may support fewer
 HEAD_DIMS = (32, 64, 128, 256)
+#: output dtypes of every input dtype; fp8 inputs may also write fp8
+OUTPUT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def output_dtypes_for(in_dtype: torch.dtype) -> tuple:
+    return OUTPUT_DTYPES + ((torch.float8_e4m3fn,) if in_dtype == torch.float8_e4m3fn else ())
 
 
 def default_out_dtype(in_dtype: torch.dtype) -> torch.dtype:
     """fp16/bf16 inputs give the same dtype out; fp8 inputs give bf16 unless asked otherwise."""
     return torch.bfloat16 if in_dtype == torch.float8_e4m3fn else in_dtype
+
+
+def element_bytes(dtype: torch.dtype) -> int:
+    return dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -58,10 +68,6 @@ class AttentionProblem:
     # use them to enumerate only the query tiles that exist, costliest first); None when dense
     seqlens_q: Optional[Tuple[int, ...]] = None
     seqlens_k: Optional[Tuple[int, ...]] = None
-
-    @property
-    def qhead_per_kvhead(self) -> int:
-        return self.num_heads_q // self.num_heads_k
 
     @property
     def is_fp8(self) -> bool:

@@ -27,13 +27,12 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .masking import MaskKind, MaskSpec
-from .problem import HEAD_DIMS, INPUT_DTYPES, AttentionProblem, KernelOptions, default_out_dtype
+from .problem import HEAD_DIMS, INPUT_DTYPES, AttentionProblem, KernelOptions, default_out_dtype, output_dtypes_for
 
 __all__ = ["validate", "kernel_options", "lse_shape", "out_shape"]
 
 #: TMA (and vectorized loads) need 16-byte aligned row starts
 ALIGN_BYTES = 16
-OUT_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -232,7 +231,7 @@ def _resolve_out_dtype(out_dtype, out, in_dtype: torch.dtype) -> torch.dtype:
         out_dtype = out.dtype if isinstance(out, torch.Tensor) else default_out_dtype(in_dtype)
     if not isinstance(out_dtype, torch.dtype):
         raise TypeError(f"out_dtype must be a torch.dtype, got {type(out_dtype).__name__}")
-    allowed = OUT_DTYPES + ((torch.float8_e4m3fn,) if in_dtype == torch.float8_e4m3fn else ())
+    allowed = output_dtypes_for(in_dtype)
     if out_dtype not in allowed:
         raise TypeError(
             f"unsupported out_dtype {_dtype_name(out_dtype)} for {_dtype_name(in_dtype)} input; "

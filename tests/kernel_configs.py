@@ -1,31 +1,49 @@
-"""The ``HopperConfig`` the library builds for a choice of inputs, made without a GPU or tensors:
-one helper for the tests that compile kernels or check the host's choices, so that they build the
-kernels ``HopperConfig.from_problem`` builds (``shape_choices``) rather than near copies."""
+"""The Hopper kernel configuration the library builds for a choice of inputs, made on the CPU
+through the library's own rules (``HopperForwardConfig.from_problem`` on a validated problem),
+so that the tests that compile kernels or check the host's choices build exactly the kernels
+the library builds."""
+
+import dataclasses
 
 import torch
 
-from fmha.kernels.hopper.backend import HopperConfig, default_tile, shape_choices
-from fmha.masking import MaskKind, later_rows_cost_more
-from fmha.problem import default_out_dtype
+from fmha.kernels.hopper.config import HopperForwardConfig
+from fmha.problem import KernelOptions
+from fmha.validation import validate
 
-# mask kind, window left bounded, window right bounded, bottom-right alignment
 MASKS = {
-    "none": (MaskKind.NONE, False, False, False),
-    "causal": (MaskKind.WINDOW, False, True, False),
-    "causal_bottom_right": (MaskKind.WINDOW, False, True, True),
-    "window": (MaskKind.WINDOW, True, True, False),
-    "left_window": (MaskKind.WINDOW, True, False, False),
-    "compressed_causal": (MaskKind.COMPRESSED_CAUSAL, False, False, False),
+    "none": {},
+    "causal": dict(causal=True),
+    "causal_bottom_right": dict(causal=True, mask_align="bottom_right"),
+    "window": dict(window_size=(100, 30)),
+    "left_window": dict(window_size=(64, None)),
+    "compressed_causal": dict(compressed_causal=True),
 }
 
 
-def library_config(dtype=torch.bfloat16, head_dim=128, mask="none", persistent=True, varlen=False, lse=True,
-                   out_dtype=None, tile=None, seqlen_k=1024, l2_sections=False) -> HopperConfig:
-    """The configuration for these choices at ``seqlen_k`` keys. ``l2_sections`` (the static
-    persistent walk in sections of heads, a benchmark variant) is walked only under causal-like
-    masks on a persistent grid."""
-    kind, left, right, bottom_right = MASKS[mask]
-    tile_m, tile_n = tile or default_tile(dtype, head_dim)
-    return HopperConfig(dtype, out_dtype or default_out_dtype(dtype), head_dim, kind, left, right, bottom_right,
-                        varlen, lse, persistent, tile_m=tile_m, tile_n=tile_n, l2_sections=l2_sections,
-                        **shape_choices(dtype, persistent, head_dim, seqlen_k, later_rows_cost_more(kind, left)))
+def problem_for(dtype=torch.bfloat16, head_dim=128, mask="none", varlen=False, lse=True, out_dtype=None,
+                seqlen_k=1024, batch=1, heads_q=4, heads_k=4):
+    """A validated problem of these choices; sizes are set afterwards (no large tensors)."""
+    rows = 8
+    if varlen:
+        q = torch.zeros(rows, heads_q, head_dim).to(dtype)
+        k = torch.zeros(rows, heads_k, head_dim).to(dtype)
+        cu = torch.tensor([0, rows], dtype=torch.int32)
+        problem = validate(q, k, k, varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu, return_lse=lse,
+                           out_dtype=out_dtype, **MASKS[mask])
+        return dataclasses.replace(problem, seqlen_q=seqlen_k, seqlen_k=seqlen_k)
+    q = torch.zeros(1, rows, heads_q, head_dim).to(dtype)
+    k = torch.zeros(1, rows, heads_k, head_dim).to(dtype)
+    problem = validate(q, k, k, return_lse=lse, out_dtype=out_dtype, **MASKS[mask])
+    return dataclasses.replace(problem, batch=batch, seqlen_q=seqlen_k, seqlen_k=seqlen_k,
+                               total_q=batch * seqlen_k, total_k=batch * seqlen_k)
+
+
+def library_config(dtype=torch.bfloat16, head_dim=128, mask="none", persistent=None, varlen=False, lse=True,
+                   out_dtype=None, tile=None, seqlen_k=1024, claim_tiles=None) -> HopperForwardConfig:
+    """The configuration ``fmha`` builds for these choices at ``seqlen_k`` keys (one batch entry
+    of four heads: causal problems of that size keep the static persistent walk)."""
+    options = KernelOptions(persistent=persistent, tile_m=tile[0] if tile else None,
+                            tile_n=tile[1] if tile else None, claim_tiles=claim_tiles)
+    return HopperForwardConfig.from_problem(
+        problem_for(dtype, head_dim, mask, varlen, lse, out_dtype, seqlen_k), options)

@@ -120,9 +120,9 @@ def test_import_failure_is_a_reason(monkeypatch):
 
 
 def test_load_kernel_backends_turns_import_errors_into_reasons(monkeypatch):
-    import builtins
+    import importlib
 
-    real_import = builtins.__import__
+    real_import = importlib.import_module
 
     def failing_import(name, *args, **kwargs):
         if name.startswith("fmha.kernels"):
@@ -130,7 +130,7 @@ def test_load_kernel_backends_turns_import_errors_into_reasons(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     backends._load_kernel_backends.cache_clear()
-    monkeypatch.setattr(builtins, "__import__", failing_import)
+    monkeypatch.setattr(importlib, "import_module", failing_import)
     try:
         loaded, reasons = backends._load_kernel_backends()
     finally:

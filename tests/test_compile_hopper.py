@@ -14,17 +14,16 @@ import torch
 
 pytest.importorskip("cutlass")
 
-from fmha.kernels.hopper.backend import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, compile_kernel  # noqa: E402
+from fmha.kernels.hopper.backend import compile_forward as compile_kernel  # noqa: E402
+from fmha.kernels.hopper.config import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, OStore, Schedule  # noqa: E402
 from kernel_configs import library_config  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
 
 def _config(dtype, head_dim, mask, persistent, varlen=False, lse=True, out_dtype=None, tile=None):
-    """The kernel the library builds for these choices at 1k keys. L2 sections (a benchmark
-    variant) ride along with every persistent grid so that their code keeps compiling: the
-    kernel walks them only under causal-like masks."""
-    return library_config(dtype, head_dim, mask, persistent, varlen, lse, out_dtype, tile, l2_sections=persistent)
+    """The kernel the library builds for these choices at 1k keys."""
+    return library_config(dtype, head_dim, mask, persistent, varlen, lse, out_dtype, tile)
 
 
 _PAIRS = list(itertools.product(SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS))
@@ -57,38 +56,12 @@ def test_compiles_the_other_small_head_tile():
         assert compile_kernel(_config(dtype, 32, "causal", True, tile=(128, 128))) is not None
 
 
-def test_compiles_the_serial_mainloop_variants():
-    """The serial mainloop is no longer a default (docs/PERFORMANCE.md, item 18); the benchmark's
-    variants still build it, alone and for short rows beside the overlapped loop."""
-    import dataclasses
-
-    base = _config(torch.bfloat16, 128, "causal", True)
-    for over in (dict(serial_max_tiles=8), dict(overlap=False, pingpong=False)):
-        assert compile_kernel(dataclasses.replace(base, **over)) is not None
-
-
-def test_compiles_the_softmax_experiments():
-    """The ninth session's measured-but-not-adopted softmax loops (docs/PERFORMANCE.md, item 22):
-    two P fragments, alone and with exponentials against the kept max, and the timing-only copies
-    of ``scripts/phase_costs.py`` that leave a phase out."""
-    import dataclasses
-
-    for mask in ("none", "causal"):
-        base = _config(torch.bfloat16, 128, mask, True)
-        assert base.lazy_rescale and not base.speculative_exp and base.p_buffers == 1
-        for over in (dict(p_buffers=2), dict(speculative_exp=True)):
-            assert compile_kernel(dataclasses.replace(base, **over)) is not None
-    for drop in (("max",), ("exp",), ("rescale",), ("pack",)):
-        assert compile_kernel(dataclasses.replace(_config(FP8, 128, "none", True), drop_phases=drop)) is not None
-
-
 def test_compiles_claimed_tiles():
     """Persistent CTAs that claim tiles in the one-CTA-per-tile order (the library's choice for
     large causal problems): the 16-bit path and fp8's staged V."""
-    import dataclasses
-
     for dtype, head_dim in ((torch.bfloat16, 64), (FP8, 128)):
-        cfg = dataclasses.replace(_config(dtype, head_dim, "causal", True), l2_sections=False, claim_tiles=True)
+        cfg = library_config(dtype, head_dim, "causal", claim_tiles=True)
+        assert cfg.schedule == Schedule.CLAIMED
         assert compile_kernel(cfg) is not None
 
 
@@ -113,7 +86,7 @@ def test_o_is_staged_with_stmatrix_and_tma_stored(dtype, head_dim, tmp_path):
     fp8 inputs in a buffer of its own, bf16 D=128 in the tile's Q buffer. The only global stores
     left are the LSE's."""
     cfg = _config(dtype, head_dim, "causal", True)
-    assert cfg.separate_o_buffer == (head_dim == 64 or dtype == FP8)
+    assert cfg.o_store == (OStore.TMA_OWN_BUFFER if head_dim == 64 or dtype == FP8 else OStore.TMA_Q_BUFFER)
     ptx = _ptx(cfg, tmp_path)
     assert len(_TMA_STORE.findall(ptx)) == head_dim // 64  # one TMA box per 64 columns (128B swizzle)
     assert "stmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx
@@ -139,7 +112,7 @@ def test_fp8_machine_code_uses_fp8_wgmma_for_both_products(tmp_path):
     ptx = _ptx(_config(FP8, 128, "none", True, out_dtype=FP8), tmp_path)
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx  # Q.K^T (N = tile_n)
     assert ".f32.e4m3.e4m3" in ptx and "m64n128k32" in ptx
-    # P is rounded to fp8 with saturation before P.V, as SPEC.md says
+    # P is rounded to fp8 with saturation before P.V (docs/semantics.md)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
 
 

@@ -5,12 +5,12 @@ import torch
 
 pytest.importorskip("cutlass")
 
-from fmha.kernels.hopper import disk_cache  # noqa: E402
-from fmha.kernels.hopper.backend import HopperConfig, compile_kernel  # noqa: E402
-from fmha.masking import MaskKind  # noqa: E402
+from fmha.jit import disk_cache  # noqa: E402
+from fmha.kernels.hopper.backend import compile_forward as compile_kernel  # noqa: E402
+from fmha.kernels.hopper.config import Schedule  # noqa: E402
+from kernel_configs import library_config  # noqa: E402
 
-CFG = HopperConfig(torch.bfloat16, torch.bfloat16, 64, MaskKind.NONE, False, False, False, False,
-                   False, True, tile_m=192, tile_n=128)
+CFG = library_config(torch.bfloat16, 64, "none", lse=False)
 
 
 def test_second_load_comes_from_disk(tmp_path, monkeypatch):
@@ -33,7 +33,7 @@ def test_key_changes_with_the_configuration_and_a_broken_file_is_rebuilt(tmp_pat
     import dataclasses
 
     monkeypatch.setenv("FMHA_CACHE_DIR", str(tmp_path))
-    other = dataclasses.replace(CFG, persistent=False)
+    other = dataclasses.replace(CFG, schedule=Schedule.ONE_CTA_PER_TILE)
     assert disk_cache.entry_name(CFG) != disk_cache.entry_name(other)
     (tmp_path / f"{disk_cache.entry_name(CFG)}.o").write_bytes(b"not an object file")
     compiles = []

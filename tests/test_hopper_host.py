@@ -6,8 +6,11 @@ import torch
 
 pytest.importorskip("cutlass")
 
+from fmha.jit import launch  # noqa: E402
 from fmha.kernels.common.fragments import FP8_KEY_ORDER  # noqa: E402
-from fmha.kernels.hopper import backend as hb  # noqa: E402
+from fmha.kernels.hopper import config as hc  # noqa: E402
+from fmha.kernels.hopper.backend import HopperRunner  # noqa: E402
+from fmha.kernels.hopper.config import HopperForwardConfig, OStore, Schedule  # noqa: E402
 from fmha.kernels.hopper.v_staging import stage_v_fp8, staged_length  # noqa: E402
 from fmha.problem import KernelOptions  # noqa: E402
 from fmha.validation import validate  # noqa: E402
@@ -25,9 +28,9 @@ def _qkv(d=64, dtype=torch.bfloat16, s=40):
 @pytest.mark.parametrize("d", [32, 64, 128, 256])
 def test_every_spec_dtype_and_head_dim_is_supported(dtype, d):
     problem = validate(*_qkv(d, dtype), causal=True)
-    assert hb.why_unsupported(problem, KernelOptions()) == []
-    cfg = hb.HopperConfig.from_problem(problem, KernelOptions())
-    assert (cfg.tile_m, cfg.tile_n) == hb.default_tile(dtype, d)
+    assert hc.why_unsupported(problem, KernelOptions()) == []
+    cfg = HopperForwardConfig.from_problem(problem, KernelOptions())
+    assert (cfg.tile_m, cfg.tile_n) == hc.allowed_tiles(dtype, d)[0]
     assert cfg.v_staged == (dtype == FP8)
 
 
@@ -35,10 +38,10 @@ def test_every_spec_dtype_and_head_dim_is_supported(dtype, d):
 @pytest.mark.parametrize("d", [32, 64, 128, 256])
 def test_tiles_fit_shared_memory_and_the_fp8_key_blocks(dtype, d):
     elem = 1 if dtype == FP8 else 2
-    for tm, tn in hb.allowed_tiles(dtype, d):
-        for persistent in (False, True):
-            q_stages = hb.q_stages_for(persistent, d, 1024)
-            stages = hb.kv_stages_for(dtype, d, tm, tn, q_stages)
+    for tm, tn in hc.allowed_tiles(dtype, d):
+        for schedule in Schedule:
+            q_stages = hc.q_stages_for(schedule, d, 1024)
+            stages = hc.kv_stages_for(dtype, d, tm, tn, q_stages)
             assert stages >= 4  # two K/V tile pairs at least: loads run a pair ahead
             assert (q_stages * tm + stages * tn) * d * elem <= 227 * 1024 - 2048
         if dtype == FP8:
@@ -49,28 +52,29 @@ def test_o_gets_its_own_buffer_only_beside_a_full_kv_ring():
     """Where the K/V ring has reached its cap (head dim <= 64, fp8 inputs) O is staged in a
     buffer of its own; elsewhere in the Q buffer, so that the ring keeps its depth. Varlen and
     fp8 outputs store O directly."""
-    def cfg(d, dtype=torch.bfloat16, out=None, varlen=False, persistent=True, seqlen=1024):
-        return library_config(dtype, d, "none", persistent, varlen, out_dtype=out, seqlen_k=seqlen)
+    def cfg(d, dtype=torch.bfloat16, out=None, varlen=False, persistent=True, seqlen=1024, mask="causal"):
+        return library_config(dtype, d, mask, persistent, varlen, out_dtype=out, seqlen_k=seqlen)
     for d in (32, 64):
         for persistent, seqlen in ((True, 1024), (True, 16384), (False, 1024)):
             c = cfg(d, persistent=persistent, seqlen=seqlen)
-            assert c.separate_o_buffer and c.kv_stages == 8
+            assert c.o_store == OStore.TMA_OWN_BUFFER and c.kv_stages == 8
             assert ((c.q_stages + 1) * c.tile_m + c.kv_stages * c.tile_n) * d * 2 <= 227 * 1024 - 2048
     for d in (64, 128, 256):
         c = cfg(d, FP8)  # 16-bit O beside an 8-stage ring of fp8 K/V
-        assert c.separate_o_buffer and c.kv_stages == 8
+        assert c.o_store == OStore.TMA_OWN_BUFFER and c.kv_stages == 8
         assert (c.q_stages * c.tile_m + c.kv_stages * c.tile_n) * d + c.tile_m * d * 2 <= 227 * 1024 - 2048
-    assert not cfg(128).separate_o_buffer and not cfg(256).separate_o_buffer
-    assert not cfg(64, varlen=True).separate_o_buffer and not cfg(64, FP8, out=FP8).separate_o_buffer
-    assert cfg(64, out=torch.float16).separate_o_buffer
+    assert cfg(128).o_store == OStore.TMA_Q_BUFFER and cfg(256).o_store == OStore.TMA_Q_BUFFER
+    assert cfg(128, out=torch.float16).o_store == OStore.DIRECT  # the Q buffer holds bf16
+    assert cfg(64, varlen=True).o_store == OStore.DIRECT and cfg(64, FP8, out=FP8).o_store == OStore.DIRECT
+    assert cfg(64, out=torch.float16).o_store == OStore.TMA_OWN_BUFFER
 
 
 def test_fp8_output_only_from_fp8_inputs_and_tiles_are_checked():
     problem = validate(*_qkv(128, FP8), out_dtype=FP8)
-    assert hb.why_unsupported(problem, KernelOptions()) == []
-    reasons = hb.why_unsupported(validate(*_qkv(256)), KernelOptions(tile_m=128, tile_n=128))
+    assert hc.why_unsupported(problem, KernelOptions()) == []
+    reasons = hc.why_unsupported(validate(*_qkv(256)), KernelOptions(tile_m=128, tile_n=128))
     assert reasons and "128x80" in reasons[0]
-    assert hb.why_unsupported(validate(*_qkv(64)), KernelOptions(tile_m=128)) == []
+    assert hc.why_unsupported(validate(*_qkv(64)), KernelOptions(tile_m=128)) == []
 
 
 def test_fp8_key_order_is_a_permutation_of_each_block():
@@ -129,8 +133,8 @@ def test_stage_v_varlen_with_no_keys_at_all():
 
 def _recording_runner(problem):
     calls = []
-    cfg = hb.HopperConfig.from_problem(problem, KernelOptions())
-    return hb.HopperRunner(cfg, lambda *args: calls.append(args)), calls
+    cfg = HopperForwardConfig.from_problem(problem, KernelOptions())
+    return HopperRunner(cfg, lambda *args: calls.append(args)), calls
 
 
 def test_no_launch_without_query_rows_and_spec_answer_without_keys():
@@ -151,18 +155,21 @@ def test_no_launch_without_query_rows_and_spec_answer_without_keys():
     assert calls == [] and not out.float().any() and torch.isneginf(lse).all()
 
 
+CLAIMED, PERSISTENT, ONE_CTA = Schedule.CLAIMED, Schedule.PERSISTENT, Schedule.ONE_CTA_PER_TILE
+
+
 @pytest.mark.parametrize("b,s,hq,hk,d,causal,dtype,want", [
-    # want: (persistent, claimed tiles). The problem's K/V against half the 50 MB L2:
-    (32, 512, 32, 32, 64, True, torch.bfloat16, (True, True)),    # 134 MB: claimed
-    (8, 2048, 32, 32, 64, True, torch.bfloat16, (True, True)),
-    (32, 512, 16, 16, 128, True, torch.bfloat16, (True, True)),
-    (1, 16384, 16, 16, 128, True, torch.bfloat16, (True, True)),
-    (2, 8192, 8, 8, 256, True, torch.bfloat16, (True, True)),
-    (2, 8192, 16, 16, 128, True, torch.float8_e4m3fn, (True, True)),   # 67 MB
-    (8, 2048, 16, 2, 128, True, torch.bfloat16, (True, False)),   # GQA 8: 17 MB, the static walk
-    (2, 8192, 16, 2, 128, True, torch.bfloat16, (True, False)),
-    (1, 2048, 8, 8, 128, True, torch.bfloat16, (True, False)),    # 4 MB
-    (1, 16384, 16, 16, 128, False, torch.bfloat16, (True, False)),  # even tile costs: grid-stride
+    # The problem's K/V against half the 50 MB L2:
+    (32, 512, 32, 32, 64, True, torch.bfloat16, CLAIMED),    # 134 MB: claimed
+    (8, 2048, 32, 32, 64, True, torch.bfloat16, CLAIMED),
+    (32, 512, 16, 16, 128, True, torch.bfloat16, CLAIMED),
+    (1, 16384, 16, 16, 128, True, torch.bfloat16, CLAIMED),
+    (2, 8192, 8, 8, 256, True, torch.bfloat16, CLAIMED),
+    (2, 8192, 16, 16, 128, True, torch.float8_e4m3fn, CLAIMED),   # 67 MB
+    (8, 2048, 16, 2, 128, True, torch.bfloat16, PERSISTENT),   # GQA 8: 17 MB, the static walk
+    (2, 8192, 16, 2, 128, True, torch.bfloat16, PERSISTENT),
+    (1, 2048, 8, 8, 128, True, torch.bfloat16, PERSISTENT),    # 4 MB
+    (1, 16384, 16, 16, 128, False, torch.bfloat16, PERSISTENT),  # even tile costs: grid-stride
 ])
 def test_causal_tiles_are_claimed_unless_all_kv_fits_half_the_l2(b, s, hq, hk, d, causal, dtype, want):
     import dataclasses
@@ -170,71 +177,73 @@ def test_causal_tiles_are_claimed_unless_all_kv_fits_half_the_l2(b, s, hq, hk, d
     q, k, v = (t.to(dtype) for t in _qkv(d))
     small = validate(q, k, v, causal=causal)
     problem = dataclasses.replace(small, batch=b, seqlen_q=s, seqlen_k=s, num_heads_q=hq, num_heads_k=hk)
-    cfg = hb.HopperConfig.from_problem(problem, KernelOptions())
-    assert (cfg.persistent, cfg.claim_tiles) == want and not cfg.l2_sections
+    config = lambda **kw: HopperForwardConfig.from_problem(problem, KernelOptions(**kw))  # noqa: E731
+    assert config().schedule == want
     # An explicit persistent= is obeyed as it is: no claiming.
-    for persistent in (True, False):
-        forced = hb.HopperConfig.from_problem(problem, KernelOptions(persistent=persistent))
-        assert forced.persistent == persistent and not forced.claim_tiles
+    assert config(persistent=True).schedule == PERSISTENT
+    assert config(persistent=False).schedule == ONE_CTA
     if causal:
         # claim_tiles=True claims anywhere (unless persistent=True is pinned); False where the
         # backend would claim gives one CTA per tile, elsewhere changes nothing.
-        on = hb.HopperConfig.from_problem(problem, KernelOptions(claim_tiles=True))
-        assert on.persistent and on.claim_tiles
-        off = hb.HopperConfig.from_problem(problem, KernelOptions(claim_tiles=False))
-        assert (off.persistent, off.claim_tiles) == ((False, False) if want[1] else want)
+        assert config(claim_tiles=True).schedule == CLAIMED
+        assert config(claim_tiles=True, persistent=False).schedule == CLAIMED
+        assert config(claim_tiles=True, persistent=True).schedule == PERSISTENT
+        assert config(claim_tiles=False).schedule == (ONE_CTA if want == CLAIMED else want)
 
 
 def test_claimed_tiles_never_for_pinned_persistent_grids_even_costs_or_varlen():
     """Persistent grids, varlen and even tile costs never claim, whatever the option says."""
     import dataclasses
 
+    def claims(problem, **kw):
+        return HopperForwardConfig.from_problem(problem, KernelOptions(**kw)).claims_tiles
+
     big = dataclasses.replace(validate(*_qkv(128), causal=True), batch=4, seqlen_q=4096, seqlen_k=4096,
                               num_heads_q=16, num_heads_k=16)
-    assert not hb.HopperConfig.from_problem(big, KernelOptions(persistent=True, claim_tiles=True)).claim_tiles
+    assert not claims(big, persistent=True, claim_tiles=True)
     dense = dataclasses.replace(validate(*_qkv(128)), batch=4, seqlen_q=4096, seqlen_k=4096,
                                 num_heads_q=16, num_heads_k=16)
-    assert not hb.HopperConfig.from_problem(dense, KernelOptions(persistent=False, claim_tiles=True)).claim_tiles
+    assert not claims(dense, persistent=False, claim_tiles=True)
     lens = [5, 40, 17]
     cu = torch.tensor([0, 5, 45, 62], dtype=torch.int32)
     q, k, v = (torch.randn(62, 4, 128, dtype=torch.bfloat16) for _ in range(3))
     varlen = validate(q, k, v, varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
                       max_seqlen_k=max(lens), causal=True)
-    assert not hb.HopperConfig.from_problem(varlen, KernelOptions(persistent=False, claim_tiles=True)).claim_tiles
-    assert hb.HopperConfig.from_problem(big, KernelOptions(persistent=False, claim_tiles=True)).claim_tiles
+    assert not claims(varlen, persistent=False, claim_tiles=True)
+    assert claims(big, persistent=False, claim_tiles=True)
 
 
 def test_two_q_buffers_only_for_persistent_grids_up_to_4k_keys_and_d128():
-    assert hb.q_stages_for(True, 128, 4096) == 2 and hb.q_stages_for(True, 64, 512) == 2
-    assert hb.q_stages_for(True, 128, 8192) == 1  # long rows: the K/V stage weighs more
-    assert hb.q_stages_for(False, 128, 512) == 1 and hb.q_stages_for(True, 256, 512) == 1
-    cfg = hb.HopperConfig.from_problem(validate(*_qkv(128)), KernelOptions())
+    assert hc.q_stages_for(PERSISTENT, 128, 4096) == 2 and hc.q_stages_for(CLAIMED, 64, 512) == 2
+    assert hc.q_stages_for(PERSISTENT, 128, 8192) == 1  # long rows: the K/V stage weighs more
+    assert hc.q_stages_for(ONE_CTA, 128, 512) == 1 and hc.q_stages_for(PERSISTENT, 256, 512) == 1
+    cfg = HopperForwardConfig.from_problem(validate(*_qkv(128)), KernelOptions())
     assert cfg.persistent and cfg.q_stages == 2 and cfg.kv_stages == 5
 
 
+def _cfg(*tensors, **kw):
+    return HopperForwardConfig.from_problem(validate(*tensors, **kw), KernelOptions())
+
+
 def test_softmax_chains_per_head_dim_and_for_fp8_under_causal_masks():
-    assert hb.HopperConfig.from_problem(validate(*_qkv(64)), KernelOptions()).softmax_chains == (4, 2)
-    assert hb.HopperConfig.from_problem(validate(*_qkv(128)), KernelOptions()).softmax_chains == (1, 1)
-    assert hb.HopperConfig.from_problem(validate(*_qkv(128), causal=True), KernelOptions()).softmax_chains == (1, 1)
+    assert _cfg(*_qkv(64)).softmax_chains == (4, 2)
+    assert _cfg(*_qkv(128)).softmax_chains == (1, 1)
+    assert _cfg(*_qkv(128), causal=True).softmax_chains == (1, 1)
     fp8 = [t.to(torch.float8_e4m3fn) for t in _qkv(128)]
-    assert hb.HopperConfig.from_problem(validate(*fp8), KernelOptions()).softmax_chains == (1, 1)
+    assert _cfg(*fp8).softmax_chains == (1, 1)
     for mask in (dict(causal=True), dict(window_size=(None, 0)), dict(compressed_causal=True)):
-        assert hb.HopperConfig.from_problem(validate(*fp8, **mask), KernelOptions()).softmax_chains == (4, 2)
+        assert _cfg(*fp8, **mask).softmax_chains == (4, 2)
     # a sliding window's rows cost the same: one chain
-    assert hb.HopperConfig.from_problem(validate(*fp8, window_size=(64, 0)), KernelOptions()).softmax_chains == (1, 1)
+    assert _cfg(*fp8, window_size=(64, 0)).softmax_chains == (1, 1)
 
 
-def test_varlen_causal_runs_a_persistent_grid_and_short_rows_stay_overlapped():
+def test_varlen_causal_runs_a_persistent_grid():
     lens = [5, 40, 17]
     cu = torch.tensor([0, 5, 45, 62], dtype=torch.int32)
     q, k, v = (torch.randn(62, 4, 128, dtype=torch.bfloat16) for _ in range(3))
-    problem = validate(q, k, v, varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
-                       max_seqlen_k=max(lens), causal=True)
-    cfg = hb.HopperConfig.from_problem(problem, KernelOptions())
-    assert cfg.persistent
-    # The serial mainloop for short rows no longer pays at any head dim (docs/PERFORMANCE.md, item 18).
-    assert cfg.serial_max_tiles == 0
-    assert hb.HopperConfig.from_problem(validate(*_qkv(64)), KernelOptions()).serial_max_tiles == 0
+    cfg = _cfg(q, k, v, varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+               max_seqlen_k=max(lens), causal=True)
+    assert cfg.schedule == PERSISTENT
 
 
 def _causal_tile_costs(m_blocks, heads):
@@ -282,22 +291,22 @@ def test_sectioned_cost_order_visits_every_tile_once_costliest_first_per_section
 
 
 def test_tma_store_of_o_except_where_measured_slower():
-    """D=64 rows that read all of more than 2k keys store O from registers (docs/PERFORMANCE.md,
-    item 16); every other 16-bit dense configuration stages it for TMA."""
-    def cfg(d, causal, s):
+    """D=64 rows that read all of more than 2k keys store O from registers (docs/performance.md);
+    every other 16-bit dense configuration stages it for TMA."""
+    def store(d, causal, s):
         q = torch.empty(1, s, 2, d, dtype=torch.bfloat16)
-        return hb.HopperConfig.from_problem(validate(q, q, q, causal=causal), KernelOptions())
-    assert not cfg(64, False, 4096).tma_store_o and not cfg(32, False, 16384).tma_store_o
-    assert cfg(64, False, 2048).tma_store_o and cfg(64, True, 16384).tma_store_o
-    assert cfg(128, False, 16384).tma_store_o and cfg(256, False, 8192).tma_store_o
+        return _cfg(q, q, q, causal=causal).o_store
+    assert store(64, False, 4096) == OStore.DIRECT and store(32, False, 16384) == OStore.DIRECT
+    assert store(64, False, 2048) != OStore.DIRECT and store(64, True, 16384) != OStore.DIRECT
+    assert store(128, False, 16384) != OStore.DIRECT and store(256, False, 8192) != OStore.DIRECT
 
 
 def test_lazy_rescale_only_for_16_bit_inputs_from_head_dim_128():
-    """The stale-max softmax where it measured faster (docs/PERFORMANCE.md, item 17); fp8 keeps
-    the exact max, whose probability e4m3 holds exactly."""
+    """The stale-max softmax where it measured faster (docs/performance.md); fp8 keeps the exact
+    max, whose probability e4m3 holds exactly."""
     def cfg(d, dtype):
         q = torch.empty(1, 300, 2, d, dtype=dtype)
-        return hb.HopperConfig.from_problem(validate(q, q, q, causal=True), KernelOptions())
+        return _cfg(q, q, q, causal=True)
     assert cfg(128, torch.bfloat16).lazy_rescale and cfg(256, torch.float16).lazy_rescale
     assert not cfg(64, torch.bfloat16).lazy_rescale and not cfg(32, torch.float16).lazy_rescale
     assert not any(cfg(d, torch.float8_e4m3fn).lazy_rescale for d in (64, 128, 256))
@@ -310,10 +319,10 @@ def test_a_capped_persistent_grid_ends_with_its_block():
     dev = torch.device("cuda", 0)  # an explicit index: sm_count needs no GPU for a cached entry
     for fail in (False, True):
         try:
-            with hb.persistent_grid_of(8, 0):
-                assert hb.sm_count(dev) == 8
+            with launch.persistent_grid_of(8, 0):
+                assert launch.sm_count(dev) == 8
                 if fail:
                     raise RuntimeError("launch failed")
         except RuntimeError:
             assert fail
-        assert 0 not in hb._SM_COUNT
+        assert 0 not in launch._SM_COUNT

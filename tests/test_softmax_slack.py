@@ -5,15 +5,11 @@ makes the rule pay), and the check's ``scores="rising"`` cases move it mid-row, 
 skipped the O rescale when it must not fails them (and passes every ``randn`` case)."""
 
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-
-import gpu_check  # noqa: E402
+import gpu_cases as gpu_check  # noqa: E402
 from fmha.kernels.common.softmax import MAX_SLACK  # noqa: E402
 from fmha.reference import attention_reference, cast_output  # noqa: E402
 

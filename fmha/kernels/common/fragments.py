@@ -57,6 +57,8 @@ def as_operand_a(frag: cute.Tensor) -> cute.Tensor:
 FP8_KEY_ORDER = tuple(
     16 * h + 8 * (i // 2) + 2 * t + i % 2 for h in range(2) for t in range(4) for i in range(4)
 )
+#: keys per block of the fp8 P.V product
+FP8_KEY_BLOCK = len(FP8_KEY_ORDER)
 
 
 def fp8_operand_a_shape(acc_shape) -> tuple:

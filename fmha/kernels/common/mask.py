@@ -65,8 +65,6 @@ class FragmentMask:
     window_left: Any = None
     window_right: Any = None
     bottom_right: bool = False
-    # per-thread column bit masks (module docstring); False: two compares per score
-    bitmask: bool = True
 
     def key_bounds(self, row):
         return row_key_bounds(
@@ -84,17 +82,11 @@ class FragmentMask:
         num_cols = cute.size(s, mode=[1])
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
             lo, hi = self.key_bounds(row_base + c[r, 0][0])
-            if cutlass.const_expr(self.bitmask):
-                first = col_base + c[r, 0][1]
-                for k in cutlass.range_constexpr((num_cols + CHUNK - 1) // CHUNK):
-                    keep = kept_column_bits(
-                        lo - first, hi - first, k, lambda n: _ones_shifted(n, False),
-                        lambda n: _ones_shifted(n, True), cutlass.min, cutlass.max)
-                    for i in cutlass.range_constexpr(min(CHUNK, num_cols - CHUNK * k)):
-                        kept = cutlass.Boolean(keep & (cutlass.Uint32(1) << i))
-                        s[r, CHUNK * k + i] = s[r, CHUNK * k + i] if kept else Float32(-math.inf)
-            else:
-                for j in cutlass.range_constexpr(num_cols):
-                    col = col_base + c[r, j][1]
-                    if col < lo or col >= hi:
-                        s[r, j] = Float32(-math.inf)
+            first = col_base + c[r, 0][1]
+            for k in cutlass.range_constexpr((num_cols + CHUNK - 1) // CHUNK):
+                keep = kept_column_bits(
+                    lo - first, hi - first, k, lambda n: _ones_shifted(n, False),
+                    lambda n: _ones_shifted(n, True), cutlass.min, cutlass.max)
+                for i in cutlass.range_constexpr(min(CHUNK, num_cols - CHUNK * k)):
+                    kept = cutlass.Boolean(keep & (cutlass.Uint32(1) << i))
+                    s[r, CHUNK * k + i] = s[r, CHUNK * k + i] if kept else Float32(-math.inf)

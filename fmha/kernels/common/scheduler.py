@@ -1,30 +1,48 @@
-"""Static tile scheduling over (query tile, head, batch), shared by the kernels.
+"""Which query tile a CTA works on next: the tile schedulers every kernel shares.
 
-The grid is one-dimensional. With one CTA per tile the grid has one CTA per work tile and each
-CTA's loop runs once; in persistent mode the grid is the SM count and CTA ``b`` takes tiles
-``b, b + grid, b + 2 * grid, ...``. Both modes run the same loop, so there is one code path.
+A work tile is (query tile ``m_block``, head, batch), numbered 0 .. ``num_tiles`` - 1 along a
+scheduler's walk. The grid is one-dimensional: with one CTA per tile it has ``num_tiles`` CTAs
+and each CTA's loop runs once; a persistent grid has one CTA per SM, and each walks several.
+Every scheduler offers the same interface, so a kernel's roles never ask which walk they are on:
 
-Order: the query tile index varies fastest so that CTAs running at the same time share one
-head's K/V in L2. When the mask makes later query tiles costlier (causal-like masks), the tiles
-are walked from the last query tile down, so the longest work starts first. A persistent grid
-over such tiles instead walks the list sorted by cost (query tile index slowest: every head's
-last query tile, then the ones before) and deals it out like a snake draft, CTA 0 to G-1 in one
-round and G-1 back to 0 in the next, so each CTA's total lands close to the mean; a plain
-grid-stride deal would give CTA 0 the costliest tile of every round. The same cost-sorted walk
-in sections of heads (``cost_sorted_tile``) also serves one CTA per tile: the hardware then
-hands the tiles to SMs costliest first, a few heads' K/V at a time.
+* ``first()``: this CTA's first tile index (its block index); an index ``>= num_tiles`` ends
+  the CTA's loop;
+* ``decode(idx)`` -> ``WorkTile``;
+* ``producer_cursor()`` / ``consumer_cursor()``: what the loading warp / the computing
+  warpgroups carry from tile to tile (the hand-off's pipeline state for claimed tiles, else
+  None), to be passed to and rebound from
+* ``producer_next(idx, cursor)`` / ``consumer_next(idx, cursor)`` -> ``(next index, cursor)``:
+  the next tile, as the loading warp and as the computing warpgroups learn it.
 
-``ClaimingTileScheduler`` walks the one-CTA-per-tile order with a persistent grid: a CTA that
-finishes a tile claims the next unclaimed one from a counter in global memory, as the hardware
-hands out CTAs, so the balance is the same; but the CTA stays resident, so the next tile's Q and
-first K/V tiles load while the current one still computes instead of after it has exited.
+The cursor is returned rather than kept in the scheduler because pipeline state advanced in a
+staged loop must be a plain local of that loop.
+
+Walks:
+
+* ``StaticTileScheduler``: the query tile fastest, so CTAs running together share a head's K/V
+  in L2; under causal-like masks from the last (costliest) query tile down. A persistent grid
+  over such tiles walks them sorted by cost (every head's last query tile first) and deals
+  them out as a snake (``snake_next``), so each CTA's total lands close to the mean.
+* ``ClaimingTileScheduler``: the one-CTA-per-tile order on a persistent grid; a CTA claims its
+  next tile from a counter in global memory as it starts loading the current one, and hands the
+  claim to its consumers through shared memory (``TileHandOff``). The balance is that of one
+  CTA per tile, and the next tile's loads overlap the current tile's compute.
+* ``TileTableScheduler``: varlen; walks the host's list of the query tiles that hold rows
+  (``fmha.work_tiles``), costliest first, heads fastest.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, pipeline
+
+
+class WorkTile(NamedTuple):
+    m_block: Int32
+    head: Int32
+    batch: Int32
 
 
 def snake_next(idx, grid):
@@ -37,9 +55,8 @@ def snake_next(idx, grid):
 def cost_sorted_tile(idx, num_m_blocks, heads_batches, section, imin=min):
     """(m_block, head-batch index) of tile ``idx`` in the cost-sorted walk: heads-batches grouped
     in sections of ``section`` (the last may be shorter), each section walked query tile
-    slowest, from the last query tile (the costliest under a causal-like mask) down. One section
-    of all heads-batches is the plain cost order; smaller sections keep the K/V of the tiles in
-    flight within L2. Plain arithmetic: the tests run it on ints."""
+    slowest, from the last query tile (the costliest under a causal-like mask) down. Plain
+    arithmetic: the tests run it on ints."""
     per_section = section * num_m_blocks
     first = (idx // per_section) * section
     size = imin(section, heads_batches - first)
@@ -58,18 +75,31 @@ def m_fastest_tile(idx, num_m_blocks, num_heads, longest_first: bool):
 
 
 class _GridStride:
-    """The walk both schedulers share: CTA ``b`` starts at tile ``b``; then either ``b + grid,
+    """The walk of the static schedulers: CTA ``b`` starts at tile ``b``; then either ``b + grid,
     b + 2 * grid, ...`` or, when ``snake`` (tiles sorted costliest first), the snake deal of
-    ``snake_next``. With one CTA per tile both walks end after the first tile."""
+    ``snake_next``. Producer and consumers step alike. With one CTA per tile both walks end
+    after the first tile."""
 
     def first(self) -> Int32:
         return Int32(cute.arch.block_idx()[0])
 
-    def next(self, idx: Int32) -> Int32:
+    def _next(self, idx: Int32) -> Int32:
         grid = Int32(cute.arch.grid_dim()[0])
         if cutlass.const_expr(self.snake):
             return snake_next(idx, grid)
         return idx + grid
+
+    def producer_cursor(self):
+        return None
+
+    def consumer_cursor(self):
+        return None
+
+    def producer_next(self, idx: Int32, cursor):
+        return self._next(idx), cursor
+
+    def consumer_next(self, idx: Int32, cursor):
+        return self._next(idx), cursor
 
 
 # Frozen: the DSL then treats it as read-only inside dynamic loops instead of loop-carried state.
@@ -88,81 +118,113 @@ class StaticTileScheduler(_GridStride):
 
     @staticmethod
     def create(num_m_blocks, num_heads, num_batches, longest_first: bool,
-               persistent: bool = False, section=None) -> "StaticTileScheduler":
+               persistent: bool = False) -> "StaticTileScheduler":
         heads_batches = num_heads * num_batches
-        return StaticTileScheduler(
-            num_m_blocks, num_heads, num_m_blocks * heads_batches, longest_first,
-            longest_first and (persistent or section is not None),
-            heads_batches if section is None else section)
+        return StaticTileScheduler(num_m_blocks, num_heads, num_m_blocks * heads_batches, longest_first,
+                                   longest_first and persistent, heads_batches)
 
-    @staticmethod
-    def grid(num_tiles, num_ctas):
-        """Host side: CTAs to launch for ``num_tiles`` with at most ``num_ctas`` (None: one per tile)."""
-        return num_tiles if num_ctas is None else max(1, min(num_tiles, num_ctas))
-
-    def decode(self, idx: Int32):
-        """-> (m_block, head, batch)"""
+    def decode(self, idx: Int32) -> WorkTile:
         if cutlass.const_expr(self.m_slowest):
             m, rest = cost_sorted_tile(idx, self.num_m_blocks, self.num_tiles // self.num_m_blocks,
                                        self.section, imin=cutlass.min)
-            return m, rest % self.num_heads, rest // self.num_heads
-        return m_fastest_tile(idx, self.num_m_blocks, self.num_heads, self.longest_first)
+            return WorkTile(m, rest % self.num_heads, rest // self.num_heads)
+        return WorkTile(*m_fastest_tile(idx, self.num_m_blocks, self.num_heads, self.longest_first))
+
+
+@dataclass(frozen=True)
+class TileHandOff:
+    """Claimed tile indices on their way from the producer warp to the consumer warpgroups: a
+    ring of ``STAGES`` shared-memory entries (one per tile a CTA holds at once: the current one
+    and, with two Q buffers, the next) under an mbarrier pipeline. Every consumer thread reads
+    the entry before it releases it, which orders its read before the producer's next write."""
+
+    producer: pipeline.PipelineProducer
+    consumer: pipeline.PipelineConsumer
+    entries: cute.Tensor
+
+    STAGES = 2
+
+    @staticmethod
+    def create(barrier_storage, entries: cute.Tensor, consumer_threads: int) -> "TileHandOff":
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        producer, consumer = pipeline.PipelineAsync.create(
+            num_stages=TileHandOff.STAGES, producer_group=one_thread,
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads),
+            barrier_storage=barrier_storage, defer_sync=True,
+        ).make_participants()
+        return TileHandOff(producer, consumer, entries)
 
 
 @dataclass(frozen=True)
 class ClaimingTileScheduler:
     """Persistent CTAs over the one-CTA-per-tile order (``m_fastest_tile``): CTA ``b`` starts at
-    tile ``b``; afterwards its producer warp claims the next tile with an atomic add on
-    ``counter`` (zeroed before the launch; claim ``c`` is tile ``grid + c``) and hands it to the
-    consumers through shared memory (the end of the producer's and the consumers' tile loops in
-    ``fmha/kernels/hopper/fwd.py``). A CTA's last claim is past the end, so a launch adds exactly
-    ``num_tiles`` to the counter."""
+    tile ``b``; then its producer warp claims the next tile with an atomic add on ``counter``
+    (zeroed before the launch; claim ``c`` is tile ``grid + c``) and passes it on through
+    ``hand_off``. A CTA's last claim is past the end, so a launch adds exactly ``num_tiles`` to
+    the counter."""
 
     num_m_blocks: Int32
     num_heads: Int32
     num_tiles: Int32
     longest_first: bool
     counter: cute.Tensor  # (1,) int32 in global memory
+    hand_off: TileHandOff
 
     @staticmethod
-    def create(num_m_blocks, num_heads, num_batches, longest_first: bool, counter) -> "ClaimingTileScheduler":
+    def create(num_m_blocks, num_heads, num_batches, longest_first: bool, counter,
+               hand_off: TileHandOff) -> "ClaimingTileScheduler":
         return ClaimingTileScheduler(num_m_blocks, num_heads, num_m_blocks * num_heads * num_batches,
-                                     longest_first, counter)
+                                     longest_first, counter, hand_off)
 
     def first(self) -> Int32:
         return Int32(cute.arch.block_idx()[0])
 
+    def decode(self, idx: Int32) -> WorkTile:
+        return WorkTile(*m_fastest_tile(idx, self.num_m_blocks, self.num_heads, self.longest_first))
+
+    def producer_cursor(self) -> pipeline.PipelineProducer:
+        return self.hand_off.producer
+
+    def consumer_cursor(self) -> pipeline.PipelineConsumer:
+        return self.hand_off.consumer
+
     @cute.jit
-    def claim(self) -> Int32:
-        """The next tile for this CTA; called by every lane of one warp, one of which claims."""
+    def producer_next(self, idx: Int32, cursor: pipeline.PipelineProducer):
+        """Claim the next tile and publish it; every lane of the producer warp calls this."""
         claimed = Int32(0)
         if cute.arch.lane_idx() == 0:
             claimed = cute.arch.atomic_add(self.counter.iterator, Int32(1))
-        claimed = cute.arch.shuffle_sync(claimed, 0)
-        return claimed + Int32(cute.arch.grid_dim()[0])
+        claimed = cute.arch.shuffle_sync(claimed, 0) + Int32(cute.arch.grid_dim()[0])
+        handle = cursor.acquire_and_advance()
+        with cute.arch.elect_one():
+            self.hand_off.entries[handle.index] = claimed
+            handle.commit()
+        return claimed, cursor
 
-    def decode(self, idx: Int32):
-        """-> (m_block, head, batch)"""
-        return m_fastest_tile(idx, self.num_m_blocks, self.num_heads, self.longest_first)
+    @cute.jit
+    def consumer_next(self, idx: Int32, cursor: pipeline.PipelineConsumer):
+        """The tile the producer claimed after ``idx``."""
+        handle = cursor.wait_and_advance()
+        claimed = self.hand_off.entries[handle.index]
+        handle.release()
+        return claimed, cursor
 
 
 @dataclass(frozen=True)
 class TileTableScheduler(_GridStride):
-    """Varlen: walks the host's list of (batch, m_block) work tiles (``fmha.work_tiles``, costliest
-    first) with the heads varying fastest, so CTAs running together share a sequence's K/V
-    (in L2) and only query tiles that hold rows are launched. Same interface and grid
-    conventions as ``StaticTileScheduler``."""
+    """Varlen: walks the host's list of (batch, m_block) work tiles (``fmha.work_tiles``,
+    costliest first, so dealt as a snake) with the heads varying fastest, so CTAs running
+    together share a sequence's K/V (in L2) and only query tiles that hold rows are launched."""
 
     table: cute.Tensor  # (N, 2) int32: batch, m_block
     num_heads: Int32
     num_tiles: Int32
-    snake = True  # the table is sorted costliest first
+    snake = True
 
     @staticmethod
     def create(table: cute.Tensor, num_heads) -> "TileTableScheduler":
         return TileTableScheduler(table, num_heads, table.shape[0] * num_heads)
 
-    def decode(self, idx: Int32):
-        """-> (m_block, head, batch)"""
+    def decode(self, idx: Int32) -> WorkTile:
         entry = idx // self.num_heads
-        return self.table[entry, 1], idx % self.num_heads, self.table[entry, 0]
+        return WorkTile(self.table[entry, 1], idx % self.num_heads, self.table[entry, 0])

@@ -7,7 +7,7 @@ per thread and only reduced across the row's four threads at the end.
 
 A row that has seen only masked scores has max -inf; it is treated as max 0 so that every
 exp2 gives exactly 0 and no -inf - -inf = NaN appears. Its sum stays 0, which ``finalize`` turns
-into O = 0 and LSE = -inf (SPEC.md).
+into O = 0 and LSE = -inf (docs/semantics.md).
 
 With ``max_slack`` > 0 the running max is a stale bound: a row keeps the max it has unless a new
 tile exceeds it by more than ``max_slack`` (in log2 units, so probabilities stay <= 2^max_slack).
@@ -57,14 +57,10 @@ class OnlineSoftmax:
     max_chains: int = MAX_CHAINS
     sum_chains: int = SUM_CHAINS
     max_slack: float = 0.0
-    # Timing experiments only (``scripts/phase_costs.py``): phases left out, so the results are
-    # wrong. "max": the row max is taken as 0 (no max, no shuffles); "exp": minus the exponent's
-    # argument stands in for the exponential (no MUFU); "sum": no row sums.
-    drop: tuple = ()
 
     @staticmethod
     def create(scale_log2: Float32, num_rows: int, max_chains: int = MAX_CHAINS,
-               sum_chains: int = SUM_CHAINS, max_slack: float = 0.0, drop: tuple = ()) -> "OnlineSoftmax":
+               sum_chains: int = SUM_CHAINS, max_slack: float = 0.0) -> "OnlineSoftmax":
         return OnlineSoftmax(
             scale_log2,
             cute.make_rmem_tensor(num_rows, Float32),
@@ -72,7 +68,6 @@ class OnlineSoftmax:
             max_chains,
             sum_chains,
             max_slack,
-            tuple(drop),
         )
 
     @cute.jit
@@ -93,11 +88,7 @@ class OnlineSoftmax:
         in full."""
         s = as_rows_cols(acc_s)
         num_rows = cute.size(s, mode=[0])
-        local_max = []
-        if cutlass.const_expr("max" in self.drop):
-            local_max = [Float32(0.0) for _ in range(num_rows)]
-        else:
-            local_max = self._row_maxes(s, with_running_max=True)
+        local_max = self._row_maxes(s)
         for r in cutlass.range_constexpr(num_rows):
             prev_max = self.row_max[r]
             cur_max = local_max[r]
@@ -114,53 +105,20 @@ class OnlineSoftmax:
             neg_max_scaled = -safe_max * self.scale_log2
             # prev_max = -inf (first visit) gives exp2(-inf) = 0: nothing to carry over.
             correction = cute.math.exp2((prev_max - safe_max) * self.scale_log2, fastmath=True)
-            tile_sum = self._exponentiate_row(s, s, r, neg_max_scaled)
-            if cutlass.const_expr("sum" in self.drop):
-                self.row_sum[r] = correction
-            else:
-                self.row_sum[r] = self.row_sum[r] * correction + tile_sum
+            tile_sum = self._exponentiate_row(s, r, neg_max_scaled)
+            self.row_sum[r] = self.row_sum[r] * correction + tile_sum
             row_scale[r] = correction
 
-    @cute.jit
-    def update_against_kept_max(self, acc_s: cute.Tensor, probs: cute.Tensor, row_scale: cute.Tensor):
-        """``update`` for a stale max (``max_slack`` > 0) that does not wait for this tile's max:
-        the probabilities go into ``probs`` against the max each row already has, while the new
-        max is found alongside, so the exponentials no longer queue behind the max and its
-        shuffles. Returns whether any row of the warp moved beyond the slack (warp-uniform): the
-        probabilities are then wrong, nothing has been committed, and the caller runs ``update``
-        on the unchanged ``acc_s``. A row that has seen only masked scores so far moves on its
-        first finite score; one that stays masked gets probabilities 0, as in ``update``."""
-        s = as_rows_cols(acc_s)
-        pr = as_rows_cols(probs)
-        num_rows = cute.size(s, mode=[0])
-        local_max = self._row_maxes(s, with_running_max=False)
-        sums = []
-        moved = local_max[0] > self.row_max[0] + Float32(self.max_slack) / self.scale_log2
-        for r in cutlass.range_constexpr(num_rows):
-            kept = self.row_max[r]
-            if cutlass.const_expr(r > 0):
-                moved = moved | (local_max[r] > kept + Float32(self.max_slack) / self.scale_log2)
-            if kept == Float32(-math.inf):
-                kept = Float32(0.0)
-            sums.append(self._exponentiate_row(s, pr, r, -kept * self.scale_log2))
-        redo = cute.arch.vote_any_sync(moved)
-        if not redo:
-            for r in cutlass.range_constexpr(num_rows):
-                self.row_sum[r] = self.row_sum[r] + sums[r]
-                row_scale[r] = Float32(1.0)
-        return redo
-
-    def _row_maxes(self, s: cute.Tensor, with_running_max: bool) -> list:
-        """Each row's max over this tile (rows x cols view ``s``), as a tree over ``max_chains``
-        chains, then across the row's four threads; ``with_running_max`` folds in the running
-        max too. Plain Python loops, unrolled while the calling ``cute.jit`` method is traced."""
+    def _row_maxes(self, s: cute.Tensor) -> list:
+        """Each row's max over this tile (rows x cols view ``s``) and its running max, as a tree
+        over ``max_chains`` chains, then across the row's four threads. Plain Python loops,
+        unrolled while the calling ``cute.jit`` method is traced."""
         num_cols = cute.size(s, mode=[1])
         chains = min(self.max_chains, num_cols)
         local_max = []
         for r in range(cute.size(s, mode=[0])):
             part = [s[r, c] for c in range(chains)]
-            if cutlass.const_expr(with_running_max):
-                part[0] = cute.arch.fmax(part[0], self.row_max[r])
+            part[0] = cute.arch.fmax(part[0], self.row_max[r])
             for c in range(chains, num_cols):
                 part[c % chains] = cute.arch.fmax(part[c % chains], s[r, c])
             local_max.append(_tree(part, cute.arch.fmax))
@@ -168,22 +126,16 @@ class OnlineSoftmax:
             local_max[r] = cute.arch.warp_reduction_max(local_max[r], threads_in_group=_THREADS_PER_ROW)
         return local_max
 
-    def _exponentiate_row(self, s: cute.Tensor, out: cute.Tensor, r: int, neg_max_scaled) -> Float32:
-        """``out[r, c] = exp2(s[r, c] * scale_log2 + neg_max_scaled)`` for this thread's columns
-        of row ``r`` (``neg_max_scaled``: minus the finite reference max, scaled); returns their
+    def _exponentiate_row(self, s: cute.Tensor, r: int, neg_max_scaled) -> Float32:
+        """``s[r, c] = exp2(s[r, c] * scale_log2 + neg_max_scaled)`` in place for this thread's
+        columns of row ``r`` (``neg_max_scaled``: minus the finite row max, scaled); returns their
         sum, a tree over ``sum_chains`` chains."""
         num_cols = cute.size(s, mode=[1])
         sum_chains = min(self.sum_chains, num_cols)
         part = [None] * sum_chains
         for c in range(num_cols):
-            p = Float32(0.0)
-            if cutlass.const_expr("exp" in self.drop):
-                # non-negative, as probabilities are: a negative row sum would hold back the
-                # K release tied to it (``release_by_one_lane``) and stall the pipeline
-                p = s[r, c] * (-self.scale_log2) - neg_max_scaled
-            else:
-                p = cute.math.exp2(s[r, c] * self.scale_log2 + neg_max_scaled, fastmath=True)
-            out[r, c] = p
+            p = cute.math.exp2(s[r, c] * self.scale_log2 + neg_max_scaled, fastmath=True)
+            s[r, c] = p
             k = c % sum_chains
             part[k] = p if c < sum_chains else part[k] + p
         return _tree(part, _add)

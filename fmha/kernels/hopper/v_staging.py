@@ -25,9 +25,10 @@ from typing import Optional
 
 import torch
 
-from ..common.fragments import FP8_KEY_ORDER
+from fmha.jit import disk_cache
 
-KEY_BLOCK = len(FP8_KEY_ORDER)
+from ..common.fragments import FP8_KEY_BLOCK as KEY_BLOCK
+
 
 @functools.lru_cache(maxsize=16)
 def _slot_keys(s_pad: int, device: torch.device) -> torch.Tensor:
@@ -72,7 +73,6 @@ def stage_v_fp8(v: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor], max_seqle
 
 @functools.lru_cache(maxsize=None)
 def _stage_kernel(head_dim: int, varlen: bool):
-    from . import disk_cache
     from .v_transpose import compile_stage_v
 
     return disk_cache.load_or_compile(("stage_v_fp8", head_dim, varlen),

@@ -16,9 +16,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-from ..common.fragments import FP8_KEY_ORDER
+from fmha.jit.compile import compile_for
 
-KEY_BLOCK = len(FP8_KEY_ORDER)
+from ..common.fragments import FP8_KEY_BLOCK as KEY_BLOCK
+from ..common.fragments import FP8_KEY_ORDER
 _THREADS = 128
 
 # Slots 4w .. 4w + 3 of a block hold the keys base, base + 1, base + 8, base + 9 (base =
@@ -94,8 +95,6 @@ class StageVKernel:
 
 def compile_stage_v(head_dim: int, varlen: bool, extra_options: str = ""):
     """Compile for sm_90a with symbolic sizes (no GPU needed); called with torch int32 views."""
-    from .backend import _targeting_sm90a
-
     words = head_dim // 4
     sym, sym64 = cute.sym_int, cute.sym_int64
     if varlen:
@@ -109,7 +108,4 @@ def compile_stage_v(head_dim: int, varlen: bool, extra_options: str = ""):
     dst = cute.runtime.make_fake_tensor(
         Int32, (sym(), sym(), head_dim, sym()),
         stride=(sym64(divisibility=8), sym64(divisibility=8), sym64(divisibility=8), 1), assumed_align=32)
-    with _targeting_sm90a():
-        return cute.compile(StageVKernel(head_dim, varlen), src, dst, cu,
-                            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-                            options=("--enable-tvm-ffi " + extra_options).strip())
+    return compile_for("sm_90a", StageVKernel(head_dim, varlen), src, dst, cu, extra_options=extra_options)

@@ -1,16 +1,15 @@
-"""The GPU check script's verdicts, on the CPU with stand-in runners: the exact reference passes,
-and runners with the faults the script exists to catch (wrong values, loads past a sequence's
-last key, writes past its last row) fail."""
+"""The GPU check's verdicts, on the CPU with stand-in runners: the exact reference passes, and
+runners with the faults the check exists to catch (wrong values, loads past a sequence's last
+key, writes past its last row) fail. Also: every case of the suite maps to a kernel
+configuration the library builds."""
 
-import os
-import sys
+import collections
 
+import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-
-import gpu_check  # noqa: E402
-from fmha.reference import attention_reference, cast_output  # noqa: E402
+import gpu_cases as gpu_check
+from fmha.reference import attention_reference, cast_output
 
 CASE = gpu_check.Case("bfloat16", 64, "none", varlen_q=(100, 0, 200, 0), varlen_k=(150, 20, 130, 7),
                       heads_q=2, heads_k=1)
@@ -68,3 +67,13 @@ def test_the_suite_poisons_unread_keys_in_every_varlen_set_that_has_them():
     v = torch.zeros_like(k)
     gpu_check.poison_unread_keys(k, v, CASE.varlen_q, CASE.varlen_k)
     assert k[150:170].isnan().all() and k[300:307].isnan().all() and not k[:150].isnan().any()
+
+
+def test_every_case_has_a_library_configuration_and_claim_cases_claim():
+    pytest.importorskip("cutlass")
+    cases = gpu_check.build_suite("full")
+    configs = collections.Counter(gpu_check.config_of(c, torch) for c in cases)
+    assert len(cases) > 800 and len(configs) > 200
+    assert all(gpu_check.config_of(c, torch).claims_tiles for c in cases if c.claim)
+    names = [c.name() for c in cases]
+    assert len(set(names)) == len(names)

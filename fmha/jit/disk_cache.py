@@ -1,4 +1,4 @@
-"""On-disk cache of compiled Hopper kernels, so that a new process skips the compile.
+"""On-disk cache of compiled kernels, so that a new process skips the compile.
 
 A compiled kernel is exported as an object file (``export_to_c``) and loaded back with the
 DSL's in-process linker (``cute.runtime.load_module``) as a TVM FFI function with the same
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 _log = logging.getLogger("fmha")
-_FMHA_ROOT = Path(__file__).resolve().parents[2]
+_FMHA_ROOT = Path(__file__).resolve().parents[1]
 _SOURCE_DIGEST = None
 
 
@@ -35,7 +35,8 @@ def _source_digest() -> str:
     global _SOURCE_DIGEST
     if _SOURCE_DIGEST is None:
         h = hashlib.sha256()
-        files = sorted((_FMHA_ROOT / "kernels").rglob("*.py")) + [_FMHA_ROOT / "masking.py"]
+        files = (sorted((_FMHA_ROOT / "kernels").rglob("*.py")) + sorted((_FMHA_ROOT / "jit").glob("*.py"))
+                 + [_FMHA_ROOT / "masking.py", _FMHA_ROOT / "problem.py"])
         for f in files:
             h.update(str(f.relative_to(_FMHA_ROOT)).encode())
             h.update(f.read_bytes())
@@ -49,7 +50,7 @@ def entry_name(cfg) -> str:
     h = hashlib.sha256()
     for part in (repr(cfg), getattr(cutlass, "__version__", "?"), _source_digest()):
         h.update(part.encode())
-    return "fmha_hopper_" + h.hexdigest()[:24]
+    return "fmha_" + h.hexdigest()[:24]
 
 
 def load_or_compile(cfg, compile_fn: Callable) -> Callable:

@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from fmha import bench
+from lab import bench
 
 
 class _Clock:

@@ -1,9 +1,9 @@
 """Small cases through the kernel (dense causal at D 64/128, persistent CTAs claiming causal
 tiles, varlen, fp8, D 32/256), for compute-sanitizer (``--claim-only``: the claiming case alone):
 
-    compute-sanitizer --tool racecheck python scripts/sanitize_case.py
-    compute-sanitizer --tool memcheck  python scripts/sanitize_case.py
-    compute-sanitizer --tool racecheck python scripts/sanitize_case.py --claim-only
+    compute-sanitizer --tool racecheck python -m lab.sanitize_case
+    compute-sanitizer --tool memcheck  python -m lab.sanitize_case
+    compute-sanitizer --tool racecheck python -m lab.sanitize_case --claim-only
 
 Exits 1 if the output disagrees with the reference (the sanitizer reports its own findings)."""
 
@@ -22,7 +22,9 @@ from fmha.reference import attention_reference
 def claimed_tiles_case(dev) -> bool:
     """Persistent CTAs that claim their tiles (``KernelOptions.claim_tiles``): 8 CTAs over 36
     causal tiles, so each claims several and cycles through its Q buffers and the hand-off."""
-    from fmha.kernels.hopper import backend as hopper_backend
+    from fmha.jit.launch import persistent_grid_of
+    from fmha.kernels.hopper.backend import HopperRunner, compile_forward
+    from fmha.kernels.hopper.config import HopperForwardConfig
     from fmha.problem import KernelOptions
     from fmha.validation import validate
 
@@ -30,11 +32,11 @@ def claimed_tiles_case(dev) -> bool:
     k = torch.randn(1, 1100, 2, 128, device=dev, dtype=torch.bfloat16)
     v = torch.randn(1, 1100, 2, 128, device=dev, dtype=torch.bfloat16)
     problem = validate(q, k, v, causal=True)
-    cfg = hopper_backend.HopperConfig.from_problem(problem, KernelOptions(persistent=False, claim_tiles=True))
-    assert cfg.claim_tiles and cfg.persistent
+    cfg = HopperForwardConfig.from_problem(problem, KernelOptions(claim_tiles=True))
+    assert cfg.claims_tiles
     o = torch.full_like(q, float("nan"))
-    with hopper_backend.persistent_grid_of(8, torch.cuda.current_device()):
-        hopper_backend.HopperRunner(cfg, hopper_backend.compile_kernel(cfg))(problem, q, k, v, o, None)
+    with persistent_grid_of(8, torch.cuda.current_device()):
+        HopperRunner(cfg, compile_forward(cfg))(problem, q, k, v, o, None)
     ref, _ = attention_reference(q, k, v, mask=MaskSpec.from_args(causal=True))
     err = ((o.float() - ref).norm() / ref.norm()).item()
     print(f"dense causal D=128, 8 CTAs claiming 36 tiles: rel L2 {err:.2e}")
@@ -60,12 +62,12 @@ def main():
     # 1100 keys: query tiles of 1..9 key tiles (the overlapped loop's shortest and longer rows),
     # in the snake order of the causal grid. The grid is cut to 8 CTAs so that each runs 4-5
     # tiles and cycles through both Q buffers.
-    from fmha.kernels.hopper import backend as hopper_backend
+    from fmha.jit.launch import persistent_grid_of
 
     q = torch.randn(1, 1100, 4, 128, device=dev, dtype=torch.float16)
     k = torch.randn(1, 1100, 2, 128, device=dev, dtype=torch.float16)
     v = torch.randn(1, 1100, 2, 128, device=dev, dtype=torch.float16)
-    with hopper_backend.persistent_grid_of(8, torch.cuda.current_device()):
+    with persistent_grid_of(8, torch.cuda.current_device()):
         o = fmha.attention(q, k, v, causal=True, mask_align="bottom_right", backend="kernel", persistent=True)
     ref, _ = attention_reference(q, k, v, mask=MaskSpec.from_args(causal=True, mask_align="bottom_right"))
     err = ((o.float() - ref).norm() / ref.norm()).item()
@@ -84,7 +86,7 @@ def main():
     print(f"varlen causal: rel L2 {err:.2e}")
     ok &= err < 1e-2
 
-    # The coverage issue's additions: fp8 (staged V, fp8 A operand), head dims 32 and 256.
+    # fp8 (staged V, fp8 A operand), head dims 32 and 256.
     # 700 / 670 keys: odd lengths, ragged last tiles (the staging kernel runs for fp8).
     for dtype, d, tol in [(torch.float8_e4m3fn, 128, 5e-2), (torch.bfloat16, 256, 1e-2), (torch.float16, 32, 1e-2)]:
         q = torch.randn(1, 700, 2, d, device=dev).to(dtype)

@@ -2,12 +2,12 @@
 
     ncu --clock-control none -k regex:"HopperAttentionForward|FlashAttentionForwardSm90" \\
         --launch-skip 2 --launch-count 1 --set full -o OUT/fmha \\
-        python scripts/profile_kernel.py --impl fmha --batch 1 --seqlen 16384 --heads 16 --head-dim 128
+        python -m lab.profile_kernel --impl fmha --batch 1 --seqlen 16384 --heads 16 --head-dim 128
     ncu -i OUT/fmha.ncu-rep --page source --csv --print-source sass > OUT/fmha_sass.csv
-    python scripts/profile_kernel.py --summarize OUT/fmha_sass.csv     # stall reasons, hot spots
+    python -m lab.profile_kernel --summarize OUT/fmha_sass.csv     # stall reasons, hot spots
 
-The calls are the benchmark's own (``fmha.bench``), so the kernel profiled is the one timed there:
-``--impl`` takes any of its implementation names (fmha, fa4, fmha_<variant>, ...).
+The calls are the benchmark's own (``lab/bench.py``), so the kernel profiled is the one timed
+there: ``--impl`` takes any of its implementation names (fmha, fa4, fmha_<variant>, ...).
 """
 
 import argparse
@@ -65,7 +65,7 @@ def main(argv=None):
 
     import torch
 
-    from fmha.bench import Point, _implementations, _inputs
+    from lab.bench import Point, _implementations, _inputs
 
     p = Point(args.batch, args.seqlen, args.heads, args.heads_k or args.heads, args.head_dim, args.causal,
               dtype=args.dtype)

@@ -1,33 +1,21 @@
-"""Check the Hopper kernel against the fp32 reference on a GPU, many configurations in one call.
-
-    python scripts/gpu_check.py --out results/gpu_check            # the full suite
-    python scripts/gpu_check.py --suite quick --out /tmp/x          # a few cases
+"""The GPU check's cases and verdicts: the matrix of configurations ``tests/test_gpu_kernels.py``
+runs on a GPU (``python -m pytest -m gpu``), and how one case is judged.
 
 Every case draws fresh random inputs, poisons the outputs (and guard rows around them) with NaN,
 runs the kernel, and compares with ``fmha.reference`` in fp32 on the same inputs: relative L2
 error of O, max |LSE| error on finite rows, exact -inf/zero rows where nothing is kept, guard rows
-untouched. Kernels are compiled once per configuration, in parallel worker processes. Writes
-``results.json`` and ``results.md`` (a summary table) into ``--out``; exits 1 on any failure.
+untouched. The verdicts themselves are tested on the CPU (``tests/test_gpu_cases.py``).
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import itertools
 import json
 import math
 import os
-import sys
-import time
 import traceback
-from collections import defaultdict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Optional
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 O_TOL = {"bfloat16": 1e-2, "float16": 5e-3}
 FP8_TOL = 5e-2  # fp8 inputs (any output dtype): against the reference on the same fp8 values
@@ -65,11 +53,6 @@ class Case:
     # with persistent=False: persistent CTAs that claim the tiles in the one-CTA-per-tile order
     # (``KernelOptions.claim_tiles``)
     claim: bool = False
-
-    def config_key(self):
-        return (self.dtype, self.out_dtype, self.head_dim, self.mask, self.align,
-                self.window[0] is not None, self.window[1] is not None,
-                self.varlen_q is not None, self.lse, self.persistent, self.tile_m, self.claim)
 
     def name(self):
         shape = (f"varlen q{list(self.varlen_q)} k{list(self.varlen_k)}" if self.varlen_q
@@ -216,7 +199,7 @@ def coverage_cases(shapes, varlens) -> list[Case]:
     # (16-bit inputs, D >= 128; the O rescale is then taken), and with the exact max (D=64). Not
     # fp8: there the tensor cores' fp8 accumulation puts the scores' error in proportion to their
     # size, and with keys scaled up 6-12x the LSE misses LSE_TOL_FP8 with either softmax (1.2e-2
-    # to 2.7e-2, docs/PERFORMANCE.md, item 17).
+    # to 2.7e-2; docs/performance.md).
     for (dt, d), (m, al, w), pers in itertools.product(
             [("bfloat16", 64), ("bfloat16", 128), ("float16", 128), ("bfloat16", 256)],
             masks[::2], [True, False]):
@@ -225,20 +208,25 @@ def coverage_cases(shapes, varlens) -> list[Case]:
     return cases
 
 
-def _make_inputs(case: Case, torch, device):
+def _make_inputs(case: Case, torch, device, data: bool = True):
+    """q, k, v, cu_seqlens_q, cu_seqlens_k of the case; random (``data``), or uninitialized CPU
+    tensors of the right shapes for choosing the kernel configuration."""
     dt = getattr(torch, case.dtype)
     d = case.head_dim
     gen = torch.Generator(device=device)
     gen.manual_seed(hash(case) % (2**31))
 
     def rand(*shape):
+        if not data:
+            return torch.empty(*shape, dtype=dt, device=device)
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dt)
 
     if case.varlen_q is not None:
         tq, tk = sum(case.varlen_q), sum(case.varlen_k)
         q, k, v = rand(tq, case.heads_q, d), rand(tk, case.heads_k, d), rand(tk, case.heads_k, d)
         cu = lambda lens: torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=device)
-        poison_unread_keys(k, v, case.varlen_q, case.varlen_k)
+        if data:
+            poison_unread_keys(k, v, case.varlen_q, case.varlen_k)
         return q, k, v, cu(case.varlen_q), cu(case.varlen_k)
     b, sq, sk = case.batch, case.seqlen_q, case.seqlen_k
     if case.layout == "bhsd":
@@ -247,7 +235,7 @@ def _make_inputs(case: Case, torch, device):
         v = rand(b, case.heads_k, sk, d).transpose(1, 2)
     else:
         q, k, v = rand(b, sq, case.heads_q, d), rand(b, sk, case.heads_k, d), rand(b, sk, case.heads_k, d)
-    if case.scores == "rising":
+    if case.scores == "rising" and data:
         rise_keys(k, torch)
     return q, k, v, None, None
 
@@ -296,6 +284,21 @@ def _problem(case, q, k, v, cu_q, cu_k, torch):
     return validate(q, k, v, varlen=case.varlen_q is not None, cu_seqlens_q=cu_q,
                     cu_seqlens_k=cu_k, return_lse=case.lse,
                     out_dtype=getattr(torch, case.out_dtype) if case.out_dtype else None, **scales, **mask_kwargs(case))
+
+
+def options_of(case: Case):
+    """The kernel options the case pins (scheduling, tile)."""
+    from fmha.problem import KernelOptions
+
+    return KernelOptions(persistent=case.persistent, tile_m=case.tile_m, claim_tiles=case.claim or None)
+
+
+def config_of(case: Case, torch):
+    """The Hopper kernel configuration the library builds for the case (no GPU, no data)."""
+    from fmha.kernels.hopper.config import HopperForwardConfig
+
+    return HopperForwardConfig.from_problem(_problem(case, *_make_inputs(case, torch, "cpu", data=False), torch),
+                                            options_of(case))
 
 
 def run_case(runner, case: Case, torch, device="cuda") -> dict:
@@ -351,46 +354,16 @@ def run_case(runner, case: Case, torch, device="cuda") -> dict:
     return res
 
 
-def run_group(cases: list[Case]) -> list[dict]:
-    """Worker: compile this configuration once, run all its cases."""
-    import torch
-
-    from fmha.kernels.hopper.backend import HopperConfig, HopperRunner, compile_kernel
-    from fmha.problem import KernelOptions
-
-    results = []
-    first = cases[0]
-    try:
-        import torch as _t
-        cfg = HopperConfig.from_problem(_problem(first, *_make_inputs(first, _t, _t.device("cuda")), _t),
-                                        KernelOptions(persistent=first.persistent, tile_m=first.tile_m,
-                                                      claim_tiles=first.claim or None))
-        t0 = time.time()
-        runner = HopperRunner(cfg, compile_kernel(cfg))
-        compile_s = time.time() - t0
-    except Exception:
-        err = traceback.format_exc(limit=3)
-        return [dict(case=asdict(c), name=c.name(), ok=False, error="compile: " + err) for c in cases]
-    if first.claim and not (cfg.claim_tiles and cfg.persistent):
-        return [dict(case=asdict(c), name=c.name(), ok=False, error="the config does not claim tiles")
-                for c in cases]
-    from fmha.kernels.hopper.backend import persistent_grid_of
-
-    # Claiming cases run on a grid of 8 CTAs, so that each claims several tiles (and cycles
-    # through its Q buffers and the hand-off's entries) even in these small problems.
-    grid = persistent_grid_of(8, torch.cuda.current_device()) if first.claim else contextlib.nullcontext()
-    with grid:
-        for c in cases:
-            try:
-                r = run_case(runner, c, torch)
-            except Exception:
-                r = dict(ok=False, error=traceback.format_exc(limit=4))
-            r.update(case=asdict(c), name=c.name(), compile_s=round(compile_s, 2))
-            results.append(r)
-    return results
+STAGE_V_CASES = [(d, kind, spec) for d in (32, 64, 128, 256) for kind, spec in (
+    ("dense", dict(b=2, s=77, h=3)), ("dense", dict(b=1, s=4096, h=4)), ("bhsd view", dict(b=2, s=300, h=2)),
+    ("varlen", dict(lens=(0, 1, 17, 300, 33, 0), h=3)))]
 
 
-def staging_checks(torch, device="cuda") -> list[dict]:
+def stage_v_name(d, kind, spec) -> str:
+    return f"stage_v float8_e4m3fn D{d} {kind} " + ",".join(f"{k}={v}" for k, v in spec.items())
+
+
+def check_stage_v(d, kind, spec, torch, device="cuda") -> dict:
     """fp8 V staging: the GPU kernel (``stage_v_fp8``) against the torch ops
     (``stage_v_fp8_torch``), byte for byte: odd lengths, padding, a transposed view, varlen with
     empty and length-1 sequences, every head dim. The block the kernel writes into is handed out
@@ -398,48 +371,41 @@ def staging_checks(torch, device="cuda") -> list[dict]:
     it leaves unwritten shows up as a mismatch."""
     from fmha.kernels.hopper.v_staging import stage_v_fp8, stage_v_fp8_torch, staged_length
 
-    results = []
-    gen = torch.Generator(device=device).manual_seed(7)
+    gen = torch.Generator(device=device).manual_seed(7 + d)
 
     def fp8(*shape):
         return (torch.randn(*shape, generator=gen, device=device) * 3).to(torch.float8_e4m3fn)
 
-    shapes = []
-    for d in (32, 64, 128, 256):
-        shapes += [(d, "dense", dict(b=2, s=77, h=3)), (d, "dense", dict(b=1, s=4096, h=4)),
-                   (d, "bhsd view", dict(b=2, s=300, h=2)),
-                   (d, "varlen", dict(lens=(0, 1, 17, 300, 33, 0), h=3))]
-    for d, kind, spec in shapes:
-        name = f"stage_v float8_e4m3fn D{d} {kind} " + ",".join(f"{k}={v}" for k, v in spec.items())
-        try:
-            cu = None
-            if kind == "varlen":
-                lens = spec["lens"]
-                v = fp8(sum(lens), spec["h"], d)
-                cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
-                max_k, batch = max(lens), len(lens)
-            elif kind == "bhsd view":
-                v = fp8(spec["b"], spec["h"], spec["s"], d).transpose(1, 2)
-                max_k, batch = spec["s"], spec["b"]
-            else:
-                v = fp8(spec["b"], spec["s"], spec["h"], d)
-                max_k, batch = spec["s"], spec["b"]
-            want = stage_v_fp8_torch(v, cu, max_k).view(torch.uint8)
-            poison = torch.full((batch, v.shape[-2], d, staged_length(max_k)), 255, dtype=torch.uint8,
-                                device=device)
-            del poison
-            got = stage_v_fp8(v, cu, max_k).view(torch.uint8)
+    try:
+        cu = None
+        if kind == "varlen":
+            lens = spec["lens"]
+            v = fp8(sum(lens), spec["h"], d)
+            cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+            max_k, batch = max(lens), len(lens)
+        elif kind == "bhsd view":
+            v = fp8(spec["b"], spec["h"], spec["s"], d).transpose(1, 2)
+            max_k, batch = spec["s"], spec["b"]
+        else:
+            v = fp8(spec["b"], spec["s"], spec["h"], d)
+            max_k, batch = spec["s"], spec["b"]
+        want = stage_v_fp8_torch(v, cu, max_k).view(torch.uint8)
+        poison = torch.full((batch, v.shape[-2], d, staged_length(max_k)), 255, dtype=torch.uint8, device=device)
+        del poison
+        got = stage_v_fp8(v, cu, max_k).view(torch.uint8)
+        if device != "cpu":
             torch.cuda.synchronize()
-            bad = int((got != want).sum()) if got.shape == want.shape else -1
-            res = dict(ok=bad == 0, mismatched_bytes=bad, o_rel_l2=float(bad != 0))
-        except Exception:
-            res = dict(ok=False, error=traceback.format_exc(limit=4))
-        res.update(name=name, case=dict(head_dim=d, kind=kind, lse=False, **{k: str(v) for k, v in spec.items()}))
-        results.append(res)
-    return results
+        bad = int((got != want).sum()) if got.shape == want.shape else -1
+        res = dict(ok=bad == 0, mismatched_bytes=bad, o_rel_l2=float(bad != 0))
+    except Exception:
+        res = dict(ok=False, error=traceback.format_exc(limit=4))
+    res.update(name=stage_v_name(d, kind, spec),
+               case=dict(head_dim=d, kind=kind, lse=False, **{k: str(v) for k, v in spec.items()}))
+    return res
 
 
-def write_reports(results: list[dict], out_dir: str, meta: dict):
+def write_reports(results: list, out_dir: str, meta: dict) -> int:
+    """``results.json`` (every case's numbers) and ``results.md`` (a table, failures first)."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
@@ -456,37 +422,3 @@ def write_reports(results: list[dict], out_dir: str, meta: dict):
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return n_ok
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--suite", default="full", choices=["full", "quick"])
-    ap.add_argument("--out", default=os.path.join(ROOT, "results", "gpu_check"))
-    ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
-    ap.add_argument("--filter", default="", help="only cases whose name contains this")
-    args = ap.parse_args(argv)
-
-    import torch
-    import multiprocessing as mp
-
-    cases = [c for c in build_suite(args.suite) if args.filter in c.name()]
-    groups = defaultdict(list)
-    for c in cases:
-        groups[c.config_key()].append(c)
-    t0 = time.time()
-    with mp.get_context("spawn").Pool(args.workers) as pool:
-        results = [r for group in pool.imap_unordered(run_group, list(groups.values())) for r in group]
-    results += [r for r in staging_checks(torch) if args.filter in r["name"]]
-    meta = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M"),
-                command="python scripts/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                seconds=round(time.time() - t0, 1), configs=len(groups))
-    n_ok = write_reports(results, args.out, meta)
-    for r in results:
-        if not r["ok"]:
-            print("FAIL", r["name"], {k: v for k, v in r.items() if k not in ("case", "name")})
-    print(f"{n_ok}/{len(results)} cases pass, {len(groups)} kernel configurations, {meta['seconds']} s")
-    return 0 if n_ok == len(results) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

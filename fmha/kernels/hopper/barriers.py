@@ -1,0 +1,14 @@
+"""The Hopper forward kernel's named barriers (hardware barriers 1..15; 0 is ``__syncthreads``).
+One of each per consumer warpgroup ``wg`` (at most three): ``barrier + wg``."""
+
+import enum
+
+#: consumer warpgroups a CTA can have (192-row tiles)
+MAX_CONSUMER_WARPGROUPS = 3
+
+
+class NamedBarrier(enum.IntEnum):
+    #: warpgroup ``wg`` may issue its GEMMs (ping-pong: the turn passes to ``wg + 1``)
+    GEMM_TURN = 1
+    #: warpgroup ``wg``'s O rows are staged in shared memory for its TMA store
+    O_STAGED = GEMM_TURN + MAX_CONSUMER_WARPGROUPS

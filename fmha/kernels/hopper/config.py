@@ -1,0 +1,247 @@
+"""What selects a compiled Hopper forward kernel, and the rules that pick it for a problem.
+
+``HopperForwardConfig`` holds what the inputs fix (dtypes, head dim, mask kind, ...) and the
+choices the rules below make per problem (tile, schedule, Q buffers, how O is stored). Every
+other property of the kernel (K/V ring depth, register budgets, softmax chains, ...) is derived
+from those fields here, in one place. Sizes, scales and window lengths are launch arguments: a
+new size reuses the compiled kernel. Why each rule is what it is, with the measurements:
+docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from fmha.masking import MaskKind, later_rows_cost_more
+from fmha.problem import AttentionProblem, KernelOptions, element_bytes, output_dtypes_for
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
+# What the scheduling rules assume of the GPU: the L2 of an H100 / H200 (SXM).
+L2_BYTES = 50 * 2**20
+# Shared memory a CTA may use on SM90 (227 KiB), less room for the mbarriers and alignment.
+SMEM_BYTES = 227 * 1024 - 2048
+MAX_KV_STAGES = 8
+
+
+class Schedule(enum.Enum):
+    """How query tiles meet CTAs."""
+
+    #: one CTA per tile; the hardware hands tiles to SMs as they free up
+    ONE_CTA_PER_TILE = "one_cta_per_tile"
+    #: one CTA per SM, each walking a static list of tiles
+    PERSISTENT = "persistent"
+    #: one CTA per SM, each claiming its next tile from a counter in global memory
+    CLAIMED = "claimed"
+
+
+class OStore(enum.Enum):
+    """How the epilogue writes O."""
+
+    #: from registers, predicated on the sequence length
+    DIRECT = "direct"
+    #: staged in a shared-memory buffer of its own, then one TMA store
+    TMA_OWN_BUFFER = "tma_own_buffer"
+    #: staged in the tile's Q buffer (free once the mainloop is done), then one TMA store
+    TMA_Q_BUFFER = "tma_q_buffer"
+
+
+def allowed_tiles(dtype: torch.dtype, head_dim: int) -> tuple:
+    """(tile_m, tile_n) shapes the kernel is built for, the default first: 64 query rows per
+    consumer warpgroup, the key tile as wide as the registers allow beside O."""
+    if head_dim <= 64:
+        return ((192, 128), (128, 128))  # small O leaves registers for a third warpgroup
+    if head_dim == 128:
+        return ((128, 128),)
+    # a 64x256 fp32 O takes 128 registers per thread; fp8's P.V reads keys in blocks of 32
+    return ((128, 64),) if dtype == torch.float8_e4m3fn else ((128, 80),)
+
+
+def kv_stages_for(dtype: torch.dtype, head_dim: int, tile_m: int, tile_n: int, q_stages: int) -> int:
+    """K/V ring depth: as many stages as shared memory holds beside the Q tile(s), at most 8."""
+    elem = element_bytes(dtype)
+    stages = (SMEM_BYTES - q_stages * tile_m * head_dim * elem) // (tile_n * head_dim * elem)
+    return int(max(2, min(MAX_KV_STAGES, stages)))
+
+
+def choose_schedule(problem: AttentionProblem, options: KernelOptions) -> Schedule:
+    """Persistent by default. Causal-like masks claim tiles in longest-first order when the
+    problem's K/V does not fit half the L2 (balance beats the static walk's L2 reuse there)."""
+    m = problem.mask
+    causal_like = later_rows_cost_more(m.kind, m.window_left is not None)
+    claimable = causal_like and not problem.varlen  # the varlen tile table keeps sequences together
+    kv_bytes = (problem.batch * problem.num_heads_k * problem.seqlen_k * problem.head_dim * 2
+                * element_bytes(problem.dtype))
+    claims = claimable and kv_bytes > L2_BYTES // 2
+    if options.persistent is True:
+        return Schedule.PERSISTENT  # pinned: the static walk
+    if claimable and options.claim_tiles is not None:
+        if options.claim_tiles:
+            return Schedule.CLAIMED
+        if claims:  # the same order without claiming
+            return Schedule.ONE_CTA_PER_TILE
+    if options.persistent is False:
+        return Schedule.ONE_CTA_PER_TILE
+    return Schedule.CLAIMED if claims else Schedule.PERSISTENT
+
+
+def q_stages_for(schedule: Schedule, head_dim: int, seqlen_k: int) -> int:
+    """Two Q buffers let a persistent CTA load its next tile during the current one; long rows
+    and D=256 need the shared memory for K/V stages instead."""
+    persistent = schedule != Schedule.ONE_CTA_PER_TILE
+    return 2 if persistent and head_dim <= 128 and seqlen_k <= 4096 else 1
+
+
+def o_store_for(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, varlen: bool, unmasked: bool,
+                seqlen_k: int, tile_m: int, tile_n: int, q_stages: int) -> OStore:
+    """TMA stores of O (whole lines) where they measured faster and can work: not for varlen (a
+    TMA box does not stop at a sequence's end), 16-bit outputs only; D <= 64 rows reading more
+    than 2k keys keep the direct store, which measured faster there."""
+    if varlen or element_bytes(out_dtype) != 2 or (head_dim <= 64 and unmasked and seqlen_k > 2048):
+        return OStore.DIRECT
+    used = (q_stages * tile_m + kv_stages_for(dtype, head_dim, tile_m, tile_n, q_stages) * tile_n) \
+        * head_dim * element_bytes(dtype)
+    if used + tile_m * head_dim * 2 <= SMEM_BYTES:
+        return OStore.TMA_OWN_BUFFER  # beside a full K/V ring (D <= 64, and fp8 inputs)
+    # the Q buffer holds the input's type; a different output type would not fit its swizzle
+    return OStore.TMA_Q_BUFFER if out_dtype == dtype else OStore.DIRECT
+
+
+@dataclass(frozen=True)
+class HopperForwardConfig:
+    """Everything that selects a different compiled Hopper forward kernel."""
+
+    # fixed by the inputs
+    dtype: torch.dtype
+    out_dtype: torch.dtype
+    head_dim: int
+    mask_kind: MaskKind
+    window_left_bounded: bool
+    window_right_bounded: bool
+    bottom_right: bool
+    varlen: bool
+    has_lse: bool
+    # chosen per problem (``from_problem``)
+    tile_m: int
+    tile_n: int
+    schedule: Schedule
+    q_stages: int
+    o_store: OStore
+
+    def __post_init__(self):
+        if self.tile_m % 64 or self.tile_n % 16:
+            raise ValueError(f"tiles are 64 query rows per warpgroup and 16-key steps, not {self.tile_m}x{self.tile_n}")
+        if self.schedule == Schedule.CLAIMED and self.varlen:
+            raise ValueError("varlen problems walk their tile table; they do not claim tiles")
+        if self.o_store != OStore.DIRECT and (self.varlen or element_bytes(self.out_dtype) != 2):
+            raise ValueError("O is TMA-stored only for fixed-length batches with a 16-bit output")
+        if self.o_store == OStore.TMA_Q_BUFFER and self.out_dtype != self.dtype:
+            raise ValueError("O staged in the Q buffer must have the input's type")
+
+    @staticmethod
+    def from_problem(problem: AttentionProblem, options: KernelOptions) -> "HopperForwardConfig":
+        m = problem.mask
+        default_m, default_n = allowed_tiles(problem.dtype, problem.head_dim)[0]
+        tile_m, tile_n = options.tile_m or default_m, options.tile_n or default_n
+        schedule = choose_schedule(problem, options)
+        q_stages = q_stages_for(schedule, problem.head_dim, problem.seqlen_k)
+        return HopperForwardConfig(
+            dtype=problem.dtype,
+            out_dtype=problem.out_dtype,
+            head_dim=problem.head_dim,
+            mask_kind=m.kind,
+            window_left_bounded=m.window_left is not None,
+            window_right_bounded=m.window_right is not None,
+            bottom_right=m.bottom_right if m.kind == MaskKind.WINDOW else False,
+            varlen=problem.varlen,
+            has_lse=problem.return_lse,
+            tile_m=tile_m,
+            tile_n=tile_n,
+            schedule=schedule,
+            q_stages=q_stages,
+            o_store=o_store_for(problem.dtype, problem.out_dtype, problem.head_dim, problem.varlen,
+                                m.kind == MaskKind.NONE, problem.seqlen_k, tile_m, tile_n, q_stages),
+        )
+
+    # ---- derived: one line of reason each
+    @property
+    def persistent(self) -> bool:
+        return self.schedule != Schedule.ONE_CTA_PER_TILE
+
+    @property
+    def claims_tiles(self) -> bool:
+        return self.schedule == Schedule.CLAIMED
+
+    @property
+    def longest_first(self) -> bool:
+        """Causal-like masks give later query tiles more keys: start those first."""
+        return later_rows_cost_more(self.mask_kind, self.window_left_bounded)
+
+    @property
+    def kv_stages(self) -> int:
+        return kv_stages_for(self.dtype, self.head_dim, self.tile_m, self.tile_n, self.q_stages)
+
+    @property
+    def num_consumer_warpgroups(self) -> int:
+        return self.tile_m // 64
+
+    @property
+    def register_budgets(self) -> tuple:
+        """(producer, consumer) registers per thread after ``setmaxnreg``; the totals fit the
+        64K-register file (e.g. 128 * 24 + 256 * 240 <= 65536)."""
+        return {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_consumer_warpgroups]
+
+    @property
+    def softmax_chains(self) -> tuple:
+        """(max, sum) chains per softmax row: shorter dependency chains pay where three
+        warpgroups leave each little issue slack (D <= 64), and for fp8 under causal-like masks."""
+        if self.head_dim <= 64 or (self.dtype == torch.float8_e4m3fn and self.longest_first):
+            return (4, 2)
+        return (1, 1)
+
+    @property
+    def lazy_rescale(self) -> bool:
+        """A stale row max (``OnlineSoftmax.max_slack``) skips most O rescales; it pays from
+        D=128, and fp8 keeps the exact max, whose probability e4m3 then holds exactly."""
+        return element_bytes(self.dtype) == 2 and self.head_dim >= 128
+
+    @property
+    def v_staged(self) -> bool:
+        """fp8: the P.V product needs V key-major; V goes through ``stage_v_fp8`` first."""
+        return self.dtype == torch.float8_e4m3fn
+
+    @property
+    def o_via_tma(self) -> bool:
+        return self.o_store != OStore.DIRECT
+
+
+def why_unsupported(problem: AttentionProblem, options: KernelOptions) -> list:
+    """Every reason the Hopper kernel cannot run ``problem`` (empty when it can). Device and
+    architecture checks are the dispatcher's; this is about the configuration."""
+    reasons = []
+    name = lambda t: str(t).replace("torch.", "")  # noqa: E731
+    if problem.dtype not in SUPPORTED_DTYPES:
+        reasons.append(f"the Hopper kernel supports float16/bfloat16/float8_e4m3fn inputs, not {problem.dtype}")
+    out_ok = output_dtypes_for(problem.dtype)
+    if problem.out_dtype not in out_ok:
+        reasons.append(f"the Hopper kernel writes {'/'.join(map(name, out_ok))} outputs for "
+                       f"{problem.dtype} inputs, not {problem.out_dtype}")
+    if problem.head_dim not in SUPPORTED_HEAD_DIMS:
+        reasons.append(f"the Hopper kernel supports head dims {SUPPORTED_HEAD_DIMS}, got {problem.head_dim}")
+    if problem.head_dim_v != problem.head_dim:
+        reasons.append("the Hopper kernel needs the head dim of v equal to that of q/k")
+    if not (problem.score_scale > 0 and problem.score_scale < float("inf")):
+        reasons.append("the Hopper kernel needs softmax_scale * scale_q * scale_k to be a positive finite "
+                       f"number, got {problem.score_scale}")
+    if problem.head_dim in SUPPORTED_HEAD_DIMS and problem.dtype in SUPPORTED_DTYPES:
+        tiles = allowed_tiles(problem.dtype, problem.head_dim)
+        m0, n0 = tiles[0]
+        asked = (options.tile_m or m0, options.tile_n or n0)
+        if (options.tile_m, options.tile_n) != (None, None) and asked not in tiles:
+            reasons.append(
+                f"the Hopper kernel's tiles for head dim {problem.head_dim} and {problem.dtype} are "
+                f"{' or '.join(f'{m}x{n}' for m, n in tiles)}; got {options.tile_m}x{options.tile_n}")
+    return reasons

@@ -1,0 +1,517 @@
+"""Side-by-side forward-attention benchmark on one GPU: fmha against the peers importable there.
+
+    python -m lab.bench                        # the standard grid + extras, writes results/bench/
+    python -m lab.bench --grid standard        # the 24 points of the standard grid only
+    python -m lab.bench --grid quick           # a handful of points
+    python -m lab.bench --variants --impls fmha_same_path,fmha_q1   # compile-time choices (lab/variants.py)
+
+(``python -m fmha.bench`` runs the same from a checkout.)
+
+Peers: FlashAttention-4 (``flash_attn.cute.flash_attn_func``), PyTorch SDPA with the cuDNN and the
+flash backends. Every implementation's output is checked against the fp32 reference on the same
+inputs before it is timed (a wrong answer is reported, not timed). Timing: CUDA events through
+``triton.testing.do_bench`` (median), after a warm-up call that compiles. TFLOP/s =
+4 * B * H_q * S_q * S_k * D / time, halved for causal with S_q == S_k (the usual convention).
+Writes ``bench.json``, ``bench.md`` and ``bench.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+REL_L2_LIMIT = 2e-2  # bf16 outputs against the fp32 reference
+FP8_REL_L2_LIMIT = 5e-2  # fp8 inputs: against the reference on the same fp8 values
+
+
+@dataclass(frozen=True)
+class Point:
+    batch: int
+    seqlen: int
+    heads_q: int
+    heads_k: int
+    head_dim: int
+    causal: bool
+    group: str = "standard"
+    dtype: str = "bfloat16"  # or float8_e4m3fn (fmha only; output bf16)
+    window_left: int | None = None  # sliding window (window_left, 0) when set
+    varlen: tuple | None = None  # per-sequence lengths (THD); batch/seqlen then unused
+
+    def flops(self) -> float:
+        """4 * H_q * D * (kept query-key pairs); causal with S_q == S_k keeps about half."""
+        if self.varlen:
+            pairs = sum(s * (s + 1) / 2 if self.causal else s * s for s in self.varlen)
+        elif self.window_left is not None:
+            w, s = self.window_left, self.seqlen
+            pairs = self.batch * sum(min(i, w) + 1 for i in range(s))
+        else:
+            pairs = self.batch * self.seqlen * self.seqlen / (2 if self.causal else 1)
+        return 4.0 * self.heads_q * self.head_dim * pairs
+
+    def label(self) -> str:
+        shape = (f"varlen{len(self.varlen)} T{sum(self.varlen)} max{max(self.varlen)}"
+                 if self.varlen else f"B{self.batch} S{self.seqlen}")
+        return (f"{shape} H{self.heads_q}/{self.heads_k} D{self.head_dim}"
+                f"{' causal' if self.causal else ''}"
+                f"{f' window({self.window_left},0)' if self.window_left is not None else ''}"
+                f"{' fp8' if self.dtype != 'bfloat16' else ''}")
+
+
+def realistic_lengths(total: int = 16384, seed: int = 0) -> tuple:
+    """Document lengths of a packed batch: log-normal (median ~700 tokens, a long tail), cut to
+    ``total`` tokens; includes the short and odd lengths real batches have."""
+    import random
+
+    rng = random.Random(seed)
+    lens = []
+    while sum(lens) < total:
+        lens.append(max(1, min(8192, int(rng.lognormvariate(6.5, 1.0)))))
+    lens[-1] -= sum(lens) - total
+    return tuple(x for x in lens if x > 0)
+
+
+def build_grid(name: str) -> list[Point]:
+    seqlens = [512, 1024, 2048, 4096, 8192, 16384]
+    if name == "quick":
+        return [Point(16384 // s, s, 2048 // d, 2048 // d, d, c)
+                for d in (64, 128) for s in (1024, 8192) for c in (False, True)]
+    pts = [Point(16384 // s, s, 2048 // d, 2048 // d, d, c)
+           for d in (64, 128) for c in (False, True) for s in seqlens]
+    if name == "standard":
+        return pts
+    pts += [Point(16384 // s, s, 16, 2, 128, c, "gqa8") for s in (2048, 8192) for c in (False, True)]
+    pts += [Point(16384 // s, s, 8, 8, 256, c, "d256") for s in (2048, 8192) for c in (False, True)]
+    pts += [Point(16384 // s, s, 16, 16, 128, True, "window1024", window_left=1024) for s in (4096, 16384)]
+    pts += [Point(1, 0, 16, 16, 128, c, "varlen", varlen=realistic_lengths()) for c in (False, True)]
+    pts += [Point(16384 // s, s, 16, 16, 128, c, "fp8", dtype="float8_e4m3fn")
+            for s in (4096, 8192, 16384) for c in (False, True)]
+    return pts
+
+
+def extras_grid() -> list[Point]:
+    """The non-standard groups only (``--grid extras``)."""
+    return [p for p in build_grid("full") if p.group != "standard"]
+
+
+def _mask_kwargs(p: Point) -> dict:
+    if p.window_left is not None:
+        return dict(window_size=(p.window_left, 0))
+    return dict(causal=p.causal)
+
+
+def _implementations(torch, variants: bool = False) -> dict[str, Callable]:
+    """name -> fn(q, k, v, point, cu_seqlens) on BSHD (or THD) tensors, for the peers importable
+    here. A peer that cannot run a point raises; the row then records why."""
+    import fmha
+
+    def ours(q, k, v, p, cu):
+        if p.varlen:
+            m = max(p.varlen)
+            return fmha.attention_varlen(q, k, v, cu, cu, m, m, backend="kernel", **_mask_kwargs(p))
+        return fmha.attention(q, k, v, backend="kernel", **_mask_kwargs(p))
+
+    prepared = {}
+
+    def ours_unchecked(q, k, v, p, cu):
+        """FusedAttention.execute(check=False): no host read of cu_seqlens, so no sync per
+        call (what a training loop or a CUDA graph would use once inputs are known good)."""
+        if not p.varlen:
+            raise NotImplementedError("timed on varlen points (dense calls never sync)")
+        if p not in prepared:
+            m = max(p.varlen)
+            o = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=torch.bfloat16, device=q.device)
+            fa = fmha.FusedAttention(q, k, v, o, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m,
+                                     max_seqlen_k=m, backend="kernel", **_mask_kwargs(p))
+            fa.compile()
+            prepared[p] = (fa, o)
+        fa, o = prepared[p]
+        fa.execute(q, k, v, o, None, cu, cu, check=False)
+        return o
+
+    def ours_new_offsets(q, k, v, p, cu):
+        """The public API given a new cu_seqlens tensor every call, as the first attention layer
+        of each batch is: its offsets are read on the host (a sync) every time. ``fmha`` reuses
+        one tensor, as a model's later layers do, and pays that read once (fmha.validation)."""
+        if not p.varlen:
+            raise NotImplementedError("timed on varlen points (dense calls never sync)")
+        return ours(q, k, v, p, cu.clone())
+
+    impls: dict[str, Callable] = {"fmha": ours, "fmha_new_offsets": ours_new_offsets,
+                                  "fmha_unchecked": ours_unchecked}
+    if variants:
+        from lab.variants import VARIANTS, kernel_variant
+
+        for name, overrides in VARIANTS.items():
+            impls[name] = kernel_variant(_mask_kwargs, **overrides)
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+        def fa4(q, k, v, p, cu):
+            if p.dtype != "bfloat16":
+                raise NotImplementedError("FA4 has no fp8 forward on SM90")
+            window = (p.window_left, 0) if p.window_left is not None else (None, None)
+            causal = p.causal and p.window_left is None
+            if p.varlen:
+                m = max(p.varlen)
+                out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m,
+                                             max_seqlen_k=m, causal=causal, window_size=window)
+            else:
+                out = flash_attn_func(q, k, v, causal=causal, window_size=window)
+            return out[0] if isinstance(out, tuple) else out
+
+        impls["fa4"] = fa4
+    except Exception as e:  # not importable on this machine
+        print(f"FlashAttention-4 not available: {e}", file=sys.stderr)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    def sdpa(backend):
+        def fn(q, k, v, p, cu):
+            if p.varlen or p.window_left is not None or p.dtype != "bfloat16":
+                raise NotImplementedError("SDPA takes dense bf16 with is_causal only")
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(
+                    qt, kt, vt, is_causal=p.causal, enable_gqa=qt.shape[1] != kt.shape[1]
+                ).transpose(1, 2)
+        return fn
+
+    impls["cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
+    impls["sdpa_flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
+    return impls
+
+
+def _inputs(p: Point, torch):
+    dev = torch.device("cuda")
+    dt = getattr(torch, p.dtype)
+    rows = (sum(p.varlen),) if p.varlen else (p.batch, p.seqlen)
+    q = torch.randn(*rows, p.heads_q, p.head_dim, device=dev).to(dt)
+    k = torch.randn(*rows, p.heads_k, p.head_dim, device=dev).to(dt)
+    v = torch.randn(*rows, p.heads_k, p.head_dim, device=dev).to(dt)
+    cu = None
+    if p.varlen:
+        cu = torch.tensor([0, *__import__("itertools").accumulate(p.varlen)], dtype=torch.int32, device=dev)
+    return q, k, v, cu
+
+
+def _reference(p: Point, q, k, v, cu, torch):
+    from fmha.masking import MaskSpec
+    from fmha.reference import attention_reference
+
+    mask = MaskSpec.from_args(**_mask_kwargs(p))
+    o, _ = attention_reference(q, k, v, cu, cu, mask=mask)
+    return o
+
+
+def run_point(p: Point, impls: dict, torch, do_bench, rounds: int = 1) -> list[dict]:
+    """Check every implementation's output on one set of inputs, then time the ones that passed
+    in ``rounds`` interleaved rounds (each impl once per round) and keep the median round: clock
+    and thermal drift then hits every impl alike instead of whichever ran last."""
+    q, k, v, cu = _inputs(p, torch)
+    ref = _reference(p, q, k, v, cu, torch)
+    limit = FP8_REL_L2_LIMIT if p.dtype != "bfloat16" else REL_L2_LIMIT
+    rows = {}
+    for name, fn in impls.items():
+        row = dict(point=asdict(p), impl=name)
+        rows[name] = row
+        try:
+            out = fn(q, k, v, p, cu)
+            torch.cuda.synchronize()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            row["rel_l2"] = err
+            if not err < limit:
+                row["error"] = f"wrong output (rel L2 {err:.3g})"
+        except Exception as e:  # a peer may not support a configuration
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    timed = [name for name, row in rows.items() if "error" not in row]
+    for _ in range(rounds):
+        for name in timed:
+            fn = impls[name]
+            ms = do_bench(lambda: fn(q, k, v, p, cu), warmup=50, rep=200, return_mode="median")
+            rows[name].setdefault("ms_rounds", []).append(ms)
+    for name in timed:
+        row = rows[name]
+        row["ms"] = ms = sorted(row["ms_rounds"])[len(row["ms_rounds"]) // 2]
+        row["tflops"] = p.flops() / (ms * 1e-3) / 1e12
+        if name == "fmha" and p.dtype == "float8_e4m3fn":
+            # the part of each fp8 call spent re-laying V out (included in ms)
+            from fmha.kernels.hopper.v_staging import stage_v_fp8
+
+            row["v_staging_ms"] = do_bench(
+                lambda: stage_v_fp8(v, cu, max(p.varlen) if p.varlen else p.seqlen),
+                warmup=20, rep=100, return_mode="median")
+    return list(rows.values())
+
+
+# Rounds of one implementation at one point that differ by more than this are listed in the report.
+SPREAD_NOTE = 0.05
+
+
+def round_spreads(rows: list[dict]) -> list[tuple]:
+    """(max/min - 1 of the rounds' times, impl, point label) for every row timed more than once,
+    largest first: how far apart the rounds of one kernel landed, the run's own noise measure."""
+    spreads = [(max(r["ms_rounds"]) / min(r["ms_rounds"]) - 1, r["impl"], Point(**r["point"]).label())
+               for r in rows if len(r.get("ms_rounds", ())) > 1]
+    return sorted(spreads, reverse=True)
+
+
+def write_reports(rows: list[dict], out_dir: str, meta: dict) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bench.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    points = list(dict.fromkeys(json.dumps(r["point"], sort_keys=True) for r in rows))
+    by = {(json.dumps(r["point"], sort_keys=True), r["impl"]): r for r in rows}
+    head = "| point | " + " | ".join(f"{i} TFLOP/s" for i in impls)
+    if "fa4" in impls:
+        head += " | fmha / fa4"
+    if "cudnn" in impls:
+        head += " | fmha / cudnn"
+    lines = [f"# Forward attention, {meta['device']}", "",
+             f"{meta['date']}; command: `{meta['command']}`", "", head + " |",
+             "|" + "---|" * (head.count("|"))]
+    ratios = {"fa4": [], "cudnn": []}
+    extra_ratios = {"fa4": [], "cudnn": []}
+    for pk in points:
+        p = Point(**json.loads(pk))
+        cells = []
+        for i in impls:
+            r = by.get((pk, i), {})
+            cells.append(f"{r['tflops']:.0f}" if "tflops" in r else
+                         ("n/a" if not r or r.get("error", "").startswith("NotImplementedError") else "err"))
+        for peer in ("fa4", "cudnn"):
+            if peer in impls:
+                a, b = by.get((pk, "fmha"), {}), by.get((pk, peer), {})
+                if "tflops" in a and "tflops" in b:
+                    (ratios if p.group == "standard" else extra_ratios)[peer].append(a["tflops"] / b["tflops"])
+                    cells.append(f"{a['tflops'] / b['tflops']:.2f}")
+                else:
+                    cells.append("-")
+        lines.append(f"| {p.label()} | " + " | ".join(cells) + " |")
+    summary = []
+    for what, table in (("standard grid", ratios), ("other groups", extra_ratios)):
+        for peer, rs in table.items():
+            if rs:
+                summary.append(f"- {what}, fmha/{peer}: median {statistics.median(rs):.2f}, "
+                               f"min {min(rs):.2f} over {len(rs)} points")
+    # fp8 against our own bf16 on the same shape (the standard grid's D=128 points)
+    for pk in points:
+        p = Point(**json.loads(pk))
+        if p.dtype == "bfloat16":
+            continue
+        twin = json.dumps(asdict(Point(p.batch, p.seqlen, p.heads_q, p.heads_k, p.head_dim, p.causal)),
+                          sort_keys=True)
+        a, b = by.get((pk, "fmha"), {}), by.get((twin, "fmha"), {})
+        if "tflops" in a and "tflops" in b:
+            summary.append(f"- fp8 / bf16 (fmha, {p.label()}): {a['tflops'] / b['tflops']:.2f}"
+                           + (f" (V staging: {a['v_staging_ms']:.3f} of {a['ms']:.3f} ms per call)"
+                              if "v_staging_ms" in a else ""))
+    spreads = round_spreads(rows)
+    if spreads:
+        wide = [f"{impl} {label} ({spread:.1%})" for spread, impl, label in spreads if spread > SPREAD_NOTE]
+        summary.append(f"- noise: the rounds of one implementation at one point differ by "
+                       f"{statistics.median([x[0] for x in spreads]):.1%} in the median (max/min of their "
+                       f"times); by more than {SPREAD_NOTE:.0%} for " + ("; ".join(wide) if wide else "none"))
+    lines += ["", "n/a: the implementation does not offer that configuration (fp8, sliding window or varlen "
+              "for SDPA; fp8 for FA4 on SM90), or a variant not meant for it.", "", *summary]
+    errs = [f"- {r['impl']} {Point(**r['point']).label()}: {r['error']}" for r in rows
+            if "error" in r and not r["error"].startswith("NotImplementedError")]
+    if errs:
+        lines += ["", "Errors:", *errs]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "bench.md"), "w") as f:
+        f.write(text)
+    _plot(rows, impls, os.path.join(out_dir, "bench.png"), meta)
+    return text
+
+
+def _plot(rows, impls, path, meta):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return
+    panels = sorted({(r["point"]["head_dim"], r["point"]["causal"]) for r in rows
+                     if r["point"]["group"] == "standard"})
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
+    for ax, (d, c) in zip(axes[0], panels):
+        for impl in impls:
+            pts = sorted((r["point"]["seqlen"], r["tflops"]) for r in rows
+                         if r["impl"] == impl and "tflops" in r and r["point"]["group"] == "standard"
+                         and r["point"]["head_dim"] == d and r["point"]["causal"] == c)
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"D={d} {'causal' if c else 'non-causal'}")
+        ax.set_xlabel("sequence length (B*S = 16384)")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"bf16 forward attention, {meta['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+_FIRST_CALL = r"""
+import json, sys, time
+import torch
+q, k, v = (torch.randn(1, 128, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+if sys.argv[1] == "fmha":
+    import fmha
+    o = fmha.attention(q, k, v, causal=True, backend="kernel")
+else:
+    from flash_attn.cute import flash_attn_func
+    o = flash_attn_func(q, k, v, causal=True)
+    o = o[0] if isinstance(o, tuple) else o
+torch.cuda.synchronize()
+elapsed = time.perf_counter() - t0
+from fmha.masking import MaskSpec
+from fmha.reference import attention_reference
+ref, _ = attention_reference(q, k, v, mask=MaskSpec.from_args(causal=True))
+err = ((o.float() - ref).norm() / ref.norm()).item()
+print(json.dumps({"first_call_s": elapsed, "rel_l2": err}))
+"""
+
+
+SMALL_CALL_ROUNDS = 7
+
+
+def measure_startup(impls: dict, torch) -> list[dict]:
+    """Time to first result (library import + compile or cache load + run, in a fresh process),
+    cold and then warm with the same on-disk cache directory; and the per-call cost of a small
+    problem (B=1, H=8, S=128, D=128), where host overhead dominates: CUDA events around loops of
+    back-to-back calls, the median of ``SMALL_CALL_ROUNDS`` interleaved loops."""
+    import subprocess
+    import tempfile
+
+    rows = []
+    for impl in [i for i in ("fmha", "fa4") if i in impls]:
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, CUTE_DSL_CACHE_DIR=cache, FMHA_CACHE_DIR=os.path.join(cache, "fmha"))
+            for run in ("cold", "warm"):
+                res = subprocess.run([sys.executable, "-c", _FIRST_CALL, impl], env=env,
+                                     capture_output=True, text=True, timeout=600)
+                row = dict(kind="first_call", impl=impl, run=run)
+                try:
+                    row.update(json.loads(res.stdout.strip().splitlines()[-1]))
+                except Exception:
+                    row["error"] = (res.stderr or res.stdout).strip().splitlines()[-1:]
+                rows.append(row)
+    p = Point(1, 128, 8, 8, 128, False, "small")
+    q, k, v, cu = _inputs(p, torch)
+    small = {}
+    for impl in [i for i in ("fmha", "fa4", "cudnn") if i in impls]:
+        try:
+            impls[impl](q, k, v, p, cu)  # compiles, or loads from a cache
+            torch.cuda.synchronize()
+            small[impl] = []
+        except Exception as e:
+            rows.append(dict(kind="small_call", impl=impl, error=f"{type(e).__name__}: {e}"[:200]))
+    # Host-bound timings drift with the machine's state: loops of 200 calls, interleaved across
+    # the implementations, SMALL_CALL_ROUNDS times; each keeps its median loop.
+    for _ in range(SMALL_CALL_ROUNDS):
+        for impl, loops in small.items():
+            fn = impls[impl]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            n = 200
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(n):
+                fn(q, k, v, p, cu)
+            end.record()
+            torch.cuda.synchronize()
+            loops.append(start.elapsed_time(end) * 1e3 / n)
+    for impl, loops in small.items():
+        rows.append(dict(kind="small_call", impl=impl, point=asdict(p),
+                         us_per_call=sorted(loops)[len(loops) // 2], us_per_loop=loops))
+    return rows
+
+
+def startup_table(rows: list[dict]) -> str:
+    lines = ["| measurement | fmha | fa4 | cudnn | fmha / fa4 |", "|---|---|---|---|---|"]
+    get = lambda kind, impl, key, run=None: next(
+        (r.get(key) for r in rows if r["kind"] == kind and r["impl"] == impl and r.get("run") == run), None)
+    for run in ("cold", "warm"):
+        a, b = get("first_call", "fmha", "first_call_s", run), get("first_call", "fa4", "first_call_s", run)
+        lines.append(f"| first call in a fresh process, {run} cache (s) | {a if a is None else f'{a:.2f}'} | "
+                     f"{b if b is None else f'{b:.2f}'} | - | {f'{a / b:.2f}' if a and b else '-'} |")
+    a, b, c = (get("small_call", i, "us_per_call") for i in ("fmha", "fa4", "cudnn"))
+    fmt = lambda x: "-" if x is None else f"{x:.1f}"
+    lines.append(f"| B=1 H=8 S=128 D=128, whole call (us) | {fmt(a)} | {fmt(b)} | {fmt(c)} | "
+                 f"{f'{a / b:.2f}' if a and b else '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--grid", default="full", choices=["full", "standard", "quick", "extras"])
+    ap.add_argument("--out", default=os.path.join("results", "bench"))
+    ap.add_argument("--impls", default="", help="comma-separated subset of implementations")
+    ap.add_argument("--filter", default="",
+                    help="only points whose label contains this ('|' separates alternatives; "
+                         "a trailing '$' means the label ends with it)")
+    ap.add_argument("--startup", action="store_true",
+                    help="only measure time to first result (cold/warm cache) and small-call overhead")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time each implementation this many times, interleaved, and keep the median")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time the kernel with other compile-time choices (lab/variants.py)")
+    args = ap.parse_args(argv)
+
+    import torch
+    from triton.testing import do_bench
+
+    if not torch.cuda.is_available():
+        print("fmha.bench needs a CUDA GPU (it times kernels against their peers).")
+        return 2
+    impls = _implementations(torch, args.variants)
+    if args.impls:
+        impls = {k: v for k, v in impls.items() if k in args.impls.split(",")}
+    if args.startup:
+        rows = measure_startup(impls, torch)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "startup.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"),
+                       "rows": rows}, f, indent=1)
+        table = startup_table(rows)
+        with open(os.path.join(args.out, "startup.md"), "w") as f:
+            f.write(f"# Time to first result and small-call overhead, {torch.cuda.get_device_name()}\n\n"
+                    f"command: `python -m lab.bench --startup`\n\n" + table)
+        print(table)
+        return 0
+    rows = []
+    points = extras_grid() if args.grid == "extras" else build_grid(args.grid)
+    def wanted(label: str) -> bool:
+        return any(label.endswith(w[:-1]) if w.endswith("$") else w in label
+                   for w in args.filter.split("|"))
+
+    for p in (p for p in points if wanted(p.label())):
+        rows += run_point(p, impls, torch, do_bench, args.rounds)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "partial.json"), "w") as f:  # kept if the run is cut off
+            json.dump(rows, f)
+        got = {r["impl"]: (f"{r['tflops']:.0f}" if "tflops" in r else r.get("error", "?")[:40]) for r in rows[-len(impls):]}
+        print(p.label(), got, flush=True)
+    meta = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M"),
+                command="python -m lab.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+                torch=torch.__version__)
+    print(write_reports(rows, args.out, meta))
+    if os.path.exists(os.path.join(args.out, "partial.json")):
+        os.remove(os.path.join(args.out, "partial.json"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The GPU check: every case of ``gpu_cases.build_suite`` through the kernel the library builds
+for it, against the fp32 reference, and the fp8 V staging kernel byte for byte. Marked ``gpu``;
+skipped without a Hopper GPU.
+
+    python -m pytest -m gpu                                   # the full matrix (about 850 cases)
+    python -m pytest -m gpu --gpu-suite quick                 # a few cases
+    python -m pytest -m gpu --gpu-report results/gpu_check    # also results.json / results.md
+
+The kernels are compiled first, all at once, in parallel worker processes that write the
+on-disk kernel cache of a temporary directory; each test then loads its kernel from there.
+"""
+
+import contextlib
+import os
+import time
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import gpu_cases
+
+pytestmark = pytest.mark.gpu
+
+_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+_needs_hopper = pytest.mark.skipif(not _HOPPER, reason="needs a Hopper (SM90) GPU")
+# The report's rows, in the order the tests ran (``conftest.pytest_sessionfinish`` writes them).
+RESULTS: list = []
+META: dict = {}
+
+
+def pytest_generate_tests(metafunc):
+    if "case" in metafunc.fixturenames:
+        cases = gpu_cases.build_suite(metafunc.config.getoption("--gpu-suite"))
+        metafunc.parametrize("case", cases, ids=[f"{i}:{c.name()}" for i, c in enumerate(cases)])
+
+
+def _compile_into(cache_dir: str, cfg):
+    """Worker: compile ``cfg`` into the disk cache at ``cache_dir``."""
+    os.environ["FMHA_CACHE_DIR"] = cache_dir
+    from fmha.jit import disk_cache
+    from fmha.kernels.hopper.backend import compile_forward
+
+    start = time.time()
+    disk_cache.load_or_compile(cfg, compile_forward)
+    return time.time() - start
+
+
+@pytest.fixture(scope="session")
+def runners(request, tmp_path_factory):
+    """config -> HopperRunner for every case of the suite, compiled in parallel first."""
+    import multiprocessing as mp
+
+    from fmha.jit import disk_cache
+    from fmha.kernels.hopper.backend import HopperRunner, compile_forward
+
+    cases = gpu_cases.build_suite(request.config.getoption("--gpu-suite"))
+    configs = sorted({gpu_cases.config_of(c, torch) for c in cases}, key=repr)
+    cache_dir = str(tmp_path_factory.mktemp("kernels"))
+    workers = request.config.getoption("--gpu-workers") or max(1, (os.cpu_count() or 2) - 1)
+    start = time.time()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        pool.starmap(_compile_into, [(cache_dir, cfg) for cfg in configs])
+    os.environ["FMHA_CACHE_DIR"] = cache_dir
+    built = {cfg: HopperRunner(cfg, disk_cache.load_or_compile(cfg, compile_forward)) for cfg in configs}
+    META.update(device=torch.cuda.get_device_name(), configs=len(configs), compile_s=round(time.time() - start, 1))
+    return built
+
+
+@_needs_hopper
+def test_kernel_matches_the_reference(case, runners):
+    from fmha.jit.launch import persistent_grid_of
+
+    runner = runners[gpu_cases.config_of(case, torch)]
+    # Claiming cases run on a grid of 8 CTAs, so that each claims several tiles (and cycles
+    # through its Q buffers and the hand-off's entries) even in these small problems.
+    grid = persistent_grid_of(8, torch.cuda.current_device()) if case.claim else contextlib.nullcontext()
+    if case.claim:
+        assert runner.cfg.claims_tiles
+    with grid:
+        res = gpu_cases.run_case(runner, case, torch)
+    res.update(case=asdict(case), name=case.name(), config=repr(runner.cfg))
+    RESULTS.append(res)
+    assert res["ok"], {k: v for k, v in res.items() if k not in ("case", "config")}
+
+
+@_needs_hopper
+@pytest.mark.parametrize("d,kind,spec", gpu_cases.STAGE_V_CASES,
+                         ids=[gpu_cases.stage_v_name(*c) for c in gpu_cases.STAGE_V_CASES])
+def test_fp8_v_staging_matches_torch(d, kind, spec):
+    res = gpu_cases.check_stage_v(d, kind, spec, torch)
+    RESULTS.append(res)
+    assert res["ok"], res
