@@ -275,19 +275,13 @@ def test_snake_deal_visits_every_tile_once_and_balances_sorted_costs(grid, costs
     assert spread <= max(costs)
 
 
-@pytest.mark.parametrize("m_blocks,heads_batches,section", [(16, 128, 128), (16, 128, 25), (5, 7, 3), (1, 3, 5)])
-def test_sectioned_cost_order_visits_every_tile_once_costliest_first_per_section(m_blocks, heads_batches, section):
+@pytest.mark.parametrize("m_blocks,heads_batches", [(16, 128), (5, 7), (1, 3)])
+def test_cost_order_visits_every_tile_once_costliest_first(m_blocks, heads_batches):
     from fmha.kernels.common.scheduler import cost_sorted_tile
 
-    tiles = [cost_sorted_tile(i, m_blocks, heads_batches, section) for i in range(m_blocks * heads_batches)]
+    tiles = [cost_sorted_tile(i, m_blocks, heads_batches) for i in range(m_blocks * heads_batches)]
     assert sorted(tiles) == [(m, hb) for m in range(m_blocks) for hb in range(heads_batches)]
-    for i in range(1, len(tiles)):
-        same_section = tiles[i][1] // section == tiles[i - 1][1] // section
-        if same_section:
-            assert tiles[i][0] <= tiles[i - 1][0]  # query tiles only go down within a section
-    # the heads-batches of a section are finished before the next section starts
-    order = [hb // section for _, hb in tiles]
-    assert order == sorted(order)
+    assert [m for m, _ in tiles] == sorted((m for m, _ in tiles), reverse=True)
 
 
 def test_tma_store_of_o_except_where_measured_slower():

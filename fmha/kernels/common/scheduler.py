@@ -52,16 +52,11 @@ def snake_next(idx, grid):
     return idx - seat + grid + (grid - 1 - seat)
 
 
-def cost_sorted_tile(idx, num_m_blocks, heads_batches, section, imin=min):
-    """(m_block, head-batch index) of tile ``idx`` in the cost-sorted walk: heads-batches grouped
-    in sections of ``section`` (the last may be shorter), each section walked query tile
-    slowest, from the last query tile (the costliest under a causal-like mask) down. Plain
-    arithmetic: the tests run it on ints."""
-    per_section = section * num_m_blocks
-    first = (idx // per_section) * section
-    size = imin(section, heads_batches - first)
-    r = idx - (idx // per_section) * per_section
-    return num_m_blocks - 1 - r // size, first + r % size
+def cost_sorted_tile(idx, num_m_blocks, heads_batches):
+    """(m_block, head-batch index) of tile ``idx`` in the cost-sorted walk: the query tile
+    slowest, from the last query tile (the costliest under a causal-like mask) down, every
+    head-batch's before the next query tile. Plain arithmetic: the tests run it on ints."""
+    return num_m_blocks - 1 - idx // heads_batches, idx % heads_batches
 
 
 def m_fastest_tile(idx, num_m_blocks, num_heads, longest_first: bool):
@@ -107,10 +102,10 @@ class _GridStride:
 class StaticTileScheduler(_GridStride):
     num_m_blocks: Int32
     num_heads: Int32
+    heads_batches: Int32
     num_tiles: Int32
     longest_first: bool
-    m_slowest: bool  # walk the tiles sorted by cost, dealt out as a snake
-    section: Int32  # heads-batches per section of that walk (``cost_sorted_tile``)
+    m_slowest: bool  # walk the tiles sorted by cost (``cost_sorted_tile``), dealt out as a snake
 
     @property
     def snake(self) -> bool:
@@ -120,13 +115,12 @@ class StaticTileScheduler(_GridStride):
     def create(num_m_blocks, num_heads, num_batches, longest_first: bool,
                persistent: bool = False) -> "StaticTileScheduler":
         heads_batches = num_heads * num_batches
-        return StaticTileScheduler(num_m_blocks, num_heads, num_m_blocks * heads_batches, longest_first,
-                                   longest_first and persistent, heads_batches)
+        return StaticTileScheduler(num_m_blocks, num_heads, heads_batches, num_m_blocks * heads_batches,
+                                   longest_first, longest_first and persistent)
 
     def decode(self, idx: Int32) -> WorkTile:
         if cutlass.const_expr(self.m_slowest):
-            m, rest = cost_sorted_tile(idx, self.num_m_blocks, self.num_tiles // self.num_m_blocks,
-                                       self.section, imin=cutlass.min)
+            m, rest = cost_sorted_tile(idx, self.num_m_blocks, self.heads_batches)
             return WorkTile(m, rest % self.num_heads, rest // self.num_heads)
         return WorkTile(*m_fastest_tile(idx, self.num_m_blocks, self.num_heads, self.longest_first))
 
