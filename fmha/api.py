@@ -91,7 +91,7 @@ def attention(
     is accepted as ``x.transpose(1, 2)``. Returns O (B, S_q, H_q, D) in ``out_dtype`` (default:
     the input dtype, bf16 for fp8), or ``(O, LSE)`` with LSE (B, H_q, S_q) fp32 when
     ``return_lse``. ``out``/``lse`` preallocated are written in place (``lse`` is filled even
-    without ``return_lse``). Semantics: SPEC.md; ``window_size`` sides are ints or None
+    without ``return_lse``). Semantics: docs/semantics.md; ``window_size`` sides are ints or None
     (unbounded).
     """
     return _run(

@@ -1,7 +1,7 @@
 """Mask semantics and K/V tile classification: one definition for the reference, the host and
 the kernels.
 
-The rules (SPEC.md, "Masks") are expressed as a per-row band of kept key columns
+The rules (docs/semantics.md, "Masks") are expressed as a per-row band of kept key columns
 ``[lo(i), hi(i))``. Every mask we support has bands whose ends never decrease with ``i``, so for a
 block of query rows the union and the intersection of their bands are again bands, computed from
 the first and last row alone. That is what lets a kernel skip K/V tiles that no row keeps, and

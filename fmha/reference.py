@@ -1,4 +1,4 @@
-"""Exact attention in plain PyTorch (SPEC.md), on any device: the oracle for kernels and the
+"""Exact attention in plain PyTorch (docs/semantics.md), on any device: the oracle for kernels and the
 fallback when no kernel applies.
 
 Scores are computed a bounded chunk at a time (a block of query rows times a block of heads,
@@ -115,7 +115,7 @@ def attention_reference(
     compute_dtype: torch.dtype = torch.float32,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ):
-    """SPEC.md attention forward. Dense: q (B, S_q, H_q, D), k/v (B, S_k, H_k, D[_v]); varlen
+    """Attention forward as docs/semantics.md defines it. Dense: q (B, S_q, H_q, D), k/v (B, S_k, H_k, D[_v]); varlen
     (cu_seqlens given): q (T_q, H_q, D), k/v (T_k, H_k, D[_v]). Any strides.
 
     Returns ``(O, LSE)`` in ``compute_dtype``: O shaped like q with the last dim D_v, LSE

@@ -471,11 +471,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     import torch
-    from triton.testing import do_bench
 
     if not torch.cuda.is_available():
-        print("fmha.bench needs a CUDA GPU (it times kernels against their peers).")
+        print("lab.bench needs a CUDA GPU (it times kernels against their peers).")
         return 2
+    from triton.testing import do_bench
     impls = _implementations(torch, args.variants)
     if args.impls:
         impls = {k: v for k, v in impls.items() if k in args.impls.split(",")}

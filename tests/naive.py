@@ -1,4 +1,4 @@
-"""A deliberately simple fp64 attention, written from SPEC.md without fmha's code: the full
+"""A deliberately simple fp64 attention, written from docs/semantics.md without fmha's code: the full
 score matrix per (sequence, head), the mask as an explicit (i, j) predicate."""
 
 import math
@@ -7,7 +7,7 @@ import torch
 
 
 def keep_matrix(sq, sk, mask):
-    """SPEC.md's predicate for every (i, j). ``mask`` is a dict: kind in {"none", "window",
+    """The semantics' predicate for every (i, j). ``mask`` is a dict: kind in {"none", "window",
     "compressed"}, left, right (None = unbounded), bottom_right."""
     i = torch.arange(sq)[:, None]
     j = torch.arange(sk)[None, :]

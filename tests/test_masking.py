@@ -1,4 +1,4 @@
-"""The shared mask/tile logic against brute force over the SPEC.md rules."""
+"""The shared mask/tile logic against brute force over the rules of docs/semantics.md."""
 
 import random
 
@@ -8,7 +8,7 @@ from fmha.masking import MaskKind, MaskSpec, kv_tile_schedule, row_key_bounds
 
 
 def spec_keeps(i, j, sq, sk, spec):
-    """SPEC.md's predicate, written independently of fmha.masking."""
+    """The semantics' predicate, written independently of fmha.masking."""
     if j >= sk or i >= sq:
         return False
     if spec.kind == MaskKind.NONE:

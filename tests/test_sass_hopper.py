@@ -1,8 +1,8 @@
 """Checks on the Hopper kernel's machine code (SASS), compiled without a GPU by the DSL's own
 ptxas and disassembled with ``nvdisasm`` (the ``nvidia-cuda-nvdisasm`` wheel of the test extras).
 
-They pin two scheduling properties that PTX cannot show and that the H200 profile of
-docs/PERFORMANCE.md (item 13) traced:
+They pin scheduling properties that PTX cannot show and that the H200 profiles traced
+(docs/archive/performance-history.md, item 13):
 - the consumer's S-GEMM issue reads its Q descriptor from uniform registers, without ``R2UR``
   moves inside the K/V loop;
 - in the overlapped loop, most of the softmax's exponentials run before the wait for the
@@ -84,7 +84,7 @@ def test_tma_store_epilogue_keeps_the_stage_index_uniform(head_dim, tmp_root):
     """The TMA-store epilogue issues from a warp-uniform branch. Branching on the thread index
     there instead (one thread issues) made ptxas move the K/V stage index of the mainloop into
     ordinary registers at D=64: two R2UR per K/V tile, each on the path to a wgmma. (With the
-    LSE written as well, ptxas still does so at D=64: docs/PERFORMANCE.md, item 16.)"""
+    LSE written as well, ptxas still does so at D=64: docs/archive/performance-history.md, item 16.)"""
     cfg = _config(head_dim, False, seqlen=2048)
     assert cfg.o_via_tma and not cfg.has_lse
     for body in _mainloops(cfg, tmp_root):
