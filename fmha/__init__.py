@@ -1,6 +1,6 @@
-"""fmha: fused multi-head attention forward kernels (CuTe DSL) with an exact PyTorch reference."""
+"""fmha: fused multi-head attention kernels (CuTe DSL) with an exact PyTorch reference."""
 
-from .api import FusedAttention, attention, attention_varlen
+from .api import FusedAttention, attention, attention_backward, attention_varlen
 from .backends import UnsupportedError
 from .masking import MaskKind, MaskSpec
 from .reference import attention_reference
@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 __all__ = [
     "attention",
     "attention_varlen",
+    "attention_backward",
     "FusedAttention",
     "UnsupportedError",
     "attention_reference",

@@ -1,5 +1,6 @@
-"""The public entry points: functional (dense and varlen) and the object form modelled on cuDNN's
-graph API (construct from samples, check_support, compile, execute)."""
+"""The public entry points: functional forward (dense and varlen; differentiable when an input
+requires grad, through the custom ops of ``fmha.ops``), the functional backward, and the object
+form modelled on cuDNN's graph API (construct from samples, check_support, compile, execute)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,18 @@ import torch
 from .backends import (
     UnsupportedError,
     check_backend_name,
+    get_backward_runner,
     get_runner,
     recall_dispatch,
     remember_dispatch,
     select_backend,
+    select_backward_backend,
     unsupported_reasons,
 )
 from .problem import AttentionProblem
-from .validation import ALIGN_BYTES, kernel_options, lse_shape, out_shape, validate
+from .validation import ALIGN_BYTES, kernel_options, lse_shape, out_shape, validate, validate_backward
 
-__all__ = ["attention", "attention_varlen", "FusedAttention"]
+__all__ = ["attention", "attention_varlen", "attention_backward", "FusedAttention"]
 
 
 def _allocate(q: torch.Tensor, problem: AttentionProblem, out, lse):
@@ -50,8 +53,34 @@ def _pointers_aligned(tensors) -> bool:
     return all(t is None or t.data_ptr() % ALIGN_BYTES == 0 for t in tensors)
 
 
+def _needs_autograd(q, k, v) -> bool:
+    """Whether the call must go through the custom ops: an input requires grad (and grad mode is
+    on), or torch.compile is tracing it."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+
+
 def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqlen_k,
          return_lse, out, lse, out_dtype, backend, persistent, tile_mn, **mask_and_scales):
+    if _needs_autograd(q, k, v):
+        from . import ops
+
+        if out is not None or lse is not None:
+            raise ValueError("out= and lse= are not differentiable; leave them out when an input requires "
+                             "grad (or call under torch.no_grad())")
+        o, l = ops.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=varlen, max_seqlen_q=max_seqlen_q,
+                                     max_seqlen_k=max_seqlen_k, out_dtype=out_dtype, backend=backend,
+                                     persistent=persistent, tile_mn=tile_mn, **mask_and_scales)
+        return (o, l) if return_lse else o
+    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=varlen, max_seqlen_q=max_seqlen_q,
+                    max_seqlen_k=max_seqlen_k, return_lse=return_lse, out=out, lse=lse, out_dtype=out_dtype,
+                    backend=backend, persistent=persistent, tile_mn=tile_mn, **mask_and_scales)
+
+
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqlen_k,
+             return_lse, out, lse, out_dtype, backend, persistent, tile_mn, **mask_and_scales):
+    """Validate, dispatch and run one forward call (no autograd)."""
     key = None
     if not varlen and all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         tensors = (q, k, v, out, lse)
@@ -126,6 +155,37 @@ def attention_varlen(
         out=out, lse=lse, out_dtype=out_dtype, backend=backend, persistent=persistent,
         tile_mn=tile_mn,
     )
+
+
+def attention_backward(
+    dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, *,
+    dlse=None, causal=False, window_size=(None, None), mask_align="top_left", compressed_causal=False,
+    softmax_scale=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
+    deterministic=False, dq=None, dk=None, dv=None, backend="auto",
+):
+    """Gradients of attention with respect to q, k and v: ``(dq, dk, dv)`` in the dtypes and
+    shapes of q, k, v (written into ``dq``/``dk``/``dv`` when given). ``out`` and ``lse`` are
+    the forward's (``return_lse=True``), ``dout`` the gradient of ``out``, ``dlse`` (optional)
+    that of ``lse``. Dense (BSHD) or, with ``cu_seqlens_q/k``, packed (THD) as in the forward,
+    with the forward's keywords; ``deterministic=True`` asks for bitwise-repeatable gradients.
+    For frameworks that drive the backward themselves (ring attention); ``attention(...)`` with
+    inputs that require grad records autograd on its own."""
+    check_backend_name(backend)
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    problem = validate_backward(
+        dout, q, k, v, out, lse, dlse=dlse, dq=dq, dk=dk, dv=dv, varlen=varlen,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        causal=causal, window_size=window_size, mask_align=mask_align, compressed_causal=compressed_causal,
+        softmax_scale=softmax_scale, scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o,
+    )
+    options = kernel_options()
+    chosen = select_backward_backend(backend, problem, options)
+    runner = get_backward_runner(chosen, problem, options)
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    runner(problem, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, bool(deterministic))
+    return dq, dk, dv
 
 
 class FusedAttention:

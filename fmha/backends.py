@@ -15,6 +15,10 @@ A kernel backend is any object with
 - ``prepare(problem, options) -> runner``: compiles. ``runner(problem, q, k, v, out, lse,
   cu_seqlens_q, cu_seqlens_k)`` runs the call described by ``problem`` (whose key equals the
   prepared one), writes ``out`` (and ``lse`` unless it is None) in place and returns nothing.
+- optionally, for the backward: ``why_unsupported_backward(problem, options)`` and
+  ``prepare_backward(problem, options) -> runner``, ``runner(problem, dout, q, k, v, out, lse,
+  dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, deterministic)`` writing ``dq``, ``dk``, ``dv``.
+  A backend without them has no backward; the reference then computes it.
 
 Kernel backends are imported lazily (the CuTe DSL costs about a second to import) and only
 when the tensors are on a GPU, or when the caller asks for the reasons. An architecture joins
@@ -30,7 +34,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 import torch
 
 from .problem import AttentionProblem, KernelOptions
-from .reference import attention_reference, cast_output
+from .reference import attention_backward_reference, attention_reference, cast_output
 
 __all__ = [
     "BACKENDS",
@@ -40,7 +44,9 @@ __all__ = [
     "unsupported_reasons",
     "check_backend_name",
     "select_backend",
+    "select_backward_backend",
     "get_runner",
+    "get_backward_runner",
     "clear_cache",
 ]
 
@@ -92,6 +98,22 @@ class ReferenceBackend:
             out.copy_(cast_output(o, out.dtype))
             if lse is not None:
                 lse.copy_(l)
+
+    def prepare_backward(self, problem: AttentionProblem, options: KernelOptions) -> Runner:
+        return self.run_backward
+
+    @staticmethod
+    def run_backward(problem: AttentionProblem, dout, q, k, v, out, lse, dlse, dq, dk, dv,
+                     cu_seqlens_q, cu_seqlens_k, deterministic: bool) -> None:
+        with torch.no_grad():
+            grads = attention_backward_reference(
+                dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                mask=problem.mask, softmax_scale=problem.softmax_scale,
+                scale_q=problem.scale_q, scale_k=problem.scale_k,
+                scale_v=problem.scale_v, inv_scale_o=problem.inv_scale_o, dlse=dlse,
+            )
+            for dst, g in zip((dq, dk, dv), grads):
+                dst.copy_(g)
 
 
 REFERENCE = ReferenceBackend()
@@ -195,6 +217,30 @@ def select_backend(backend: str, problem: AttentionProblem, options: KernelOptio
     return REFERENCE
 
 
+def select_backward_backend(backend: str, problem: AttentionProblem, options: KernelOptions):
+    """The backend object that computes the gradients of ``problem``: the first kernel backend
+    with a backward that supports it, else (unless ``backend="kernel"``) the reference."""
+    check_backend_name(backend)
+    if backend == "reference":
+        return REFERENCE
+    platform = _platform_reasons(problem.device)
+    backends, load_reasons = kernel_backends()
+    reasons = platform + list(load_reasons)
+    for kernel in backends:
+        if not hasattr(kernel, "prepare_backward"):
+            reasons.append(f"{kernel.name}: no backward kernel yet")
+            continue
+        arch = _architecture_reason(kernel, problem.device)
+        why = ([arch] if arch else []) + kernel.why_unsupported_backward(problem, options)
+        if not why and not platform:
+            return kernel
+        reasons += [f"{kernel.name}: {r}" for r in why]
+    if backend == "kernel":
+        raise UnsupportedError(reasons)
+    _log_fallback(reasons)
+    return REFERENCE
+
+
 _runners: Dict[Hashable, Runner] = {}
 
 
@@ -204,6 +250,16 @@ def get_runner(backend_obj, problem: AttentionProblem, options: KernelOptions) -
     runner = _runners.get(key)
     if runner is None:
         runner = backend_obj.prepare(problem, options)
+        _runners[key] = runner
+    return runner
+
+
+def get_backward_runner(backend_obj, problem: AttentionProblem, options: KernelOptions) -> Runner:
+    """The prepared backward runner for this problem (compiled on the first use of its key)."""
+    key = ("backward", backend_obj.name, backend_obj.cache_key(problem, options))
+    runner = _runners.get(key)
+    if runner is None:
+        runner = backend_obj.prepare_backward(problem, options)
         _runners[key] = runner
     return runner
 

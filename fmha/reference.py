@@ -15,7 +15,7 @@ import torch
 
 from .masking import MaskSpec, row_key_bounds
 
-__all__ = ["attention_reference", "cast_output", "DEFAULT_CHUNK_BYTES", "FP8_MAX"]
+__all__ = ["attention_reference", "attention_backward_reference", "cast_output", "DEFAULT_CHUNK_BYTES", "FP8_MAX"]
 
 #: budget for one block of scores (the dominant temporary); 256 MiB
 DEFAULT_CHUNK_BYTES = 256 << 20
@@ -149,3 +149,95 @@ def attention_reference(
         _attend_sequence(qs, ks, vs, os_, ls, mask, score_scale, out_scale, fp8_p,
                          compute_dtype, chunk_bytes)
     return o, lse
+
+
+def _grad_sequence(do, q, k, v, o, lse, dlse, dq, dk, dv, mask, score_scale, out_scale, cdt, budget):
+    """One sequence's gradients (docs/semantics.md, "Backward"): do/o (S_q, H_q, D_v), q (S_q,
+    H_q, D), k/v (S_k, H_k, D), lse/dlse (H_q, S_q); accumulates into dq, dk, dv of dtype ``cdt``.
+    P is recomputed from the saved LSE; dS = P * (dP - delta) with delta = rowsum(dO * O) - dlse."""
+    sq, hq = q.shape[0], q.shape[1]
+    sk, hk = k.shape[0], k.shape[1]
+    if sq == 0 or sk == 0:
+        return
+    group = hq // hk
+    # rows that keep no key (LSE -inf) have P = 0: take their LSE as 0 so exp(-inf - 0) = 0
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).to(cdt)
+    delta = (do.to(cdt) * o.to(cdt)).sum(-1).transpose(0, 1)  # (H_q, S_q)
+    if dlse is not None:
+        delta = delta - dlse.to(cdt)
+    rows_per, heads_per = _chunk_sizes(sq, sk, hq, torch.finfo(cdt).bits // 8, budget)
+    for h0 in range(0, hq, heads_per):
+        h1 = min(h0 + heads_per, hq)
+        kv_heads = torch.arange(h0, h1, device=k.device) // group
+        kc = k[:, kv_heads].to(cdt)
+        vc = v[:, kv_heads].to(cdt)
+        dkc = torch.zeros_like(kc)
+        dvc = torch.zeros_like(vc)
+        for r0 in range(0, sq, rows_per):
+            r1 = min(r0 + rows_per, sq)
+            rows = torch.arange(r0, r1, device=q.device)
+            lo, hi = _row_bounds(rows, sq, sk, mask)
+            k0 = int(lo[0])
+            k1 = max(int(hi[-1]), k0)
+            if k1 == k0:
+                continue
+            cols = torch.arange(k0, k1, device=q.device)
+            keep = (cols >= lo[:, None]) & (cols < hi[:, None])
+            qc = q[r0:r1, h0:h1].to(cdt)
+            doc = do[r0:r1, h0:h1].to(cdt)
+            s = torch.einsum("rhd,khd->hrk", qc, kc[k0:k1]) * score_scale
+            s.masked_fill_(~keep, -math.inf)
+            p = (s - lse[h0:h1, r0:r1, None]).exp_()
+            dp = torch.einsum("rhd,khd->hrk", doc, vc[k0:k1]) * out_scale
+            ds = p * (dp - delta[h0:h1, r0:r1, None])
+            dq[r0:r1, h0:h1] += torch.einsum("hrk,khd->rhd", ds, kc[k0:k1]) * score_scale
+            dkc[k0:k1] += torch.einsum("hrk,rhd->khd", ds, qc) * score_scale
+            dvc[k0:k1] += torch.einsum("hrk,rhd->khd", p, doc) * out_scale
+        # a K/V head's gradient is the sum over the query heads that read it
+        dk.index_add_(1, kv_heads, dkc)
+        dv.index_add_(1, kv_heads, dvc)
+
+
+def attention_backward_reference(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    *,
+    mask: MaskSpec = MaskSpec(),
+    softmax_scale: Optional[float] = None,
+    scale_q: float = 1.0,
+    scale_k: float = 1.0,
+    scale_v: float = 1.0,
+    inv_scale_o: float = 1.0,
+    dlse: Optional[torch.Tensor] = None,
+    compute_dtype: torch.dtype = torch.float32,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+):
+    """Gradients of ``attention_reference``'s O (and LSE, through ``dlse``) with respect to q, k
+    and v, from the forward's ``out`` and ``lse``: ``(dq, dk, dv)`` in ``compute_dtype``, shaped
+    like q, k, v. Layouts and argument meanings as in ``attention_reference``; deterministic."""
+    d = q.shape[-1]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    score_scale = softmax_scale * scale_q * scale_k
+    out_scale = scale_v * inv_scale_o
+    dq = torch.zeros(q.shape, dtype=compute_dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=compute_dtype, device=q.device)
+    dv = torch.zeros(v.shape, dtype=compute_dtype, device=q.device)
+    if cu_seqlens_q is not None:
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        seqs = [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
+        for sq_, sk_ in seqs:
+            _grad_sequence(dout[sq_], q[sq_], k[sk_], v[sk_], out[sq_], lse[:, sq_],
+                           None if dlse is None else dlse[:, sq_], dq[sq_], dk[sk_], dv[sk_], mask,
+                           score_scale, out_scale, compute_dtype, chunk_bytes)
+    else:
+        for b in range(q.shape[0]):
+            _grad_sequence(dout[b], q[b], k[b], v[b], out[b], lse[b], None if dlse is None else dlse[b],
+                           dq[b], dk[b], dv[b], mask, score_scale, out_scale, compute_dtype, chunk_bytes)
+    return dq, dk, dv

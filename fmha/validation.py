@@ -29,7 +29,7 @@ import torch
 from .masking import MaskKind, MaskSpec
 from .problem import HEAD_DIMS, INPUT_DTYPES, AttentionProblem, KernelOptions, default_out_dtype, output_dtypes_for
 
-__all__ = ["validate", "kernel_options", "lse_shape", "out_shape"]
+__all__ = ["validate", "validate_backward", "kernel_options", "lse_shape", "out_shape"]
 
 #: TMA (and vectorized loads) need 16-byte aligned row starts
 ALIGN_BYTES = 16
@@ -347,6 +347,27 @@ def validate(
         seqlens_q=tuple(lens_q) if varlen else None,
         seqlens_k=tuple(lens_k) if varlen else None,
     )
+
+
+def validate_backward(dout, q, k, v, out, lse, *, dlse=None, dq=None, dk=None, dv=None,
+                      **forward_kwargs) -> AttentionProblem:
+    """Check a backward call: q, k, v, ``out`` and ``lse`` as the forward took and returned them
+    (``validate``'s checks, with ``out`` and ``lse`` required), ``dout`` (and ``dlse``) shaped
+    like ``out`` (and ``lse``), and the optional ``dq``/``dk``/``dv`` like q/k/v."""
+    for name, t in (("out", out), ("lse", lse)):
+        if t is None:
+            raise TypeError(f"{name} is required: pass the forward's {name} (return_lse=True gives the LSE)")
+    problem = validate(q, k, v, out=out, lse=lse, **forward_kwargs)
+    if problem.dtype == torch.float8_e4m3fn:
+        raise TypeError("fp8 inputs have no backward: train in bfloat16 or float16 "
+                        "(convert q, k, v with .to(torch.bfloat16))")
+    _check_output("dout", dout, tuple(out.shape), out.dtype, q.device)
+    if dlse is not None:
+        _check_output("dlse", dlse, tuple(lse.shape), torch.float32, q.device)
+    for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if grad is not None:
+            _check_output(name, grad, tuple(like.shape), like.dtype, q.device)
+    return problem
 
 
 def kernel_options(persistent=None, tile_mn=None) -> KernelOptions:

@@ -1,0 +1,127 @@
+"""fmha as torch custom ops: what makes ``fmha.attention`` differentiable and traceable.
+
+``fmha::attention_forward`` (O and the LSE) and ``fmha::attention_backward`` (dq, dk, dv) are
+registered with ``torch.library``, each with a fake (meta) implementation that only describes
+its outputs, and the backward is the forward's autograd formula. So autograd records the call,
+the LSE is saved rather than recomputed, ``torch.compile(fullgraph=True)`` traces a model that
+calls fmha (the ops stay opaque nodes of the graph), and CUDA-graph capture sees plain launches.
+Calls that need neither go straight to ``api._forward`` and skip the op machinery.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .masking import MaskSpec
+from .problem import default_out_dtype
+from .validation import _scale, kernel_options, lse_shape, out_shape
+
+
+def _forward_kwargs(causal, window_left, window_right, mask_align, compressed_causal, softmax_scale,
+                    scale_q, scale_k, scale_v, inv_scale_o) -> dict:
+    return dict(causal=causal, window_size=(window_left, window_right), mask_align=mask_align,
+                compressed_causal=compressed_causal, softmax_scale=softmax_scale, scale_q=scale_q,
+                scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o)
+
+
+@torch.library.custom_op("fmha::attention_forward", mutates_args=())
+def _forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                varlen: bool, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool,
+                window_left: Optional[int], window_right: Optional[int], mask_align: str, compressed_causal: bool,
+                softmax_scale: float, scale_q: float, scale_k: float, scale_v: float, inv_scale_o: float,
+                out_dtype: Optional[torch.dtype], backend: str, persistent: Optional[bool],
+                tile_mn: Optional[List[int]]) -> Tuple[Tensor, Tensor]:
+    from .api import _forward
+
+    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=varlen, max_seqlen_q=max_seqlen_q,
+                    max_seqlen_k=max_seqlen_k, return_lse=True, out=None, lse=None, out_dtype=out_dtype,
+                    backend=backend, persistent=persistent, tile_mn=None if tile_mn is None else tuple(tile_mn),
+                    **_forward_kwargs(causal, window_left, window_right, mask_align, compressed_causal,
+                                      softmax_scale, scale_q, scale_k, scale_v, inv_scale_o))
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal, window_left,
+                  window_right, mask_align, compressed_causal, softmax_scale, scale_q, scale_k, scale_v,
+                  inv_scale_o, out_dtype, backend, persistent, tile_mn):
+    out = q.new_empty(out_shape(q, v.shape[-1]), dtype=out_dtype or default_out_dtype(q.dtype))
+    return out, q.new_empty(lse_shape(q, varlen), dtype=torch.float32)
+
+
+@torch.library.custom_op("fmha::attention_backward", mutates_args=())
+def _backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+                 cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int],
+                 max_seqlen_k: Optional[int], causal: bool, window_left: Optional[int],
+                 window_right: Optional[int], mask_align: str, compressed_causal: bool, softmax_scale: float,
+                 scale_q: float, scale_k: float, scale_v: float, inv_scale_o: float, deterministic: bool,
+                 backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+    from .api import attention_backward
+
+    return attention_backward(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=dlse,
+        deterministic=deterministic, backend=backend,
+        **_forward_kwargs(causal, window_left, window_right, mask_align, compressed_causal, softmax_scale,
+                          scale_q, scale_k, scale_v, inv_scale_o))
+
+
+@_backward_op.register_fake
+def _backward_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                   window_left, window_right, mask_align, compressed_causal, softmax_scale, scale_q, scale_k,
+                   scale_v, inv_scale_o, deterministic, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# Positions of the forward op's arguments that the backward reads again (after q, k, v).
+_FORWARD_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "varlen", "max_seqlen_q", "max_seqlen_k", "causal", "window_left",
+                 "window_right", "mask_align", "compressed_causal", "softmax_scale", "scale_q", "scale_k",
+                 "scale_v", "inv_scale_o", "out_dtype", "backend", "persistent", "tile_mn")
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v = inputs[:3]
+    ctx.args = dict(zip(_FORWARD_ARGS, inputs[3:]))
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, ctx.args["cu_seqlens_q"], ctx.args["cu_seqlens_k"])
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    a = ctx.args
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.fmha.attention_backward(
+        grad_out.contiguous() if grad_out.stride(-1) != 1 else grad_out, q, k, v, out, lse, grad_lse,
+        cu_q, cu_k, a["max_seqlen_q"], a["max_seqlen_k"], a["causal"], a["window_left"], a["window_right"],
+        a["mask_align"], a["compressed_causal"], a["softmax_scale"], a["scale_q"], a["scale_k"], a["scale_v"],
+        a["inv_scale_o"], False, a["backend"])
+    return (dq, dk, dv) + (None,) * len(_FORWARD_ARGS)
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqlen_k, causal=False,
+                      window_size=(None, None), mask_align="top_left", compressed_causal=False, softmax_scale=None,
+                      scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0, out_dtype=None, backend="auto",
+                      persistent=None, tile_mn=None) -> Tuple[Tensor, Tensor]:
+    """(O, LSE) through the custom op, with autograd: the public API's differentiable path. The
+    scalar arguments are checked here (plain Python, so torch.compile traces it) for the same
+    errors validation gives; the tensors are checked when the op runs."""
+    MaskSpec.from_args(causal, window_size, mask_align, compressed_causal)
+    window_left, window_right = window_size
+    scale_q, scale_k, scale_v, inv_scale_o = (_scale(n, x) for n, x in (
+        ("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v), ("inv_scale_o", inv_scale_o)))
+    softmax_scale = _scale("softmax_scale", softmax_scale, allow_none=True)
+    if softmax_scale is None and isinstance(q, Tensor):
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"out_dtype must be a torch.dtype, got {type(out_dtype).__name__}")
+    kernel_options(persistent, tile_mn)
+    return torch.ops.fmha.attention_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal, window_left, window_right,
+        mask_align, compressed_causal, softmax_scale, scale_q, scale_k, scale_v, inv_scale_o, out_dtype, backend,
+        persistent, None if tile_mn is None else list(tile_mn))

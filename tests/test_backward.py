@@ -1,0 +1,236 @@
+"""The backward on the CPU: the reference backward against autograd through a naive fp64
+attention (every mask, GQA, varlen with empty and length-1 sequences, scales, a gradient on the
+LSE), ``gradcheck`` in fp64, the differentiable public API against the error of a bf16
+computation done the usual way, the functional ``attention_backward``, its argument checks, and
+a small model trained under ``torch.compile(fullgraph=True)`` against SDPA."""
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fmha
+from fmha.masking import MaskSpec
+from fmha.reference import attention_backward_reference, attention_reference
+from naive import keep_matrix, naive_mask
+
+MASKS = [dict(), dict(causal=True), dict(causal=True, mask_align="bottom_right"),
+         dict(window_size=(5, 3)), dict(window_size=(None, 4), mask_align="bottom_right"),
+         dict(window_size=(6, None)), dict(compressed_causal=True)]
+SCALES = dict(softmax_scale=0.21, scale_q=1.5, scale_k=0.5, scale_v=2.0, inv_scale_o=0.75)
+
+
+def differentiable_naive(q, k, v, mask_kwargs, cu=None, softmax_scale=None, scale_q=1.0, scale_k=1.0,
+                         scale_v=1.0, inv_scale_o=1.0):
+    """O and LSE as plain torch ops that autograd differentiates: the full score matrix per
+    sequence, the mask as the semantics' predicate, empty rows O = 0 and LSE -inf."""
+    d = q.shape[-1]
+    ss = (1 / math.sqrt(d) if softmax_scale is None else softmax_scale) * scale_q * scale_k
+    mask = naive_mask(**mask_kwargs)
+
+    def one(qs, ks, vs):
+        sq, hq, _ = qs.shape
+        sk, hk, _ = ks.shape
+        g = hq // hk
+        kk, vv = ks.repeat_interleave(g, 1), vs.repeat_interleave(g, 1)
+        s = torch.einsum("qhd,khd->hqk", qs, kk) * ss
+        keep = keep_matrix(sq, sk, mask) if sq and sk else torch.zeros(sq, sk, dtype=torch.bool)
+        s = s.masked_fill(~keep, -math.inf)
+        lse = torch.logsumexp(s, -1) if sk else s.new_full((hq, sq), -math.inf)
+        p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
+        return torch.einsum("hqk,khd->qhd", p, vv) * scale_v * inv_scale_o, lse
+
+    if cu is None:
+        outs = [one(q[b], k[b], v[b]) for b in range(q.shape[0])]
+        return torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])
+    cq, ck = cu
+    outs = [one(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]) for b in range(len(cq) - 1)]
+    return torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs], dim=1)
+
+
+def _inputs(varlen, mask_kwargs, dtype=torch.float64, d=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    compressed = mask_kwargs.get("compressed_causal")
+    if varlen:
+        lens_q = [12, 0, 1, 9, 20] if compressed else [13, 0, 1, 9, 4]
+        lens_k = [4, 0, 1, 3, 5] if compressed else [11, 3, 1, 0, 7]
+        shapes = (sum(lens_q), 4, d), (sum(lens_k), 2, d)
+        cu = ([0, *itertools.accumulate(lens_q)], [0, *itertools.accumulate(lens_k)])
+    else:
+        sq, sk = (21, 7) if compressed else (13, 11)
+        shapes = (2, sq, 4, d), (2, sk, 2, d)
+        cu = None
+    q = torch.randn(*shapes[0], generator=g, dtype=torch.float64).to(dtype)
+    k, v = (torch.randn(*shapes[1], generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
+    return q, k, v, cu
+
+
+def _cu_tensors(cu):
+    return (None, None) if cu is None else tuple(torch.tensor(c, dtype=torch.int32) for c in cu)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("mask_kwargs", MASKS, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()) or "none")
+def test_reference_backward_matches_autograd_of_the_naive_attention(varlen, mask_kwargs):
+    q, k, v, cu = _inputs(varlen, mask_kwargs)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    o, lse = differentiable_naive(q, k, v, mask_kwargs, cu, **SCALES)
+    g = torch.Generator().manual_seed(1)
+    do = torch.randn(o.shape, generator=g, dtype=torch.float64)
+    dlse = torch.randn(lse.shape, generator=g, dtype=torch.float64).masked_fill(torch.isneginf(lse), 0)
+    ((o * do).sum() + (lse.masked_fill(torch.isneginf(lse), 0) * dlse).sum()).backward()
+    cu_q, cu_k = _cu_tensors(cu)
+    mask = MaskSpec.from_args(**mask_kwargs)
+    out, ref_lse = attention_reference(q.detach(), k.detach(), v.detach(), cu_q, cu_k, mask=mask,
+                                       compute_dtype=torch.float64, **SCALES)
+    grads = attention_backward_reference(do, q.detach(), k.detach(), v.detach(), out, ref_lse, cu_q, cu_k, mask=mask,
+                                         dlse=dlse, compute_dtype=torch.float64, **SCALES)
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+class _ReferenceAttention(torch.autograd.Function):
+    """The reference forward with the reference backward, for gradcheck."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        o, lse = attention_reference(q, k, v, mask=mask, compute_dtype=torch.float64)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.mask = mask
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        grads = attention_backward_reference(do, q, k, v, o, lse, mask=ctx.mask, dlse=dlse,
+                                             compute_dtype=torch.float64)
+        return (*grads, None)
+
+
+@pytest.mark.parametrize("mask_kwargs", [dict(), dict(causal=True, mask_align="bottom_right"),
+                                         dict(window_size=(2, 1))])
+def test_reference_backward_passes_gradcheck(mask_kwargs):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 5, 2, 32, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 6, 1, 32, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 6, 1, 32, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = MaskSpec.from_args(**mask_kwargs)
+    assert torch.autograd.gradcheck(lambda *t: _ReferenceAttention.apply(*t, mask), (q, k, v))
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("mask_kwargs", [dict(), dict(causal=True), dict(window_size=(4, 0), mask_align="bottom_right"),
+                                         dict(compressed_causal=True)], ids=str)
+def test_differentiable_api_within_twice_the_error_of_a_bf16_computation(varlen, mask_kwargs):
+    """fmha's bf16 gradients against fp64, judged as FlashAttention's tests do: at most about
+    twice the error of the same attention computed in bf16 with plain torch ops."""
+    q64, k64, v64, cu = _inputs(varlen, mask_kwargs, d=64, seed=5)
+    do64 = torch.randn(q64.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    exact = [t.clone().requires_grad_() for t in (q64, k64, v64)]
+    o, _ = differentiable_naive(*exact, mask_kwargs, cu)
+    (o * do64).sum().backward()
+    low = [t.to(torch.bfloat16).requires_grad_() for t in (q64, k64, v64)]
+    o, _ = differentiable_naive(*low, mask_kwargs, cu)
+    (o * do64.to(torch.bfloat16)).sum().backward()
+    ours = [t.to(torch.bfloat16).requires_grad_() for t in (q64, k64, v64)]
+    cu_q, cu_k = _cu_tensors(cu)
+    if varlen:
+        o = fmha.attention_varlen(*ours, cu_q, cu_k, **mask_kwargs)
+    else:
+        o = fmha.attention(*ours, **mask_kwargs)
+    assert o.grad_fn is not None
+    (o.double() * do64).sum().backward()
+    for name, e, lo, us in zip("qkv", exact, low, ours):
+        ref_err = (lo.grad.double() - e.grad).norm()
+        our_err = (us.grad.double() - e.grad).norm()
+        assert our_err <= 2 * ref_err + 1e-6 * e.grad.norm(), (name, our_err.item(), ref_err.item())
+
+
+def test_functional_backward_gives_what_autograd_gives_and_writes_given_outputs():
+    q, k, v, _ = _inputs(False, {}, dtype=torch.bfloat16, d=64)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    o, lse = fmha.attention(q, k, v, causal=True, return_lse=True)
+    do = torch.randn_like(o)
+    o.backward(do)
+    dq = torch.full_like(q, float("nan"))
+    got = fmha.attention_backward(do, q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), causal=True,
+                                  dq=dq)
+    assert got[0] is dq
+    for a, b in zip(got, (q.grad, k.grad, v.grad)):
+        assert torch.equal(a, b)
+
+
+def test_a_gradient_on_the_lse_reaches_q_and_k():
+    q, k, v, _ = _inputs(False, {}, dtype=torch.bfloat16, d=64)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    _, lse = fmha.attention(q, k, v, return_lse=True)
+    lse.sum().backward()
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    differentiable_naive(*exact, {})[1].sum().backward()
+    for ours, e in zip((q, k), exact[:2]):
+        assert (ours.grad.double() - e.grad).norm() <= 1e-2 * e.grad.norm()
+    assert not v.grad.any()  # the LSE does not depend on V
+
+
+def test_backward_argument_errors():
+    q, k, v, _ = _inputs(False, {}, dtype=torch.bfloat16, d=64)
+    o, lse = fmha.attention(q, k, v, return_lse=True)
+    with pytest.raises(TypeError, match="lse is required"):
+        fmha.attention_backward(o, q, k, v, o, None)
+    with pytest.raises(ValueError, match="dout has shape"):
+        fmha.attention_backward(o[:, :3], q, k, v, o, lse)
+    with pytest.raises(TypeError, match="dout has dtype"):
+        fmha.attention_backward(o.half(), q, k, v, o, lse)
+    with pytest.raises(ValueError, match="dk has shape"):
+        fmha.attention_backward(o, q, k, v, o, lse, dk=torch.empty_like(q))
+    f8 = [t.to(torch.float8_e4m3fn) for t in (q, k, v)]
+    o8, lse8 = fmha.attention(*f8, return_lse=True)
+    with pytest.raises(TypeError, match="fp8 inputs have no backward"):
+        fmha.attention_backward(o8, *f8, o8, lse8)
+    with pytest.raises(fmha.UnsupportedError):
+        fmha.attention_backward(o, q, k, v, o, lse, backend="kernel")
+    with pytest.raises(ValueError, match="not differentiable"):
+        fmha.attention(q.requires_grad_(), k, v, out=torch.empty_like(o))
+    with pytest.raises(ValueError, match="window_size left must be"):
+        fmha.attention(q, k, v, window_size=(1.5, 0))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, use_fmha, d=128, heads=4):
+        super().__init__()
+        self.qkv, self.out, self.heads, self.use_fmha = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d), heads, use_fmha
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).to(torch.bfloat16).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        if self.use_fmha:
+            a = fmha.attention(q, k, v, causal=True)
+        else:
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True).transpose(1, 2)
+        return self.out(a.reshape(b, s, d).float())
+
+
+def _train(use_fmha, backend=None, steps=3):
+    torch.manual_seed(0)
+    model = _Block(use_fmha)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch.compile(model, fullgraph=True, backend=backend) if backend else model
+    x, y = torch.randn(2, 48, 128), torch.randn(2, 48, 128)
+    losses = []
+    for _ in range(steps):
+        loss = F.mse_loss(step(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_training_under_torch_compile_fullgraph_matches_sdpa(backend):
+    torch._dynamo.reset()
+    sdpa = _train(False)
+    assert _train(True, backend) == pytest.approx(sdpa, rel=1e-4)
