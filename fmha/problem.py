@@ -133,3 +133,5 @@ class KernelOptions:
     # claimed). None: the backend's choice (it claims when the problem's K/V exceeds half the
     # L2). An explicit ``persistent=True`` keeps the static persistent walk.
     claim_tiles: Optional[bool] = None
+    # backward: bitwise-repeatable gradients (no float atomics whose order varies)
+    deterministic: bool = False

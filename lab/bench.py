@@ -249,6 +249,49 @@ def run_point(p: Point, impls: dict, torch, do_bench, rounds: int = 1) -> list[d
     return list(rows.values())
 
 
+BACKWARD_IMPLS = ("fmha", "fa4", "cudnn", "sdpa_flash")
+BACKWARD_REL_L2_LIMIT = 3e-2  # bf16 gradients against the fp32 reference backward
+
+
+def run_point_backward(p: Point, impls: dict, torch, do_bench, rounds: int = 1) -> list[dict]:
+    """The backward alone: each implementation's forward once with inputs that require grad,
+    then ``torch.autograd.grad`` of its output timed (the same autograd overhead for all), its
+    gradients checked against the fp32 reference backward first. TFLOP/s count 2.5x the
+    forward's FLOPs (five GEMMs to the forward's two)."""
+    from fmha.masking import MaskSpec
+    from fmha.reference import attention_backward_reference, attention_reference, cast_output
+
+    q, k, v, cu = _inputs(p, torch)
+    mask = MaskSpec.from_args(**_mask_kwargs(p))
+    out, lse = attention_reference(q, k, v, cu, cu, mask=mask)
+    dout = torch.randn(q.shape, device=q.device).to(q.dtype)
+    ref = attention_backward_reference(dout, q, k, v, cast_output(out, q.dtype), lse, cu, cu, mask=mask)
+    rows, timed = {}, {}
+    for name in [n for n in BACKWARD_IMPLS if n in impls]:
+        row = rows[name] = dict(point=asdict(p), impl=name, mode="backward")
+        try:
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            o = impls[name](*leaves, p, cu)
+            grads = torch.autograd.grad(o, leaves, dout, retain_graph=True)
+            torch.cuda.synchronize()
+            err = max(((g.float() - r).norm() / r.norm()).item() for g, r in zip(grads, ref))
+            row["rel_l2"] = err
+            if not err < BACKWARD_REL_L2_LIMIT:
+                row["error"] = f"wrong gradients (rel L2 {err:.3g})"
+            else:
+                timed[name] = (lambda o=o, leaves=leaves: torch.autograd.grad(o, leaves, dout, retain_graph=True))
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    for _ in range(rounds):
+        for name, fn in timed.items():
+            rows[name].setdefault("ms_rounds", []).append(do_bench(fn, warmup=50, rep=200, return_mode="median"))
+    for name in timed:
+        row = rows[name]
+        row["ms"] = ms = sorted(row["ms_rounds"])[len(row["ms_rounds"]) // 2]
+        row["tflops"] = 2.5 * p.flops() / (ms * 1e-3) / 1e12
+    return list(rows.values())
+
+
 # Rounds of one implementation at one point that differ by more than this are listed in the report.
 SPREAD_NOTE = 0.05
 
@@ -261,9 +304,9 @@ def round_spreads(rows: list[dict]) -> list[tuple]:
     return sorted(spreads, reverse=True)
 
 
-def write_reports(rows: list[dict], out_dir: str, meta: dict) -> str:
+def write_reports(rows: list[dict], out_dir: str, meta: dict, name: str = "bench") -> str:
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "bench.json"), "w") as f:
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     points = list(dict.fromkeys(json.dumps(r["point"], sort_keys=True) for r in rows))
@@ -273,7 +316,7 @@ def write_reports(rows: list[dict], out_dir: str, meta: dict) -> str:
         head += " | fmha / fa4"
     if "cudnn" in impls:
         head += " | fmha / cudnn"
-    lines = [f"# Forward attention, {meta['device']}", "",
+    lines = [f"# {'Backward' if name == 'bench_backward' else 'Forward'} attention, {meta['device']}", "",
              f"{meta['date']}; command: `{meta['command']}`", "", head + " |",
              "|" + "---|" * (head.count("|"))]
     ratios = {"fa4": [], "cudnn": []}
@@ -325,9 +368,9 @@ def write_reports(rows: list[dict], out_dir: str, meta: dict) -> str:
     if errs:
         lines += ["", "Errors:", *errs]
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(out_dir, "bench.md"), "w") as f:
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(text)
-    _plot(rows, impls, os.path.join(out_dir, "bench.png"), meta)
+    _plot(rows, impls, os.path.join(out_dir, f"{name}.png"), meta)
     return text
 
 
@@ -466,6 +509,8 @@ def main(argv=None):
                     help="only measure time to first result (cold/warm cache) and small-call overhead")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time each implementation this many times, interleaved, and keep the median")
+    ap.add_argument("--backward", action="store_true",
+                    help="time the backward (autograd of each implementation's forward) instead")
     ap.add_argument("--variants", action="store_true",
                     help="also time the kernel with other compile-time choices (lab/variants.py)")
     args = ap.parse_args(argv)
@@ -497,17 +542,20 @@ def main(argv=None):
         return any(label.endswith(w[:-1]) if w.endswith("$") else w in label
                    for w in args.filter.split("|"))
 
+    if args.backward:
+        points = [p for p in points if not p.varlen and p.dtype == "bfloat16" and p.window_left is None]
     for p in (p for p in points if wanted(p.label())):
-        rows += run_point(p, impls, torch, do_bench, args.rounds)
+        new = (run_point_backward if args.backward else run_point)(p, impls, torch, do_bench, args.rounds)
+        rows += new
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "partial.json"), "w") as f:  # kept if the run is cut off
             json.dump(rows, f)
-        got = {r["impl"]: (f"{r['tflops']:.0f}" if "tflops" in r else r.get("error", "?")[:40]) for r in rows[-len(impls):]}
+        got = {r["impl"]: (f"{r['tflops']:.0f}" if "tflops" in r else r.get("error", "?")[:40]) for r in new}
         print(p.label(), got, flush=True)
     meta = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M"),
                 command="python -m lab.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                 torch=torch.__version__)
-    print(write_reports(rows, args.out, meta))
+    print(write_reports(rows, args.out, meta, "bench_backward" if args.backward else "bench"))
     if os.path.exists(os.path.join(args.out, "partial.json")):
         os.remove(os.path.join(args.out, "partial.json"))
     return 0

@@ -422,3 +422,62 @@ def write_reports(results: list, out_dir: str, meta: dict) -> int:
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return n_ok
+
+
+def build_backward_suite() -> list:
+    """Backward cases: both 16-bit dtypes x head dims 32/64/128 x every mask kind and alignment,
+    rotated over odd shapes (S_q != S_k both ways, ragged tiles, GQA 1/2/4, a BHSD view)."""
+    shapes = [(2, 129, 200, 4, 1), (1, 300, 300, 2, 2), (3, 17, 17, 8, 2), (1, 1000, 777, 4, 2), (2, 200, 129, 4, 4),
+              (1, 1, 1, 2, 1)]
+    masks = [("none", "top_left", (None, None)), ("causal", "top_left", (None, 0)),
+             ("causal", "bottom_right", (None, 0)), ("window", "top_left", (100, 37)),
+             ("window", "bottom_right", (64, 0)), ("window", "top_left", (0, None))]
+    cases = []
+    for i, (dt, d, (m, al, w)) in enumerate(itertools.product(["bfloat16", "float16"], [32, 64, 128], masks)):
+        for j in range(2):
+            b, sq, sk, hq, hk = shapes[(i + j) % len(shapes)]
+            cases.append(Case(dt, d, m, al, w, batch=b, seqlen_q=sq, seqlen_k=sk, heads_q=hq, heads_k=hk,
+                              layout="bhsd" if (i + j) % 5 == 0 else "bshd",
+                              scales=(1.5, 0.5, 2.0, 0.75) if (i + j) % 7 == 0 else None))
+    for dt, d in itertools.product(["bfloat16", "float16"], [64, 128]):
+        for sq, sk in [(300, 150), (1000, 31)]:
+            cases.append(Case(dt, d, "compressed", batch=2, seqlen_q=sq, seqlen_k=sk, heads_q=4, heads_k=1))
+    return cases
+
+
+BACKWARD_TOL = {"bfloat16": 2e-2, "float16": 1e-2}
+
+
+def run_backward_case(case: Case, torch, device="cuda", backend="kernel") -> dict:
+    """The backward of ``case`` through ``fmha.attention_backward`` against the fp32 reference
+    backward on the same inputs, out and LSE: relative L2 error of dq, dk, dv (poisoned with NaN
+    first), a gradient on the LSE included."""
+    import fmha
+    from fmha.reference import attention_backward_reference, attention_reference, cast_output
+
+    device = torch.device(device)
+    q, k, v, _, _ = _make_inputs(case, torch, device)
+    problem = _problem(case, q, k, v, None, None, torch)
+    scales = dict(zip(("scale_q", "scale_k", "scale_v", "inv_scale_o"), case.scales or ()))
+    out, lse = attention_reference(q, k, v, mask=problem.mask, **scales)
+    out = cast_output(out, q.dtype)
+    gen = torch.Generator(device=device).manual_seed(hash(case) % (2**31) + 1)
+    dout = torch.randn(out.shape, generator=gen, device=device).to(q.dtype)
+    dlse = torch.randn(lse.shape, generator=gen, device=device).masked_fill(torch.isneginf(lse), 0)
+    want = attention_backward_reference(dout, q, k, v, out, lse, mask=problem.mask, dlse=dlse, **scales)
+    grads = [torch.full_like(t, math.nan) for t in (q, k, v)]
+    fmha.attention_backward(dout, q, k, v, out, lse, dlse=dlse, dq=grads[0], dk=grads[1], dv=grads[2],
+                            backend=backend, **scales, **mask_kwargs(case))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    res = {}
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
+        g = got.float()
+        res[f"nan_in_{name}"] = int(torch.isnan(g).sum())
+        norm = ref.norm().item()
+        diff = (g - ref).nan_to_num(nan=1e30).norm().item()
+        res[f"{name}_rel_l2"] = diff / norm if norm > 0 else diff
+    tol = BACKWARD_TOL[case.dtype]
+    res["o_rel_l2"] = max(res[f"{n}_rel_l2"] for n in ("dq", "dk", "dv"))
+    res["ok"] = bool(all(res[f"nan_in_{n}"] == 0 for n in ("dq", "dk", "dv")) and res["o_rel_l2"] < tol)
+    return res

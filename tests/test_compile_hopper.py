@@ -142,3 +142,31 @@ def test_p_operand_is_packed_before_the_wgmma_fence(dtype, head_dim, tmp_path):
     assert inside and not any(re.search(r"mov\.b32\s+%r\d+, \{%rs", block) for block in inside)
     kind = "bf16x2" if dtype == torch.bfloat16 else "f16x2"
     assert f"cvt.rn.{kind}.f32" in ptx
+
+
+_BWD_MASKS = ["none", "causal", "causal_bottom_right", "window", "left_window", "compressed_causal"]
+_BWD = [(dt, d, _BWD_MASKS[(i + j) % len(_BWD_MASKS)]) for i, (dt, d) in
+        enumerate(itertools.product((torch.float16, torch.bfloat16), (32, 64, 128))) for j in range(2)]
+
+
+@pytest.mark.parametrize("dtype,head_dim,mask", _BWD, ids=lambda x: str(x).replace("torch.", ""))
+def test_backward_compiles_with_wgmma_tma_and_dq_atomics(dtype, head_dim, mask, tmp_path):
+    """The backward kernel for every head dim it serves, both 16-bit dtypes and every mask kind:
+    five warpgroup MMAs per query tile (S^T, dP^T, dV, dK, dQ), TMA loads, dS^T staged with
+    stmatrix, dQ added with fp32 atomics."""
+    from fmha.kernels.hopper.backend import compile_backward
+    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from kernel_configs import problem_for
+
+    cfg = HopperBackwardConfig.from_problem(problem_for(dtype, head_dim, mask))
+    compile_backward(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = next(tmp_path.glob("*.ptx")).read_text()
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx)
+    assert f"m64n{HopperBackwardConfig.tile_m}k16" in wgmma and f"m64n{head_dim}k16" in wgmma
+    assert f"m64n{head_dim // 2}k16" in wgmma  # dQ: half the head dim per warpgroup
+    assert "cp.async.bulk.tensor" in ptx and "stmatrix" in ptx
+    assert re.search(r"(red|atom)\.global(\.\w+)*\.add\.f32", ptx)
+
+
+def test_backward_mask_families_cover_every_kind():
+    assert {m for _, _, m in _BWD} == set(_BWD_MASKS)

@@ -91,3 +91,12 @@ def test_fp8_v_staging_matches_torch(d, kind, spec):
     res = gpu_cases.check_stage_v(d, kind, spec, torch)
     RESULTS.append(res)
     assert res["ok"], res
+
+
+@_needs_hopper
+@pytest.mark.parametrize("bwd_case", gpu_cases.build_backward_suite(), ids=lambda c: "bwd " + c.name())
+def test_backward_kernel_matches_the_reference(bwd_case):
+    res = gpu_cases.run_backward_case(bwd_case, torch)
+    res.update(case=asdict(bwd_case), name="backward " + bwd_case.name())
+    RESULTS.append(res)
+    assert res["ok"], res

@@ -1,8 +1,10 @@
-"""The Hopper backend: the dispatcher's view of the kernel (support check, cache key, prepare)
-and the host side of a launch (compiling against fake tensors, per-call arguments)."""
+"""The Hopper backend: the dispatcher's view of the kernels (support check, cache key, prepare,
+for the forward and the backward) and the host side of a launch (compiling against fake
+tensors, per-call arguments)."""
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -13,7 +15,7 @@ from fmha.jit.launch import sm_count
 from fmha.problem import AttentionProblem, KernelOptions
 from fmha.work_tiles import work_tile_table
 
-from .config import HopperForwardConfig, why_unsupported
+from .config import HopperBackwardConfig, HopperForwardConfig, why_unsupported, why_unsupported_backward
 from .v_staging import stage_v_fp8
 
 ARCH = "sm_90a"
@@ -115,6 +117,58 @@ class HopperRunner:
         )
 
 
+def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
+    """Compile the backward kernel of ``cfg`` for sm_90a; needs no GPU."""
+    import cutlass
+    from cutlass import Float32, Int32
+
+    from .bwd import HopperAttentionBackward
+
+    t = cutlass_dtype(cfg.dtype)
+    d = cfg.head_dim
+    q, k, v, do, dk, dv = (fake_rows(t, 4, d) for _ in range(6))
+    lse2, delta = (fake_rows(cutlass.Float32, 3, None, align_bytes=4) for _ in range(2))
+    dq_acc = fake_rows(cutlass.Float32, 4, d)
+    return compile_for(
+        ARCH, HopperAttentionBackward(cfg), q, k, v, do, lse2, delta, dq_acc, dk, dv,
+        Float32(1.0), Float32(1.0), Float32(1.0),  # scale_log2, out_scale, score_scale
+        Int32(0) if cfg.window_left_bounded else None,
+        Int32(0) if cfg.window_right_bounded else None,
+        extra_options=extra_options,
+    )
+
+
+class HopperBackwardRunner:
+    """The compiled backward plus the host passes around it: the LSE in log2 units and
+    delta = rowsum(dO * O) - dLSE before, dQ scaled and converted after."""
+
+    def __init__(self, cfg: HopperBackwardConfig, compiled: Callable):
+        self.cfg = cfg
+        self.compiled = compiled
+
+    def __call__(self, problem: AttentionProblem, dout, q, k, v, out, lse, dlse, dq, dk, dv,
+                 cu_seqlens_q=None, cu_seqlens_k=None, deterministic: bool = False):
+        if problem.total_q == 0 or problem.total_k == 0 or problem.num_heads_q == 0:
+            for grad in (dq, dk, dv):
+                grad.zero_()
+            return
+        m = problem.mask
+        # rows that keep no key (LSE -inf) get +inf, so that their P = exp2(s - inf) is 0
+        lse2 = torch.where(torch.isneginf(lse), math.inf, lse * math.log2(math.e)).contiguous()
+        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+        if dlse is not None:
+            delta = delta - dlse
+        delta = delta.contiguous()
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        self.compiled(
+            q, k, v, dout, lse2, delta, dq_acc, dk, dv,
+            problem.score_scale_log2, problem.output_scale, problem.score_scale,
+            m.window_left if self.cfg.window_left_bounded else None,
+            m.window_right if self.cfg.window_right_bounded else None,
+        )
+        dq.copy_(dq_acc.mul_(problem.score_scale))
+
+
 class HopperBackend:
     name = "hopper"
     #: compute capabilities this kernel runs on
@@ -129,3 +183,10 @@ class HopperBackend:
     def prepare(self, problem: AttentionProblem, options: KernelOptions) -> HopperRunner:
         cfg = HopperForwardConfig.from_problem(problem, options)
         return HopperRunner(cfg, disk_cache.load_or_compile(cfg, compile_forward))
+
+    def why_unsupported_backward(self, problem: AttentionProblem, options: KernelOptions) -> list:
+        return why_unsupported_backward(problem, options)
+
+    def prepare_backward(self, problem: AttentionProblem, options: KernelOptions) -> HopperBackwardRunner:
+        cfg = HopperBackwardConfig.from_problem(problem)
+        return HopperBackwardRunner(cfg, disk_cache.load_or_compile(cfg, compile_backward))

@@ -1,5 +1,5 @@
-"""The Hopper forward kernel's named barriers (hardware barriers 1..15; 0 is ``__syncthreads``).
-One of each per consumer warpgroup ``wg`` (at most three): ``barrier + wg``."""
+"""The Hopper kernels' named barriers (hardware barriers 1..15; 0 is ``__syncthreads``).
+Forward: one of each per consumer warpgroup ``wg`` (at most three), ``barrier + wg``."""
 
 import enum
 
@@ -12,3 +12,12 @@ class NamedBarrier(enum.IntEnum):
     GEMM_TURN = 1
     #: warpgroup ``wg``'s O rows are staged in shared memory for its TMA store
     O_STAGED = GEMM_TURN + MAX_CONSUMER_WARPGROUPS
+
+
+class NamedBarrierBwd(enum.IntEnum):
+    """The backward kernel's (both consumer warpgroups, 256 threads each time)."""
+
+    #: both warpgroups' dQ products of the previous query tile are done reading dS^T
+    DS_FREE = 1
+    #: both warpgroups' dS^T is in shared memory for the dQ product
+    DS_READY = 2

@@ -245,3 +245,51 @@ def why_unsupported(problem: AttentionProblem, options: KernelOptions) -> list:
                 f"the Hopper kernel's tiles for head dim {problem.head_dim} and {problem.dtype} are "
                 f"{' or '.join(f'{m}x{n}' for m, n in tiles)}; got {options.tile_m}x{options.tile_n}")
     return reasons
+
+
+#: head dims of the backward kernel: at D=256 dK and dV of 64 keys per warpgroup would take all
+#: of a thread's registers
+BACKWARD_HEAD_DIMS = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class HopperBackwardConfig:
+    """Everything that selects a different compiled Hopper backward kernel (``bwd.py``)."""
+
+    dtype: torch.dtype
+    head_dim: int
+    mask_kind: MaskKind
+    window_left_bounded: bool
+    window_right_bounded: bool
+    bottom_right: bool
+
+    #: query rows per step of the K/V tile's loop
+    tile_m = 64
+    #: keys per CTA: 64 per consumer warpgroup
+    tile_n = 128
+
+    @staticmethod
+    def from_problem(problem: AttentionProblem) -> "HopperBackwardConfig":
+        m = problem.mask
+        return HopperBackwardConfig(problem.dtype, problem.head_dim, m.kind, m.window_left is not None,
+                                    m.window_right is not None, m.bottom_right if m.kind == MaskKind.WINDOW else False)
+
+
+def why_unsupported_backward(problem: AttentionProblem, options: KernelOptions) -> list:
+    """Every reason the Hopper backward kernel cannot compute ``problem``'s gradients."""
+    reasons = []
+    if problem.dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"the Hopper backward takes float16/bfloat16 inputs, not {problem.dtype}")
+    if problem.head_dim not in BACKWARD_HEAD_DIMS or problem.head_dim_v != problem.head_dim:
+        reasons.append(f"the Hopper backward supports head dims {BACKWARD_HEAD_DIMS}, got {problem.head_dim}")
+    if problem.out_dtype != problem.dtype:
+        reasons.append(f"the Hopper backward needs out (and dout) in q's dtype {problem.dtype}, "
+                       f"not {problem.out_dtype}")
+    if problem.varlen:
+        reasons.append("the Hopper backward takes fixed-length (BSHD) batches; varlen runs the reference")
+    if options.deterministic:
+        reasons.append("deterministic=True: the Hopper backward adds dQ with float atomics")
+    if not (problem.score_scale > 0 and problem.score_scale < float("inf")):
+        reasons.append("the Hopper backward needs softmax_scale * scale_q * scale_k to be a positive finite "
+                       f"number, got {problem.score_scale}")
+    return reasons

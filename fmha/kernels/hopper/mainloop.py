@@ -10,7 +10,6 @@ tensor-core work. The producer fills the K/V ring in the order this loop waits i
 """
 
 from dataclasses import dataclass
-from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -19,6 +18,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from ..common.fragments import as_operand_a, as_operand_a_fp8, store_as_16bit_pairs
 from ..common.mask import FragmentMask
+from ..common.pipelines import release_by_one_lane
 from ..common.softmax import OnlineSoftmax
 from .barriers import NamedBarrier
 from .wgmma import WARPGROUP_THREADS, issue_gemm
@@ -80,7 +80,7 @@ class ConsumerMainloop:
             issue_gemm(frags.mma_pv, frags.acc_o, self.operand_p(frags.p), frags.v[None, None, None, v_handle.index],
                        False)
             warpgroup.wait_group(0)
-            self.release_by_one_lane(v_handle)
+            release_by_one_lane(v_handle)
         return kv_consumer
 
     @cute.jit
@@ -92,7 +92,7 @@ class ConsumerMainloop:
         acc_s = cute.make_rmem_tensor(frags.s_shape, Float32)
         issue_gemm(frags.mma_qk, acc_s, frags.q, frags.k[None, None, None, k_handle.index], True)
         warpgroup.wait_group(0)
-        self.release_by_one_lane(k_handle)
+        release_by_one_lane(k_handle)
         mask.apply(acc_s, frags.s_coords, row_base, kv_tiles.start * self.cfg.tile_n)
         softmax.update(acc_s, frags.row_scale)  # O is still zero: no rescale
         self.store_p(frags.p, acc_s)
@@ -111,9 +111,9 @@ class ConsumerMainloop:
         # ptxas keeps an mbarrier arrive ahead of a later wgmma wait but hoists both as far as
         # their operands allow. Released here, tied to the softmax's result, K_n's arrive holds
         # the wait for P_{n-1} V_{n-1} below the exponentials, which then run under that GEMM.
-        self.release_by_one_lane(k_handle, anchor=softmax.row_sum[0])
+        release_by_one_lane(k_handle, anchor=softmax.row_sum[0])
         warpgroup.wait_group(0)
-        self.release_by_one_lane(v_handle)
+        release_by_one_lane(v_handle)
         softmax.rescale(frags.acc_o, frags.row_scale)
         self.store_p(frags.p, acc_s)
         # Returned so the caller rebinds it: pipeline state advanced here must be a plain local
@@ -137,19 +137,6 @@ class ConsumerMainloop:
                                  number_of_threads=2 * WARPGROUP_THREADS)
         warpgroup.wait_group(1)  # S_n is ready; P_{n-1} V_{n-1} may still run
         return acc_s, k_handle, v_handle, kv_consumer
-
-    @cute.jit
-    def release_by_one_lane(self, handle, anchor: Optional[Float32] = None):
-        """``handle.release()`` by an elected lane of each warp (the pipeline's own test reads the
-        thread index again at every release). With ``anchor`` (a softmax row sum: never negative,
-        so the condition always holds; NaN compares false and releases too) the release is made
-        data-dependent on it."""
-        pipe = handle.get_origin()
-        with cute.arch.elect_one():
-            if const_expr(anchor is None):
-                pipe.sync_object_empty.arrive(handle.index, pipe.consumer_mask)
-            elif not (anchor < Float32(0.0)):
-                pipe.sync_object_empty.arrive(handle.index, pipe.consumer_mask)
 
     @cute.jit
     def store_p(self, p: cute.Tensor, acc_s: cute.Tensor):

@@ -1,0 +1,336 @@
+"""Hopper (SM90) attention backward: dK and dV per K/V tile, dQ accumulated in fp32.
+
+One CTA owns one K/V tile (128 keys of one K/V head of one sequence) and keeps its dK and dV in
+registers while it walks every query tile (64 rows) of every query head of the group whose mask
+keeps some key of the tile. Roles:
+
+* warp 0 of warpgroup 0, the **producer**: TMA-loads K and V once, then Q and dO of each query
+  tile into a two-stage ring.
+* warpgroups 1 and 2, the **consumers**, 64 keys each. Per query tile, with S^T = K Q^T and
+  dP^T = V dO^T on the tensor cores (keys as the M dimension, so that P^T and dS^T land in
+  registers in the A-operand order of the next products):
+  P^T = exp2(S^T * scale_log2 - lse_log2), dS^T = P^T * (dP^T * out_scale - delta);
+  dV += P^T dO and dK += dS^T Q from registers; dS^T is also stored to shared memory, where both
+  warpgroups read all 128 keys of it for dQ = dS K (each warpgroup half of the head dim), which
+  is added to an fp32 buffer in global memory with atomics.
+
+The host (``backend.HopperBackwardRunner``) prepares the LSE in log2 units (+inf for rows that
+keep nothing, so their P is 0) and delta = rowsum(dO * O) - dLSE, and scales and converts dQ
+afterwards. The K/V tile's query range and which query tiles need the element-wise mask come
+from the same row bands as the forward's (``fmha.masking.row_key_bounds``).
+"""
+
+import math
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from fmha.masking import MaskKind, row_key_bounds
+
+from ..common.fragments import as_operand_a, as_rows_cols, store_as_16bit_pairs
+from ..common.pipelines import release_by_one_lane
+from .barriers import NamedBarrierBwd
+from .config import HopperBackwardConfig
+from .epilogue import store_o_direct
+from .fwd import _bshd_to_sdhb
+from .wgmma import WARPGROUP_THREADS as _WG
+from .wgmma import issue_gemm
+
+
+def _transposed(t: cute.Tensor) -> cute.Tensor:
+    """The same shared-memory tensor with its first two modes swapped: a K-major operand tile
+    seen as the MN-major operand of another product."""
+    modes = [1, 0] + list(range(2, cute.rank(t.layout)))
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+class HopperAttentionBackward:
+    def __init__(self, cfg: HopperBackwardConfig):
+        self.cfg = cfg
+        self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
+        self.num_threads = _WG * 3
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
+                 mDelta: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+                 scale_log2: Float32, out_scale: Float32, score_scale: Float32,
+                 window_left: Optional[Int32], window_right: Optional[Int32], stream: cuda.CUstream):
+        """Dense tensors: q/dO (B, S_q, H_q, D), k/v/dK/dV (B, S_k, H_k, D), LSE2/delta
+        (B, H_q, S_q) fp32, dQacc (B, S_q, H_q, D) fp32 (zeroed)."""
+        cfg = self.cfg
+        self.dtype = mQ.element_type
+        d, tile_m, tile_n = cfg.head_dim, self.tile_m, self.tile_n
+        q, k, v, do = (_bshd_to_sdhb(t, False) for t in (mQ, mK, mV, mdO))
+        K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        # S^T = K Q^T and dP^T = V dO^T: M = keys (64 per warpgroup), N = queries, K = head dim
+        mma_sdp = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (2, 1, 1),
+                                                   (64, tile_m))
+        # dV += P^T dO, dK += dS^T Q: A from registers, M = keys, N = head dim, K = queries
+        mma_dkv = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (2, 1, 1),
+                                                   (64, d), warpgroup.OperandSource.RMEM)
+        # dQ = dS K: M = queries, N = head dim (half per warpgroup), K = keys
+        mma_dq = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, 2, 1),
+                                                  (64, d // 2))
+        sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), self.dtype, 2)
+        sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), self.dtype, 1)
+        sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, d, tile_m), self.dtype, 1)
+
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        tile_q = cute.select(sQ_layout, mode=[0, 1])
+        tile_k = cute.select(sK_layout, mode=[0, 1])
+        tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(load_op, q, tile_q, (tile_m, d))
+        tma_do, tma_tensor_do = cpasync.make_tiled_tma_atom(load_op, do, tile_q, (tile_m, d))
+        tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load_op, k, tile_k, (tile_n, d))
+        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load_op, v, tile_k, (tile_n, d))
+        self.qdo_bytes = 2 * cute.size_in_bytes(self.dtype, tile_q)
+        self.kv_bytes = 2 * cute.size_in_bytes(self.dtype, tile_k)
+
+        @cute.struct
+        class SharedStorage:
+            qdo_mbar: cute.struct.MemRange[cutlass.Int64, 2 * 2]
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        num_n_blocks = (k.shape[0] + tile_n - 1) // tile_n
+        self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_tensor_q, tma_do, tma_tensor_do, tma_k, tma_tensor_k,
+                    tma_v, tma_tensor_v, mLSE2, mDelta, mdQacc, mdK, mdV, scale_log2, out_scale, score_scale,
+                    window_left, window_right, sQ_layout, sK_layout, sdS_layout).launch(
+            grid=[num_n_blocks, k.shape[2], k.shape[3]], block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
+               tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
+               tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
+               mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+               scale_log2: Float32, out_scale: Float32, score_scale: Float32,
+               window_left: Optional[Int32], window_right: Optional[Int32],
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, head_kv, batch = cute.arch.block_idx()
+        if warp_idx == 0:
+            for atom in (tma_q, tma_do, tma_k, tma_v):
+                cpasync.prefetch_descriptor(atom)
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, 8)
+        qdo_producer, qdo_consumer = pipeline.PipelineTmaAsync.create(
+            num_stages=2, producer_group=one_thread, consumer_group=consumer_warps, tx_count=self.qdo_bytes,
+            barrier_storage=storage.qdo_mbar.data_ptr(), defer_sync=True).make_participants()
+        kv_producer, kv_consumer = pipeline.PipelineTmaAsync.create(
+            num_stages=1, producer_group=one_thread, consumer_group=consumer_warps, tx_count=self.kv_bytes,
+            barrier_storage=storage.kv_mbar.data_ptr(), defer_sync=True).make_participants()
+        pipeline.pipeline_init_arrive()
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        pipeline.pipeline_init_wait()
+
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        group = mQ.shape[2] // mK.shape[2]
+        m_start, m_end = self.query_tiles(n_block, seqlen_q, seqlen_k, window_left, window_right)
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(24)
+            if warp_idx == 0:
+                self.producer(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, qdo_producer,
+                              kv_producer, n_block, head_kv, batch, group, m_start, m_end)
+        else:
+            cute.arch.setmaxregister_increase(240)
+            self.consumer(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, qdo_consumer, kv_consumer, mLSE2, mDelta,
+                          mdQacc, mdK, mdV, scale_log2, out_scale, score_scale, window_left, window_right,
+                          n_block, head_kv, batch, group, m_start, m_end, seqlen_q, seqlen_k, tidx - _WG)
+
+    def key_bounds(self, row, seqlen_q, seqlen_k, window_left, window_right):
+        cfg = self.cfg
+        return row_key_bounds(row, seqlen_q, seqlen_k, cfg.mask_kind, window_left, window_right, cfg.bottom_right,
+                              imin=cutlass.min, imax=cutlass.max)
+
+    @cute.jit
+    def first_row(self, seqlen_q, seqlen_k, window_left, window_right, above: Int32, use_lo: cutlass.Constexpr):
+        """The first row whose band end (``use_lo``: start) is past ``above`` (bands never move
+        left as the row grows); ``seqlen_q`` when none is."""
+        lo_row, hi_row = Int32(0), seqlen_q
+        while lo_row < hi_row:
+            mid = (lo_row + hi_row) // 2
+            lo, hi = self.key_bounds(mid, seqlen_q, seqlen_k, window_left, window_right)
+            edge = lo if const_expr(use_lo) else hi
+            if edge > above:
+                hi_row = mid
+            else:
+                lo_row = mid + 1
+        return lo_row
+
+    @cute.jit
+    def query_tiles(self, n_block, seqlen_q, seqlen_k, window_left, window_right):
+        """[m_start, m_end): the query tiles some row of which keeps a key of K/V tile
+        ``n_block``."""
+        num_m = (seqlen_q + self.tile_m - 1) // self.tile_m
+        m_start, m_end = Int32(0), num_m
+        if const_expr(self.cfg.mask_kind != MaskKind.NONE):
+            n0 = n_block * self.tile_n
+            n1 = cutlass.min(n0 + self.tile_n, seqlen_k)
+            first = self.first_row(seqlen_q, seqlen_k, window_left, window_right, n0, False)
+            end = self.first_row(seqlen_q, seqlen_k, window_left, window_right, n1 - 1, True)
+            m_start = first // self.tile_m
+            m_end = cutlass.max((end + self.tile_m - 1) // self.tile_m, m_start)
+            if first >= end:
+                m_end = m_start
+        return m_start, m_end
+
+    @cute.jit
+    def producer(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV,
+                 qdo_producer: pipeline.PipelineProducer, kv_producer: pipeline.PipelineProducer,
+                 n_block, head_kv, batch, group, m_start, m_end):
+        d = self.cfg.head_dim
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        handle = kv_producer.acquire_and_advance()
+        cute.copy(tma_k, tKgK, tKsK[None, 0], tma_bar_ptr=handle.barrier)
+        cute.copy(tma_v, tVgV, tVsV[None, 0], tma_bar_ptr=handle.barrier)
+        for g in cutlass.range(group, unroll=1):
+            head = head_kv * group + g
+            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, d), (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                               cute.group_modes(gQ, 0, 2))
+            tdOsdO, tdOgdO = cpasync.tma_partition(tma_do, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2),
+                                                   cute.group_modes(gdO, 0, 2))
+            for m_block in cutlass.range(m_start, m_end, unroll=1):
+                handle = qdo_producer.acquire_and_advance()
+                cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, handle.index], tma_bar_ptr=handle.barrier)
+                cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, handle.index], tma_bar_ptr=handle.barrier)
+
+    @cute.jit
+    def consumer(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS,
+                 qdo_consumer: pipeline.PipelineConsumer, kv_consumer: pipeline.PipelineConsumer,
+                 mLSE2, mDelta, mdQacc, mdK, mdV, scale_log2: Float32, out_scale: Float32, score_scale: Float32,
+                 window_left, window_right, n_block, head_kv, batch, group, m_start, m_end, seqlen_q, seqlen_k,
+                 tidx: Int32):
+        cfg = self.cfg
+        d, tile_m, tile_n = cfg.head_dim, self.tile_m, self.tile_n
+        wg = cute.arch.make_warp_uniform(tidx // _WG)
+        wg_sdp = mma_sdp.get_slice(wg * _WG)
+        wg_dkv = mma_dkv.get_slice(wg * _WG)
+        wg_dq = mma_dq.get_slice(wg * _WG)
+        thr_sdp = mma_sdp.get_slice(tidx)
+        thr_dkv = mma_dkv.get_slice(tidx)
+        thr_dq = mma_dq.get_slice(tidx)
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))[None, None, None, 0]
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))[None, None, None, 0]
+        tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sdO)))
+        tKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sQ)))
+        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(_transposed(sdS)))[None, None, None, 0]
+        tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(_transposed(sK)))[None, None, None, 0]
+        s_shape = thr_sdp.partition_shape_C((tile_n, tile_m))
+        tScS = as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((tile_n, tile_m))))
+        acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tile_n, d)), Float32)
+        acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tile_n, d)), Float32)
+        acc_dk.fill(0.0)
+        acc_dv.fill(0.0)
+        tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tile_m, d)))
+        # dS^T from the accumulator registers into shared memory, 8x8 blocks at a time
+        st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_st = cute.make_tiled_copy_C(st_atom, mma_sdp).get_slice(tidx)
+        tdSsdS = thr_st.partition_D(sdS[None, None, 0])
+        n0 = n_block * tile_n
+        n1 = cutlass.min(n0 + tile_n, seqlen_k)
+        num_cols = cute.size(tScS, mode=[1])
+
+        kv_handle = kv_consumer.wait_and_advance()
+        for g in cutlass.range(group, unroll=1):
+            head = head_kv * group + g
+            for m_block in cutlass.range(m_start, m_end, unroll=1):
+                m0 = m_block * tile_m
+                handle = qdo_consumer.wait_and_advance()
+                acc_s = cute.make_rmem_tensor(s_shape, Float32)
+                acc_dp = cute.make_rmem_tensor(s_shape, Float32)
+                issue_gemm(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, handle.index], True)
+                issue_gemm(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, handle.index], True)
+                # the statistics of this thread's query columns while the GEMMs run
+                lse2 = cute.make_rmem_tensor(num_cols, Float32)
+                delta = cute.make_rmem_tensor(num_cols, Float32)
+                for j in cutlass.range_constexpr(num_cols):
+                    row = m0 + tScS[0, j][1]
+                    lse2[j] = Float32(math.inf)
+                    delta[j] = Float32(0.0)
+                    if row < seqlen_q:
+                        lse2[j] = mLSE2[batch, head, row]
+                        delta[j] = mDelta[batch, head, row]
+                warpgroup.wait_group(0)
+                s = as_rows_cols(acc_s)
+                dp = as_rows_cols(acc_dp)
+                if const_expr(cfg.mask_kind != MaskKind.NONE):
+                    last = cutlass.min(m0 + tile_m, seqlen_q) - 1
+                    lo_last, _ = self.key_bounds(last, seqlen_q, seqlen_k, window_left, window_right)
+                    _, hi_first = self.key_bounds(m0, seqlen_q, seqlen_k, window_left, window_right)
+                    if not (lo_last <= n0 and hi_first >= n1):
+                        self.apply_mask(s, tScS, m0, n0, seqlen_q, seqlen_k, window_left, window_right)
+                for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                    for j in cutlass.range_constexpr(num_cols):
+                        p = cute.math.exp2(s[r, j] * scale_log2 - lse2[j], fastmath=True)
+                        s[r, j] = p
+                        dp[r, j] = p * (dp[r, j] * out_scale - delta[j])
+                p16 = cute.make_rmem_tensor(s_shape, self.dtype)
+                ds16 = cute.make_rmem_tensor(s_shape, self.dtype)
+                store_as_16bit_pairs(p16, acc_s)
+                store_as_16bit_pairs(ds16, acc_dp)
+                issue_gemm(mma_dkv, acc_dv, as_operand_a(p16), tVrdO[None, None, None, handle.index], False)
+                issue_gemm(mma_dkv, acc_dk, as_operand_a(ds16), tKrQ[None, None, None, handle.index], False)
+                # the other warpgroup's dQ product of the previous tile is done reading sdS
+                cute.arch.barrier(barrier_id=NamedBarrierBwd.DS_FREE, number_of_threads=2 * _WG)
+                cute.copy(st_atom, thr_st.retile(ds16), tdSsdS)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=NamedBarrierBwd.DS_READY, number_of_threads=2 * _WG)
+                acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tile_m, d)), Float32)
+                issue_gemm(mma_dq, acc_dq, tQrdS, tQrK, True)
+                warpgroup.wait_group(0)
+                release_by_one_lane(handle)
+                self.add_dq(acc_dq, tdQcdQ, mdQacc, batch, head, m0, seqlen_q)
+        release_by_one_lane(kv_handle)
+        dk_out = cute.make_rmem_tensor_like(acc_dk, self.dtype)
+        dv_out = cute.make_rmem_tensor_like(acc_dv, self.dtype)
+        dk_out.store((acc_dk.load() * score_scale).to(self.dtype))
+        dv_out.store((acc_dv.load() * out_scale).to(self.dtype))
+        tdKcdK = thr_dkv.partition_C(cute.make_identity_tensor((tile_n, d)))
+        store_o_direct(dk_out, tdKcdK, mdK, False, n_block, tile_n, head_kv, batch, Int32(0), seqlen_k)
+        store_o_direct(dv_out, tdKcdK, mdV, False, n_block, tile_n, head_kv, batch, Int32(0), seqlen_k)
+
+    @cute.jit
+    def apply_mask(self, s: cute.Tensor, tScS: cute.Tensor, m0, n0, seqlen_q, seqlen_k, window_left, window_right):
+        """Scores of S^T (rows: keys, columns: queries) that the mask drops, to -inf; ``tScS``:
+        the (key, query) coordinates of ``s`` within the tile."""
+        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            lo, hi = self.key_bounds(m0 + tScS[0, j][1], seqlen_q, seqlen_k, window_left, window_right)
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                key = n0 + tScS[r, j][0]
+                if key < lo or key >= hi:
+                    s[r, j] = Float32(-math.inf)
+
+    @cute.jit
+    def add_dq(self, acc_dq: cute.Tensor, tdQcdQ: cute.Tensor, mdQacc: cute.Tensor, batch, head, m0, seqlen_q):
+        """This thread's part of the query tile's dQ, added to the fp32 buffer."""
+        for i in cutlass.range_constexpr(cute.size(acc_dq)):
+            row = m0 + tdQcdQ[i][0]
+            if row < seqlen_q:
+                offset = cute.crd2idx((batch, row, head, tdQcdQ[i][1]), mdQacc.layout)
+                cute.arch.atomic_add(mdQacc.iterator + offset, acc_dq[i])
