@@ -150,10 +150,10 @@ _BWD = [(dt, d, _BWD_MASKS[(i + j) % len(_BWD_MASKS)]) for i, (dt, d) in
 
 
 @pytest.mark.parametrize("dtype,head_dim,mask", _BWD, ids=lambda x: str(x).replace("torch.", ""))
-def test_backward_compiles_with_wgmma_tma_and_dq_atomics(dtype, head_dim, mask, tmp_path):
+def test_backward_compiles_with_wgmma_tma_and_a_dq_reduce_add(dtype, head_dim, mask, tmp_path):
     """The backward kernel for every head dim it serves, both 16-bit dtypes and every mask kind:
     five warpgroup MMAs per query tile (S^T, dP^T, dV, dK, dQ), TMA loads, dS^T staged with
-    stmatrix, dQ added with fp32 atomics."""
+    stmatrix, dQ added by a TMA reduce-add (no per-element atomics)."""
     from fmha.kernels.hopper.backend import compile_backward
     from fmha.kernels.hopper.config import HopperBackwardConfig
     from kernel_configs import problem_for
@@ -165,7 +165,8 @@ def test_backward_compiles_with_wgmma_tma_and_dq_atomics(dtype, head_dim, mask, 
     assert f"m64n{HopperBackwardConfig.tile_m}k16" in wgmma and f"m64n{head_dim}k16" in wgmma
     assert f"m64n{head_dim // 2}k16" in wgmma  # dQ: half the head dim per warpgroup
     assert "cp.async.bulk.tensor" in ptx and "stmatrix" in ptx
-    assert re.search(r"(red|atom)\.global(\.\w+)*\.add\.f32", ptx)
+    assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.add", ptx)
+    assert not re.search(r"(red|atom)\.global(\.\w+)*\.add\.f32", ptx)
 
 
 def test_backward_mask_families_cover_every_kind():

@@ -128,7 +128,7 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
     d = cfg.head_dim
     q, k, v, do, dk, dv = (fake_rows(t, 4, d) for _ in range(6))
     lse2, delta = (fake_rows(cutlass.Float32, 3, None, align_bytes=4) for _ in range(2))
-    dq_acc = fake_rows(cutlass.Float32, 4, d)
+    dq_acc = fake_rows(cutlass.Float32, 4, d)  # read by TMA: rows 16-byte aligned
     return compile_for(
         ARCH, HopperAttentionBackward(cfg), q, k, v, do, lse2, delta, dq_acc, dk, dv,
         Float32(1.0), Float32(1.0), Float32(1.0),  # scale_log2, out_scale, score_scale

@@ -21,3 +21,5 @@ class NamedBarrierBwd(enum.IntEnum):
     DS_FREE = 1
     #: both warpgroups' dS^T is in shared memory for the dQ product
     DS_READY = 2
+    #: both warpgroups' halves of the dQ tile are in shared memory for the TMA reduce-add
+    DQ_STAGED = 3

@@ -11,8 +11,9 @@ keeps some key of the tile. Roles:
   registers in the A-operand order of the next products):
   P^T = exp2(S^T * scale_log2 - lse_log2), dS^T = P^T * (dP^T * out_scale - delta);
   dV += P^T dO and dK += dS^T Q from registers; dS^T is also stored to shared memory, where both
-  warpgroups read all 128 keys of it for dQ = dS K (each warpgroup half of the head dim), which
-  is added to an fp32 buffer in global memory with atomics.
+  warpgroups read all 128 keys of it for dQ = dS K (each warpgroup half of the head dim). The
+  dQ tile is staged in shared memory and added to an fp32 buffer in global memory by one TMA
+  reduce-add (whole lines, asynchronous) instead of per-element atomics.
 
 The host (``backend.HopperBackwardRunner``) prepares the LSE in log2 units (+inf for rows that
 keep nothing, so their P is 0) and delta = rowsum(dO * O) - dLSE, and scales and converts dQ
@@ -80,6 +81,7 @@ class HopperAttentionBackward:
         sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), self.dtype, 2)
         sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), self.dtype, 1)
         sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, d, tile_m), self.dtype, 1)
+        sdQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d), Float32, 1)
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tile_q = cute.select(sQ_layout, mode=[0, 1])
@@ -88,6 +90,9 @@ class HopperAttentionBackward:
         tma_do, tma_tensor_do = cpasync.make_tiled_tma_atom(load_op, do, tile_q, (tile_m, d))
         tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load_op, k, tile_k, (tile_n, d))
         tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load_op, v, tile_k, (tile_n, d))
+        tma_dq, tma_tensor_dq = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), _bshd_to_sdhb(mdQacc, False),
+            cute.select(sdQ_layout, mode=[0, 1]), (tile_m, d))
         self.qdo_bytes = 2 * cute.size_in_bytes(self.dtype, tile_q)
         self.kv_bytes = 2 * cute.size_in_bytes(self.dtype, tile_k)
 
@@ -100,12 +105,13 @@ class HopperAttentionBackward:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
         self.shared_storage = SharedStorage
         num_n_blocks = (k.shape[0] + tile_n - 1) // tile_n
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_tensor_q, tma_do, tma_tensor_do, tma_k, tma_tensor_k,
-                    tma_v, tma_tensor_v, mLSE2, mDelta, mdQacc, mdK, mdV, scale_log2, out_scale, score_scale,
-                    window_left, window_right, sQ_layout, sK_layout, sdS_layout).launch(
+                    tma_v, tma_tensor_v, tma_dq, tma_tensor_dq, mLSE2, mDelta, mdK, mdV, scale_log2, out_scale,
+                    score_scale, window_left, window_right, sQ_layout, sK_layout, sdS_layout, sdQ_layout).launch(
             grid=[num_n_blocks, k.shape[2], k.shape[3]], block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
 
@@ -113,15 +119,17 @@ class HopperAttentionBackward:
     def kernel(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
                tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
                tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
-               mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+               tma_dq: cute.CopyAtom, mdQacc: cute.Tensor,
+               mLSE2: cute.Tensor, mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                scale_log2: Float32, out_scale: Float32, score_scale: Float32,
                window_left: Optional[Int32], window_right: Optional[Int32],
-               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout):
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
+               sdQ_layout: cute.ComposedLayout):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
         if warp_idx == 0:
-            for atom in (tma_q, tma_do, tma_k, tma_v):
+            for atom in (tma_q, tma_do, tma_k, tma_v, tma_dq):
                 cpasync.prefetch_descriptor(atom)
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -138,6 +146,7 @@ class HopperAttentionBackward:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)[None, None, 0]
         pipeline.pipeline_init_wait()
 
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
@@ -150,8 +159,8 @@ class HopperAttentionBackward:
                               kv_producer, n_block, head_kv, batch, group, m_start, m_end)
         else:
             cute.arch.setmaxregister_increase(240)
-            self.consumer(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, qdo_consumer, kv_consumer, mLSE2, mDelta,
-                          mdQacc, mdK, mdV, scale_log2, out_scale, score_scale, window_left, window_right,
+            self.consumer(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, qdo_consumer, kv_consumer, mLSE2,
+                          mDelta, tma_dq, mdQacc, mdK, mdV, scale_log2, out_scale, score_scale, window_left, window_right,
                           n_block, head_kv, batch, group, m_start, m_end, seqlen_q, seqlen_k, tidx - _WG)
 
     def key_bounds(self, row, seqlen_q, seqlen_k, window_left, window_right):
@@ -219,9 +228,9 @@ class HopperAttentionBackward:
                 cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, handle.index], tma_bar_ptr=handle.barrier)
 
     @cute.jit
-    def consumer(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS,
+    def consumer(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ,
                  qdo_consumer: pipeline.PipelineConsumer, kv_consumer: pipeline.PipelineConsumer,
-                 mLSE2, mDelta, mdQacc, mdK, mdV, scale_log2: Float32, out_scale: Float32, score_scale: Float32,
+                 mLSE2, mDelta, tma_dq, mdQacc, mdK, mdV, scale_log2: Float32, out_scale: Float32, score_scale: Float32,
                  window_left, window_right, n_block, head_kv, batch, group, m_start, m_end, seqlen_q, seqlen_k,
                  tidx: Int32):
         cfg = self.cfg
@@ -247,7 +256,9 @@ class HopperAttentionBackward:
         acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tile_n, d)), Float32)
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
-        tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tile_m, d)))
+        tdQsdQ = thr_dq.partition_C(sdQ)
+        # the warp that issues the dQ reduce-adds (warp-uniform: the whole warp calls the copy)
+        dq_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4
         # dS^T from the accumulator registers into shared memory, 8x8 blocks at a time
         st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_st = cute.make_tiled_copy_C(st_atom, mma_sdp).get_slice(tidx)
@@ -296,7 +307,10 @@ class HopperAttentionBackward:
                 store_as_16bit_pairs(ds16, acc_dp)
                 issue_gemm(mma_dkv, acc_dv, as_operand_a(p16), tVrdO[None, None, None, handle.index], False)
                 issue_gemm(mma_dkv, acc_dk, as_operand_a(ds16), tKrQ[None, None, None, handle.index], False)
-                # the other warpgroup's dQ product of the previous tile is done reading sdS
+                # the other warpgroup's dQ product of the previous tile is done reading sdS, and the
+                # previous tile's dQ reduce-add has read sdQ
+                if dq_warp:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=NamedBarrierBwd.DS_FREE, number_of_threads=2 * _WG)
                 cute.copy(st_atom, thr_st.retile(ds16), tdSsdS)
                 cute.arch.fence_view_async_shared()
@@ -305,8 +319,18 @@ class HopperAttentionBackward:
                 issue_gemm(mma_dq, acc_dq, tQrdS, tQrK, True)
                 warpgroup.wait_group(0)
                 release_by_one_lane(handle)
-                self.add_dq(acc_dq, tdQcdQ, mdQacc, batch, head, m0, seqlen_q)
+                cute.autovec_copy(acc_dq, tdQsdQ)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=NamedBarrierBwd.DQ_STAGED, number_of_threads=2 * _WG)
+                if dq_warp:
+                    gdQ = cute.local_tile(mdQacc[None, None, head, batch], (tile_m, d), (m_block, 0))
+                    tdQs, tdQg = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
+                                                       cute.group_modes(gdQ, 0, 2))
+                    cute.copy(tma_dq, tdQs, tdQg)
+                    cute.arch.cp_async_bulk_commit_group()
         release_by_one_lane(kv_handle)
+        if dq_warp:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
         dk_out = cute.make_rmem_tensor_like(acc_dk, self.dtype)
         dv_out = cute.make_rmem_tensor_like(acc_dv, self.dtype)
         dk_out.store((acc_dk.load() * score_scale).to(self.dtype))
@@ -325,12 +349,3 @@ class HopperAttentionBackward:
                 key = n0 + tScS[r, j][0]
                 if key < lo or key >= hi:
                     s[r, j] = Float32(-math.inf)
-
-    @cute.jit
-    def add_dq(self, acc_dq: cute.Tensor, tdQcdQ: cute.Tensor, mdQacc: cute.Tensor, batch, head, m0, seqlen_q):
-        """This thread's part of the query tile's dQ, added to the fp32 buffer."""
-        for i in cutlass.range_constexpr(cute.size(acc_dq)):
-            row = m0 + tdQcdQ[i][0]
-            if row < seqlen_q:
-                offset = cute.crd2idx((batch, row, head, tdQcdQ[i][1]), mdQacc.layout)
-                cute.arch.atomic_add(mdQacc.iterator + offset, acc_dq[i])
