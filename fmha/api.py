@@ -178,13 +178,15 @@ def attention_backward(
         causal=causal, window_size=window_size, mask_align=mask_align, compressed_causal=compressed_causal,
         softmax_scale=softmax_scale, scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o,
     )
-    options = kernel_options()
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+    options = dataclasses.replace(kernel_options(), deterministic=deterministic)
     chosen = select_backward_backend(backend, problem, options)
     runner = get_backward_runner(chosen, problem, options)
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    runner(problem, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, bool(deterministic))
+    runner(problem, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, deterministic)
     return dq, dk, dv
 
 

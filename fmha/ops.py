@@ -94,7 +94,7 @@ def _backward(ctx, grad_out, grad_lse):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = torch.ops.fmha.attention_backward(
-        grad_out.contiguous() if grad_out.stride(-1) != 1 else grad_out, q, k, v, out, lse, grad_lse,
+        grad_out.contiguous(), q, k, v, out, lse, grad_lse,
         cu_q, cu_k, a["max_seqlen_q"], a["max_seqlen_k"], a["causal"], a["window_left"], a["window_right"],
         a["mask_align"], a["compressed_causal"], a["softmax_scale"], a["scale_q"], a["scale_k"], a["scale_v"],
         a["inv_scale_o"], False, a["backend"])

@@ -47,6 +47,23 @@ def cast_output(o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return o.to(dtype)
 
 
+def _sequences(batch: int, cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor]):
+    """(query index, key index, LSE index) of every sequence: a batch entry ``b`` of dense
+    tensors, or the rows ``cu[b]:cu[b + 1]`` of packed ones (the LSE's token dim is its last)."""
+    if cu_seqlens_q is None:
+        return [(b, b, b) for b in range(batch)]
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1]), (slice(None), slice(cq[b], cq[b + 1])))
+            for b in range(len(cq) - 1)]
+
+
+def _scales(head_dim: int, softmax_scale, scale_q, scale_k, scale_v, inv_scale_o):
+    """(score scale, output scale) of the semantics."""
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    return softmax_scale * scale_q * scale_k, scale_v * inv_scale_o
+
+
 def _chunk_sizes(sq: int, sk: int, heads: int, elem: int, budget: int):
     """(rows, heads) per block so that rows * heads * sk * elem <= budget (at least 1 x 1)."""
     per_row_head = max(sk, 1) * elem
@@ -124,29 +141,16 @@ def attention_reference(
 
     Inputs are assumed valid (see fmha.validation); varlen reads cu_seqlens on the host.
     """
-    varlen = cu_seqlens_q is not None
-    d, dv = q.shape[-1], v.shape[-1]
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(d)
-    score_scale = softmax_scale * scale_q * scale_k
-    out_scale = scale_v * inv_scale_o
+    score_scale, out_scale = _scales(q.shape[-1], softmax_scale, scale_q, scale_k, scale_v, inv_scale_o)
     fp8_p = q.dtype == torch.float8_e4m3fn
-    o = torch.zeros(q.shape[:-1] + (dv,), dtype=compute_dtype, device=q.device)
-    if varlen:
-        hq = q.shape[1]
-        lse = torch.full((hq, q.shape[0]), -math.inf, dtype=compute_dtype, device=q.device)
-        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        seqs = [
-            (q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]],
-             o[cq[b]:cq[b + 1]], lse[:, cq[b]:cq[b + 1]])
-            for b in range(len(cq) - 1)
-        ]
+    o = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=compute_dtype, device=q.device)
+    if cu_seqlens_q is not None:
+        lse_shape = (q.shape[1], q.shape[0])
     else:
-        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=compute_dtype,
-                         device=q.device)
-        seqs = [(q[b], k[b], v[b], o[b], lse[b]) for b in range(q.shape[0])]
-    for qs, ks, vs, os_, ls in seqs:
-        _attend_sequence(qs, ks, vs, os_, ls, mask, score_scale, out_scale, fp8_p,
+        lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    lse = torch.full(lse_shape, -math.inf, dtype=compute_dtype, device=q.device)
+    for iq, ik, il in _sequences(q.shape[0], cu_seqlens_q, cu_seqlens_k):
+        _attend_sequence(q[iq], k[ik], v[ik], o[iq], lse[il], mask, score_scale, out_scale, fp8_p,
                          compute_dtype, chunk_bytes)
     return o, lse
 
@@ -221,23 +225,9 @@ def attention_backward_reference(
     """Gradients of ``attention_reference``'s O (and LSE, through ``dlse``) with respect to q, k
     and v, from the forward's ``out`` and ``lse``: ``(dq, dk, dv)`` in ``compute_dtype``, shaped
     like q, k, v. Layouts and argument meanings as in ``attention_reference``; deterministic."""
-    d = q.shape[-1]
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(d)
-    score_scale = softmax_scale * scale_q * scale_k
-    out_scale = scale_v * inv_scale_o
-    dq = torch.zeros(q.shape, dtype=compute_dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=compute_dtype, device=q.device)
-    dv = torch.zeros(v.shape, dtype=compute_dtype, device=q.device)
-    if cu_seqlens_q is not None:
-        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        seqs = [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
-        for sq_, sk_ in seqs:
-            _grad_sequence(dout[sq_], q[sq_], k[sk_], v[sk_], out[sq_], lse[:, sq_],
-                           None if dlse is None else dlse[:, sq_], dq[sq_], dk[sk_], dv[sk_], mask,
-                           score_scale, out_scale, compute_dtype, chunk_bytes)
-    else:
-        for b in range(q.shape[0]):
-            _grad_sequence(dout[b], q[b], k[b], v[b], out[b], lse[b], None if dlse is None else dlse[b],
-                           dq[b], dk[b], dv[b], mask, score_scale, out_scale, compute_dtype, chunk_bytes)
+    score_scale, out_scale = _scales(q.shape[-1], softmax_scale, scale_q, scale_k, scale_v, inv_scale_o)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=compute_dtype, device=q.device) for t in (q, k, v))
+    for iq, ik, il in _sequences(q.shape[0], cu_seqlens_q, cu_seqlens_k):
+        _grad_sequence(dout[iq], q[iq], k[ik], v[ik], out[iq], lse[il], None if dlse is None else dlse[il],
+                       dq[iq], dk[ik], dv[ik], mask, score_scale, out_scale, compute_dtype, chunk_bytes)
     return dq, dk, dv

@@ -174,6 +174,45 @@ def test_a_gradient_on_the_lse_reaches_q_and_k():
     assert not v.grad.any()  # the LSE does not depend on V
 
 
+def test_deterministic_reaches_the_backend_choice(monkeypatch):
+    """``deterministic=True`` is part of what the backward's backend is chosen by (the Hopper
+    kernel refuses it: its dQ reduce-adds land in varying order)."""
+    from fmha import api, backends
+
+    seen = []
+
+    def spy(backend, problem, options):
+        seen.append(options.deterministic)
+        return backends.REFERENCE
+
+    monkeypatch.setattr(api, "select_backward_backend", spy)
+    q, k, v, _ = _inputs(False, {}, dtype=torch.bfloat16, d=64)
+    o, lse = fmha.attention(q, k, v, return_lse=True)
+    for flag in (False, True):
+        fmha.attention_backward(o, q, k, v, o, lse, deterministic=flag)
+    assert seen == [False, True]
+    with pytest.raises(TypeError, match="deterministic"):
+        fmha.attention_backward(o, q, k, v, o, lse, deterministic=1)
+
+
+def test_the_hopper_backward_refuses_what_it_does_not_serve():
+    pytest.importorskip("cutlass")
+    from fmha.kernels.hopper.config import why_unsupported_backward
+    from fmha.problem import KernelOptions
+    from fmha.validation import validate
+
+    q, k, v, _ = _inputs(False, {}, dtype=torch.bfloat16, d=64)
+    problem = validate(q, k, v)
+    assert why_unsupported_backward(problem, KernelOptions()) == []
+    assert "deterministic" in why_unsupported_backward(problem, KernelOptions(deterministic=True))[0]
+    q256 = torch.zeros(1, 8, 2, 256, dtype=torch.bfloat16)
+    assert "head dims" in why_unsupported_backward(validate(q256, q256, q256), KernelOptions())[0]
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    varlen = validate(q256[0, :, :, :64].contiguous(), q256[0, :, :, :64].contiguous(),
+                      q256[0, :, :, :64].contiguous(), varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert "varlen" in why_unsupported_backward(varlen, KernelOptions())[0]
+
+
 def test_backward_argument_errors():
     q, k, v, _ = _inputs(False, {}, dtype=torch.bfloat16, d=64)
     o, lse = fmha.attention(q, k, v, return_lse=True)

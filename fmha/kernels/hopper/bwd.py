@@ -36,6 +36,7 @@ from fmha.masking import MaskKind, row_key_bounds
 
 from ..common.fragments import as_operand_a, as_rows_cols, store_as_16bit_pairs
 from ..common.pipelines import release_by_one_lane
+from ..common.tma import tma_tiles
 from .barriers import NamedBarrierBwd
 from .config import HopperBackwardConfig
 from .epilogue import store_o_direct
@@ -207,10 +208,8 @@ class HopperAttentionBackward:
         d = self.cfg.head_dim
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
+        tKsK, tKgK = tma_tiles(tma_k, sK, gK)
+        tVsV, tVgV = tma_tiles(tma_v, sV, gV)
         handle = kv_producer.acquire_and_advance()
         cute.copy(tma_k, tKgK, tKsK[None, 0], tma_bar_ptr=handle.barrier)
         cute.copy(tma_v, tVgV, tVsV[None, 0], tma_bar_ptr=handle.barrier)
@@ -218,10 +217,8 @@ class HopperAttentionBackward:
             head = head_kv * group + g
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (None, 0))
             gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, d), (None, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                                               cute.group_modes(gQ, 0, 2))
-            tdOsdO, tdOgdO = cpasync.tma_partition(tma_do, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2),
-                                                   cute.group_modes(gdO, 0, 2))
+            tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
+            tdOsdO, tdOgdO = tma_tiles(tma_do, sdO, gdO)
             for m_block in cutlass.range(m_start, m_end, unroll=1):
                 handle = qdo_producer.acquire_and_advance()
                 cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, handle.index], tma_bar_ptr=handle.barrier)
@@ -324,8 +321,7 @@ class HopperAttentionBackward:
                 cute.arch.barrier(barrier_id=NamedBarrierBwd.DQ_STAGED, number_of_threads=2 * _WG)
                 if dq_warp:
                     gdQ = cute.local_tile(mdQacc[None, None, head, batch], (tile_m, d), (m_block, 0))
-                    tdQs, tdQg = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
-                                                       cute.group_modes(gdQ, 0, 2))
+                    tdQs, tdQg = tma_tiles(tma_dq, sdQ, gdQ)
                     cute.copy(tma_dq, tdQs, tdQg)
                     cute.arch.cp_async_bulk_commit_group()
         release_by_one_lane(kv_handle)

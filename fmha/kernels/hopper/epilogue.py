@@ -20,9 +20,9 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
-from cutlass.cute.nvgpu import cpasync
 
 from ..common.fragments import as_rows_cols
+from ..common.tma import tma_tiles
 from .wgmma import WARPGROUP_THREADS
 
 
@@ -107,8 +107,7 @@ def store_o_tma(o_out: cute.Tensor, tiled_mma_pv: cute.TiledMma, num_wgs: cutlas
         wg_tile = (64, cute.size(sO, mode=[1]))
         sO_wg = cute.local_tile(sO, wg_tile, (wg, 0))
         gO = cute.local_tile(mO_tma[None, None, head, batch], wg_tile, (m_block * num_wgs + wg, 0))
-        tOsO, tOgO = cpasync.tma_partition(
-            tma_o, 0, cute.make_layout(1), cute.group_modes(sO_wg, 0, 2), cute.group_modes(gO, 0, 2))
+        tOsO, tOgO = tma_tiles(tma_o, sO_wg, gO)
         cute.copy(tma_o, tOsO, tOgO)
         cute.arch.cp_async_bulk_commit_group()
         if const_expr(release_q is not None):

@@ -37,6 +37,7 @@ from ..common.mask import FragmentMask
 from ..common.scheduler import ClaimingTileScheduler, StaticTileScheduler, TileHandOff, TileTableScheduler
 from ..common.seqinfo import SequenceInfo
 from ..common.softmax import MAX_SLACK, OnlineSoftmax
+from ..common.tma import tma_tiles
 from . import sequence_descriptors as seq_desc
 from .barriers import NamedBarrier
 from .config import HopperForwardConfig, OStore
@@ -331,12 +332,9 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors):
                 gQ = cute.local_tile(mQ_cur, (cfg.tile_m, cfg.head_dim), (tile.m_block, 0))
                 gK = cute.local_tile(mK_cur, (cfg.tile_n, cfg.head_dim), (None, 0))
                 gV = cute.local_tile(mV_cur, (cfg.head_dim, cfg.tile_n), (0, None))
-                tQsQ, tQgQ = cpasync.tma_partition(
-                    tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-                tKsK, tKgK = cpasync.tma_partition(
-                    tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-                tVsV, tVgV = cpasync.tma_partition(
-                    tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+                tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
+                tKsK, tKgK = tma_tiles(tma_k, sK, gK)
+                tVsV, tVgV = tma_tiles(tma_v, sV, gV)
 
                 q_handle = q_producer.acquire_and_advance()
                 cute.copy(tma_q, tQgQ, tQsQ[None, q_handle.index], tma_bar_ptr=q_handle.barrier,
