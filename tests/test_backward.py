@@ -9,10 +9,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fmha
 from fmha.masking import MaskSpec
+from attention_model import train_losses
 from fmha.reference import attention_backward_reference, attention_reference
 from naive import keep_matrix, naive_mask
 
@@ -236,40 +236,8 @@ def test_backward_argument_errors():
         fmha.attention(q, k, v, window_size=(1.5, 0))
 
 
-class _Block(torch.nn.Module):
-    def __init__(self, use_fmha, d=128, heads=4):
-        super().__init__()
-        self.qkv, self.out, self.heads, self.use_fmha = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d), heads, use_fmha
-
-    def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).to(torch.bfloat16).view(b, s, 3, self.heads, d // self.heads).unbind(2)
-        if self.use_fmha:
-            a = fmha.attention(q, k, v, causal=True)
-        else:
-            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=True).transpose(1, 2)
-        return self.out(a.reshape(b, s, d).float())
-
-
-def _train(use_fmha, backend=None, steps=3):
-    torch.manual_seed(0)
-    model = _Block(use_fmha)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = torch.compile(model, fullgraph=True, backend=backend) if backend else model
-    x, y = torch.randn(2, 48, 128), torch.randn(2, 48, 128)
-    losses = []
-    for _ in range(steps):
-        loss = F.mse_loss(step(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_training_under_torch_compile_fullgraph_matches_sdpa(backend):
     torch._dynamo.reset()
-    sdpa = _train(False)
-    assert _train(True, backend) == pytest.approx(sdpa, rel=1e-4)
+    sdpa = train_losses(False)
+    assert train_losses(True, backend) == pytest.approx(sdpa, rel=1e-4)
