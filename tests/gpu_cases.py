@@ -442,10 +442,26 @@ def build_backward_suite() -> list:
     for dt, d in itertools.product(["bfloat16", "float16"], [64, 128]):
         for sq, sk in [(300, 150), (1000, 31)]:
             cases.append(Case(dt, d, "compressed", batch=2, seqlen_q=sq, seqlen_k=sk, heads_q=4, heads_k=1))
+    # varlen: empty and length-1 sequences, ragged tails next to NaN-poisoned neighbours
+    varlens = [((0, 1, 17, 300, 1024, 77), (0, 1, 17, 300, 1024, 77)),
+               ((5, 0, 129, 1), (300, 7, 0, 1)),
+               ((100, 0, 200, 0), (150, 20, 130, 7))]
+    for i, (m, al, w) in enumerate(masks):
+        for j, (lq, lk) in enumerate(varlens):
+            dt, d = ["bfloat16", "float16"][(i + j) % 2], [32, 64, 128][(i + j) % 3]
+            cases.append(Case(dt, d, m, al, w, varlen_q=lq, varlen_k=lk, heads_q=4, heads_k=(1, 2)[(i + j) % 2]))
+    cases.append(Case("bfloat16", 128, "compressed", varlen_q=(300, 1, 0, 77), varlen_k=(150, 1, 0, 10),
+                      heads_q=4, heads_k=2))
     return cases
 
 
 BACKWARD_TOL = {"bfloat16": 2e-2, "float16": 1e-2}
+
+
+def backward_problem(case: Case, torch):
+    """The problem of a backward case as validation builds it (no GPU, no data)."""
+    q, k, v, cu_q, cu_k = _make_inputs(case, torch, "cpu", data=False)
+    return _problem(case, q, k, v, cu_q, cu_k, torch)
 
 
 def run_backward_case(case: Case, torch, device="cuda", backend="kernel") -> dict:
@@ -456,17 +472,18 @@ def run_backward_case(case: Case, torch, device="cuda", backend="kernel") -> dic
     from fmha.reference import attention_backward_reference, attention_reference, cast_output
 
     device = torch.device(device)
-    q, k, v, _, _ = _make_inputs(case, torch, device)
-    problem = _problem(case, q, k, v, None, None, torch)
+    q, k, v, cu_q, cu_k = _make_inputs(case, torch, device)
+    problem = _problem(case, q, k, v, cu_q, cu_k, torch)
     scales = dict(zip(("scale_q", "scale_k", "scale_v", "inv_scale_o"), case.scales or ()))
-    out, lse = attention_reference(q, k, v, mask=problem.mask, **scales)
+    out, lse = attention_reference(q, k, v, cu_q, cu_k, mask=problem.mask, **scales)
     out = cast_output(out, q.dtype)
     gen = torch.Generator(device=device).manual_seed(hash(case) % (2**31) + 1)
     dout = torch.randn(out.shape, generator=gen, device=device).to(q.dtype)
     dlse = torch.randn(lse.shape, generator=gen, device=device).masked_fill(torch.isneginf(lse), 0)
-    want = attention_backward_reference(dout, q, k, v, out, lse, mask=problem.mask, dlse=dlse, **scales)
+    want = attention_backward_reference(dout, q, k, v, out, lse, cu_q, cu_k, mask=problem.mask, dlse=dlse,
+                                        **scales)
     grads = [torch.full_like(t, math.nan) for t in (q, k, v)]
-    fmha.attention_backward(dout, q, k, v, out, lse, dlse=dlse, dq=grads[0], dk=grads[1], dv=grads[2],
+    fmha.attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, dlse=dlse, dq=grads[0], dk=grads[1], dv=grads[2],
                             backend=backend, **scales, **mask_kwargs(case))
     if device.type == "cuda":
         torch.cuda.synchronize()

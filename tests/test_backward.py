@@ -197,7 +197,7 @@ def test_deterministic_reaches_the_backend_choice(monkeypatch):
 
 def test_the_hopper_backward_refuses_what_it_does_not_serve():
     pytest.importorskip("cutlass")
-    from fmha.kernels.hopper.config import why_unsupported_backward
+    from fmha.kernels.hopper.config import HopperBackwardConfig, why_unsupported_backward
     from fmha.problem import KernelOptions
     from fmha.validation import validate
 
@@ -210,7 +210,8 @@ def test_the_hopper_backward_refuses_what_it_does_not_serve():
     cu = torch.tensor([0, 8], dtype=torch.int32)
     varlen = validate(q256[0, :, :, :64].contiguous(), q256[0, :, :, :64].contiguous(),
                       q256[0, :, :, :64].contiguous(), varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
-    assert "varlen" in why_unsupported_backward(varlen, KernelOptions())[0]
+    assert why_unsupported_backward(varlen, KernelOptions()) == []  # packed batches are served
+    assert HopperBackwardConfig.from_problem(varlen).varlen and not HopperBackwardConfig.from_problem(problem).varlen
 
 
 def test_backward_argument_errors():

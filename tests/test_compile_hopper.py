@@ -169,5 +169,28 @@ def test_backward_compiles_with_wgmma_tma_and_a_dq_reduce_add(dtype, head_dim, m
     assert not re.search(r"(red|atom)\.global(\.\w+)*\.add\.f32", ptx)
 
 
+@pytest.mark.parametrize("dtype,head_dim,mask", [(torch.bfloat16, 128, "causal_bottom_right"),
+                                                  (torch.float16, 64, "window"), (torch.bfloat16, 32, "none")],
+                         ids=lambda x: str(x).replace("torch.", ""))
+def test_varlen_backward_moves_every_tile_through_sequence_descriptors(dtype, head_dim, mask, tmp_path):
+    """Varlen: a descriptor-writing kernel narrows five descriptors per sequence (q, k, v, dO and
+    the dQ accumulator), and every TMA load and the dQ reduce-add of the backward use them."""
+    from fmha.kernels.hopper.backend import compile_backward
+    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from kernel_configs import problem_for
+
+    cfg = HopperBackwardConfig.from_problem(problem_for(dtype, head_dim, mask, varlen=True))
+    assert cfg.varlen
+    compile_backward(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = next(tmp_path.glob("*.ptx")).read_text()
+    describe, kernel = ptx.split(".entry")[1:3]
+    assert "describe_sequences" in describe and describe.count("tensormap.replace.tile.global_address") == 5
+    fenced = set(re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.gpu \[(%rd\d+)\]", kernel))
+    assert len(fenced) == 5
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global[^;]*\[(%rd\d+), \{", kernel)
+    assert len(loads) >= 4 and set(loads) < fenced  # K, V, Q, dO through their sequence's descriptors
+    assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.add", kernel)
+
+
 def test_backward_mask_families_cover_every_kind():
     assert {m for _, _, m in _BWD} == set(_BWD_MASKS)

@@ -77,3 +77,26 @@ def test_every_case_has_a_library_configuration_and_claim_cases_claim():
     assert all(gpu_check.config_of(c, torch).claims_tiles for c in cases if c.claim)
     names = [c.name() for c in cases]
     assert len(set(names)) == len(names)
+
+
+def test_the_backward_cases_pass_with_the_reference_backend():
+    """The backward check's plumbing (varlen included: cu_seqlens reach the reference forward,
+    the backward under test and the reference backward) on the CPU; a wrong gradient fails."""
+    varlen = [c for c in gpu_check.build_backward_suite() if c.varlen_q is not None]
+    assert varlen and any(0 in c.varlen_q for c in varlen) and any(1 in c.varlen_q for c in varlen)
+    for case in varlen[:3]:
+        assert gpu_check.run_backward_case(case, torch, "cpu", backend="reference")["ok"], case.name()
+
+
+def test_the_backward_check_fails_a_wrong_gradient(monkeypatch):
+    import fmha
+
+    real = fmha.attention_backward
+
+    def off_by_a_little(*args, dq=None, **kwargs):
+        real(*args, dq=dq, **kwargs)
+        dq.mul_(1.05)
+
+    monkeypatch.setattr(fmha, "attention_backward", off_by_a_little)
+    case = next(c for c in gpu_check.build_backward_suite() if c.varlen_q is not None)
+    assert not gpu_check.run_backward_case(case, torch, "cpu", backend="reference")["ok"]

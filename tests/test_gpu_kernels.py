@@ -36,35 +36,58 @@ def pytest_generate_tests(metafunc):
 
 
 def _compile_into(cache_dir: str, cfg):
-    """Worker: compile ``cfg`` into the disk cache at ``cache_dir``."""
+    """Worker: compile ``cfg`` (forward or backward) into the disk cache at ``cache_dir``."""
     os.environ["FMHA_CACHE_DIR"] = cache_dir
     from fmha.jit import disk_cache
-    from fmha.kernels.hopper.backend import compile_forward
+    from fmha.kernels.hopper.backend import compile_backward, compile_forward
+    from fmha.kernels.hopper.config import HopperBackwardConfig
 
     start = time.time()
-    disk_cache.load_or_compile(cfg, compile_forward)
+    disk_cache.load_or_compile(cfg, compile_backward if isinstance(cfg, HopperBackwardConfig) else compile_forward)
     return time.time() - start
+
+
+def _compile_all(configs, cache_dir: str, workers: int):
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(workers) as pool:
+        pool.starmap(_compile_into, [(cache_dir, cfg) for cfg in configs])
 
 
 @pytest.fixture(scope="session")
 def runners(request, tmp_path_factory):
     """config -> HopperRunner for every case of the suite, compiled in parallel first."""
-    import multiprocessing as mp
-
     from fmha.jit import disk_cache
     from fmha.kernels.hopper.backend import HopperRunner, compile_forward
 
     cases = gpu_cases.build_suite(request.config.getoption("--gpu-suite"))
     configs = sorted({gpu_cases.config_of(c, torch) for c in cases}, key=repr)
     cache_dir = str(tmp_path_factory.mktemp("kernels"))
-    workers = request.config.getoption("--gpu-workers") or max(1, (os.cpu_count() or 2) - 1)
     start = time.time()
-    with mp.get_context("spawn").Pool(workers) as pool:
-        pool.starmap(_compile_into, [(cache_dir, cfg) for cfg in configs])
+    _compile_all(configs, cache_dir, _workers(request))
     os.environ["FMHA_CACHE_DIR"] = cache_dir
     built = {cfg: HopperRunner(cfg, disk_cache.load_or_compile(cfg, compile_forward)) for cfg in configs}
     META.update(device=torch.cuda.get_device_name(), configs=len(configs), compile_s=round(time.time() - start, 1))
     return built
+
+
+def _workers(request) -> int:
+    return request.config.getoption("--gpu-workers") or max(1, (os.cpu_count() or 2) - 1)
+
+
+@pytest.fixture(scope="session")
+def backward_kernels(request, tmp_path_factory):
+    """Every backward kernel of the backward cases, compiled in parallel into the disk cache that
+    the library then loads them from."""
+    from fmha.kernels.hopper.config import HopperBackwardConfig
+
+    configs = {HopperBackwardConfig.from_problem(gpu_cases.backward_problem(c, torch))
+               for c in gpu_cases.build_backward_suite()}
+    cache_dir = str(tmp_path_factory.mktemp("backward_kernels"))
+    start = time.time()
+    _compile_all(sorted(configs, key=repr), cache_dir, _workers(request))
+    os.environ["FMHA_CACHE_DIR"] = cache_dir
+    META.update(backward_configs=len(configs), backward_compile_s=round(time.time() - start, 1))
 
 
 @_needs_hopper
@@ -95,7 +118,7 @@ def test_fp8_v_staging_matches_torch(d, kind, spec):
 
 @_needs_hopper
 @pytest.mark.parametrize("bwd_case", gpu_cases.build_backward_suite(), ids=lambda c: "bwd " + c.name())
-def test_backward_kernel_matches_the_reference(bwd_case):
+def test_backward_kernel_matches_the_reference(bwd_case, backward_kernels):
     res = gpu_cases.run_backward_case(bwd_case, torch)
     res.update(case=asdict(bwd_case), name="backward " + bwd_case.name())
     RESULTS.append(res)

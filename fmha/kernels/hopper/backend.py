@@ -124,13 +124,22 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
 
     from .bwd import HopperAttentionBackward
 
+    import cutlass.cute as cute
+
     t = cutlass_dtype(cfg.dtype)
     d = cfg.head_dim
-    q, k, v, do, dk, dv = (fake_rows(t, 4, d) for _ in range(6))
-    lse2, delta = (fake_rows(cutlass.Float32, 3, None, align_bytes=4) for _ in range(2))
-    dq_acc = fake_rows(cutlass.Float32, 4, d)  # read by TMA: rows 16-byte aligned
+    rank = 3 if cfg.varlen else 4
+    q, k, v, do, dk, dv = (fake_rows(t, rank, d) for _ in range(6))
+    lse2, delta = (fake_rows(cutlass.Float32, rank - 1, None, align_bytes=4) for _ in range(2))
+    dq_acc = fake_rows(cutlass.Float32, rank, d)  # read by TMA: rows 16-byte aligned
+    cu_q = cu_k = descriptors = None
+    if cfg.varlen:
+        cu_q, cu_k = fake_vector(cutlass.Int32), fake_vector(cutlass.Int32)
+        descriptors = cute.runtime.make_fake_tensor(cutlass.Int64, (cute.sym_int(), 5, 16), stride=(80, 16, 1),
+                                                    assumed_align=128)
     return compile_for(
-        ARCH, HopperAttentionBackward(cfg), q, k, v, do, lse2, delta, dq_acc, dk, dv,
+        ARCH, HopperAttentionBackward(cfg), q, k, v, do, lse2, delta, dq_acc, dk, dv, cu_q, cu_k, descriptors,
+        Int32(1),  # max_seqlen_k
         Float32(1.0), Float32(1.0), Float32(1.0),  # scale_log2, out_scale, score_scale
         Int32(0) if cfg.window_left_bounded else None,
         Int32(0) if cfg.window_right_bounded else None,
@@ -155,13 +164,20 @@ class HopperBackwardRunner:
         m = problem.mask
         # rows that keep no key (LSE -inf) get +inf, so that their P = exp2(s - inf) is 0
         lse2 = torch.where(torch.isneginf(lse), math.inf, lse * math.log2(math.e)).contiguous()
-        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+        # (B, S, H) -> (B, H, S), or varlen (T, H) -> (H, T): the LSE's layout
+        delta = (dout.float() * out.float()).sum(-1).transpose(-2, -1)
         if dlse is not None:
             delta = delta - dlse
         delta = delta.contiguous()
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        descriptors = None
+        if self.cfg.varlen:
+            # per-sequence TMA descriptors (q, k, v, dO, dQ accumulator; 128 bytes each)
+            descriptors = torch.empty((problem.batch, 5, 16), dtype=torch.int64, device=q.device)
         self.compiled(
             q, k, v, dout, lse2, delta, dq_acc, dk, dv,
+            cu_seqlens_q if self.cfg.varlen else None, cu_seqlens_k if self.cfg.varlen else None, descriptors,
+            problem.seqlen_k,
             problem.score_scale_log2, problem.output_scale, problem.score_scale,
             m.window_left if self.cfg.window_left_bounded else None,
             m.window_right if self.cfg.window_right_bounded else None,

@@ -19,6 +19,10 @@ The host (``backend.HopperBackwardRunner``) prepares the LSE in log2 units (+inf
 keep nothing, so their P is 0) and delta = rowsum(dO * O) - dLSE, and scales and converts dQ
 afterwards. The K/V tile's query range and which query tiles need the element-wise mask come
 from the same row bands as the forward's (``fmha.masking.row_key_bounds``).
+
+Varlen (packed THD) batches move every tile through per-sequence TMA descriptors
+(``sequence_descriptors.py``): loads past a sequence's end read zeros, and the dQ reduce-add of a
+ragged query tile stops at the sequence's last row instead of adding into the next sequence.
 """
 
 import math
@@ -36,7 +40,9 @@ from fmha.masking import MaskKind, row_key_bounds
 
 from ..common.fragments import as_operand_a, as_rows_cols, store_as_16bit_pairs
 from ..common.pipelines import release_by_one_lane
+from ..common.seqinfo import SequenceInfo
 from ..common.tma import tma_tiles
+from . import sequence_descriptors as seq_desc
 from .barriers import NamedBarrierBwd
 from .config import HopperBackwardConfig
 from .epilogue import store_o_direct
@@ -61,14 +67,20 @@ class HopperAttentionBackward:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
                  mDelta: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+                 mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+                 mSeqDescriptors: Optional[cute.Tensor], max_seqlen_k: Int32,
                  scale_log2: Float32, out_scale: Float32, score_scale: Float32,
                  window_left: Optional[Int32], window_right: Optional[Int32], stream: cuda.CUstream):
         """Dense tensors: q/dO (B, S_q, H_q, D), k/v/dK/dV (B, S_k, H_k, D), LSE2/delta
-        (B, H_q, S_q) fp32, dQacc (B, S_q, H_q, D) fp32 (zeroed)."""
+        (B, H_q, S_q) fp32, dQacc (B, S_q, H_q, D) fp32 (zeroed). Varlen: (T, H, D) rows,
+        LSE2/delta (H_q, T_q), cu_seqlens (B + 1,) and room for five descriptors per sequence
+        (B, 5, 16) int64."""
         cfg = self.cfg
+        varlen = cfg.varlen
         self.dtype = mQ.element_type
         d, tile_m, tile_n = cfg.head_dim, self.tile_m, self.tile_n
-        q, k, v, do = (_bshd_to_sdhb(t, False) for t in (mQ, mK, mV, mdO))
+        q, k, v, do = (_bshd_to_sdhb(t, varlen) for t in (mQ, mK, mV, mdO))
+        dq_acc = _bshd_to_sdhb(mdQacc, varlen)
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         # S^T = K Q^T and dP^T = V dO^T: M = keys (64 per warpgroup), N = queries, K = head dim
         mma_sdp = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (2, 1, 1),
@@ -92,7 +104,7 @@ class HopperAttentionBackward:
         tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load_op, k, tile_k, (tile_n, d))
         tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load_op, v, tile_k, (tile_n, d))
         tma_dq, tma_tensor_dq = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), _bshd_to_sdhb(mdQacc, False),
+            cpasync.CopyReduceBulkTensorTileS2GOp(), dq_acc,
             cute.select(sdQ_layout, mode=[0, 1]), (tile_m, d))
         self.qdo_bytes = 2 * cute.size_in_bytes(self.dtype, tile_q)
         self.kv_bytes = 2 * cute.size_in_bytes(self.dtype, tile_k)
@@ -109,12 +121,36 @@ class HopperAttentionBackward:
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
         self.shared_storage = SharedStorage
-        num_n_blocks = (k.shape[0] + tile_n - 1) // tile_n
+        seqlen_k = max_seqlen_k if const_expr(varlen) else k.shape[0]
+        num_n_blocks = (seqlen_k + tile_n - 1) // tile_n
+        num_batches = mCuSeqlensQ.shape[0] - 1 if const_expr(varlen) else k.shape[3]
+        if const_expr(varlen):
+            self.describe_sequences(tma_q, tma_k, tma_v, tma_do, tma_dq, q, k, v, do, dq_acc, mCuSeqlensQ,
+                                    mCuSeqlensK, mSeqDescriptors).launch(
+                grid=[num_batches, 1, 1], block=[32, 1, 1], stream=stream)
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_tensor_q, tma_do, tma_tensor_do, tma_k, tma_tensor_k,
-                    tma_v, tma_tensor_v, tma_dq, tma_tensor_dq, mLSE2, mDelta, mdK, mdV, scale_log2, out_scale,
-                    score_scale, window_left, window_right, sQ_layout, sK_layout, sdS_layout, sdQ_layout).launch(
-            grid=[num_n_blocks, k.shape[2], k.shape[3]], block=[self.num_threads, 1, 1],
+                    tma_v, tma_tensor_v, tma_dq, tma_tensor_dq, mLSE2, mDelta, mdK, mdV, mCuSeqlensQ, mCuSeqlensK,
+                    mSeqDescriptors, scale_log2, out_scale, score_scale, window_left, window_right, sQ_layout,
+                    sK_layout, sdS_layout, sdQ_layout).launch(
+            grid=[num_n_blocks, k.shape[2], num_batches], block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def describe_sequences(self, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+                           tma_do: cute.CopyAtom, tma_dq: cute.CopyAtom, q: cute.Tensor, k: cute.Tensor,
+                           v: cute.Tensor, do: cute.Tensor, dq_acc: cute.Tensor, mCuSeqlensQ: cute.Tensor,
+                           mCuSeqlensK: cute.Tensor, mSeqDescriptors: cute.Tensor):
+        """One warp per sequence: the five descriptors of its rows (all tensors (S, D, H, 1))."""
+        batch = Int32(cute.arch.block_idx()[0])
+        offset_q, len_q, offset_k, len_k = seq_desc.sequence_extents(mCuSeqlensQ, mCuSeqlensK, batch)
+        for atom, t, offset, length, which in ((tma_q, q, offset_q, len_q, seq_desc.Q),
+                                               (tma_do, do, offset_q, len_q, seq_desc.DO),
+                                               (tma_dq, dq_acc, offset_q, len_q, seq_desc.DQ),
+                                               (tma_k, k, offset_k, len_k, seq_desc.K),
+                                               (tma_v, v, offset_k, len_k, seq_desc.V)):
+            seq_desc.write_sequence_descriptor(atom, seq_desc.sequence_rows(t, offset, length, 0), mSeqDescriptors,
+                                               batch, which)
+        cpasync.fence_tma_desc_release()
 
     @cute.kernel
     def kernel(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
@@ -122,7 +158,8 @@ class HopperAttentionBackward:
                tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
                tma_dq: cute.CopyAtom, mdQacc: cute.Tensor,
                mLSE2: cute.Tensor, mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-               scale_log2: Float32, out_scale: Float32, score_scale: Float32,
+               mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+               mSeqDescriptors: Optional[cute.Tensor], scale_log2: Float32, out_scale: Float32, score_scale: Float32,
                window_left: Optional[Int32], window_right: Optional[Int32],
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
                sdQ_layout: cute.ComposedLayout):
@@ -150,19 +187,22 @@ class HopperAttentionBackward:
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)[None, None, 0]
         pipeline.pipeline_init_wait()
 
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        seq = SequenceInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
         group = mQ.shape[2] // mK.shape[2]
-        m_start, m_end = self.query_tiles(n_block, seqlen_q, seqlen_k, window_left, window_right)
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(24)
-            if warp_idx == 0:
-                self.producer(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, qdo_producer,
-                              kv_producer, n_block, head_kv, batch, group, m_start, m_end)
-        else:
-            cute.arch.setmaxregister_increase(240)
-            self.consumer(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, qdo_consumer, kv_consumer, mLSE2,
-                          mDelta, tma_dq, mdQacc, mdK, mdV, scale_log2, out_scale, score_scale, window_left, window_right,
-                          n_block, head_kv, batch, group, m_start, m_end, seqlen_q, seqlen_k, tidx - _WG)
+        # varlen grids cover the longest sequence: the K/V tiles past this one's end have no work
+        if n_block * self.tile_n < seq.seqlen_k:
+            m_start, m_end = self.query_tiles(n_block, seq.seqlen_q, seq.seqlen_k, window_left, window_right)
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(24)
+                if warp_idx == 0:
+                    self.producer(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, qdo_producer,
+                                  kv_producer, mSeqDescriptors, n_block, head_kv, batch, group, m_start, m_end)
+            else:
+                cute.arch.setmaxregister_increase(240)
+                self.consumer(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, qdo_consumer, kv_consumer, mLSE2,
+                              mDelta, tma_dq, mdQacc, mdK, mdV, mSeqDescriptors, scale_log2, out_scale, score_scale,
+                              window_left, window_right, n_block, head_kv, batch, group, m_start, m_end, seq,
+                              tidx - _WG)
 
     def key_bounds(self, row, seqlen_q, seqlen_k, window_left, window_right):
         cfg = self.cfg
@@ -204,33 +244,48 @@ class HopperAttentionBackward:
     @cute.jit
     def producer(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV,
                  qdo_producer: pipeline.PipelineProducer, kv_producer: pipeline.PipelineProducer,
-                 n_block, head_kv, batch, group, m_start, m_end):
+                 mSeqDescriptors: Optional[cute.Tensor], n_block, head_kv, batch, group, m_start, m_end):
         d = self.cfg.head_dim
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0))
+        desc_q = desc_do = desc_k = desc_v = None  # None: the descriptor built into the TMA atom
+        row_batch = batch
+        if const_expr(self.cfg.varlen):
+            # the sequence's own descriptors: coordinates relative to its first row
+            desc_q, desc_do, desc_k, desc_v = (seq_desc.acquire_descriptor(mSeqDescriptors, batch, which)
+                                               for which in (seq_desc.Q, seq_desc.DO, seq_desc.K, seq_desc.V))
+            row_batch = Int32(0)  # varlen tensors have one batch row, the packed tokens
+        gK = cute.local_tile(mK[None, None, head_kv, row_batch], (self.tile_n, d), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, row_batch], (self.tile_n, d), (n_block, 0))
         tKsK, tKgK = tma_tiles(tma_k, sK, gK)
         tVsV, tVgV = tma_tiles(tma_v, sV, gV)
         handle = kv_producer.acquire_and_advance()
-        cute.copy(tma_k, tKgK, tKsK[None, 0], tma_bar_ptr=handle.barrier)
-        cute.copy(tma_v, tVgV, tVsV[None, 0], tma_bar_ptr=handle.barrier)
+        cute.copy(tma_k, tKgK, tKsK[None, 0], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_k)
+        cute.copy(tma_v, tVgV, tVsV[None, 0], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_v)
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
-            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, d), (None, 0))
+            gQ = cute.local_tile(mQ[None, None, head, row_batch], (self.tile_m, d), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, row_batch], (self.tile_m, d), (None, 0))
             tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
             tdOsdO, tdOgdO = tma_tiles(tma_do, sdO, gdO)
             for m_block in cutlass.range(m_start, m_end, unroll=1):
                 handle = qdo_producer.acquire_and_advance()
-                cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, handle.index], tma_bar_ptr=handle.barrier)
-                cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, handle.index], tma_bar_ptr=handle.barrier)
+                cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, handle.index], tma_bar_ptr=handle.barrier,
+                          tma_desc_ptr=desc_q)
+                cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, handle.index], tma_bar_ptr=handle.barrier,
+                          tma_desc_ptr=desc_do)
 
     @cute.jit
     def consumer(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ,
                  qdo_consumer: pipeline.PipelineConsumer, kv_consumer: pipeline.PipelineConsumer,
-                 mLSE2, mDelta, tma_dq, mdQacc, mdK, mdV, scale_log2: Float32, out_scale: Float32, score_scale: Float32,
-                 window_left, window_right, n_block, head_kv, batch, group, m_start, m_end, seqlen_q, seqlen_k,
-                 tidx: Int32):
+                 mLSE2, mDelta, tma_dq, mdQacc, mdK, mdV, mSeqDescriptors: Optional[cute.Tensor],
+                 scale_log2: Float32, out_scale: Float32, score_scale: Float32, window_left, window_right, n_block,
+                 head_kv, batch, group, m_start, m_end, seq: SequenceInfo, tidx: Int32):
         cfg = self.cfg
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+        desc_dq = None
+        row_batch = batch
+        if const_expr(cfg.varlen):
+            desc_dq = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.DQ)
+            row_batch = Int32(0)
         d, tile_m, tile_n = cfg.head_dim, self.tile_m, self.tile_n
         wg = cute.arch.make_warp_uniform(tidx // _WG)
         wg_sdp = mma_sdp.get_slice(wg * _WG)
@@ -282,8 +337,12 @@ class HopperAttentionBackward:
                     lse2[j] = Float32(math.inf)
                     delta[j] = Float32(0.0)
                     if row < seqlen_q:
-                        lse2[j] = mLSE2[batch, head, row]
-                        delta[j] = mDelta[batch, head, row]
+                        if const_expr(cfg.varlen):
+                            lse2[j] = mLSE2[head, seq.offset_q + row]
+                            delta[j] = mDelta[head, seq.offset_q + row]
+                        else:
+                            lse2[j] = mLSE2[batch, head, row]
+                            delta[j] = mDelta[batch, head, row]
                 warpgroup.wait_group(0)
                 s = as_rows_cols(acc_s)
                 dp = as_rows_cols(acc_dp)
@@ -320,9 +379,9 @@ class HopperAttentionBackward:
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=NamedBarrierBwd.DQ_STAGED, number_of_threads=2 * _WG)
                 if dq_warp:
-                    gdQ = cute.local_tile(mdQacc[None, None, head, batch], (tile_m, d), (m_block, 0))
+                    gdQ = cute.local_tile(mdQacc[None, None, head, row_batch], (tile_m, d), (m_block, 0))
                     tdQs, tdQg = tma_tiles(tma_dq, sdQ, gdQ)
-                    cute.copy(tma_dq, tdQs, tdQg)
+                    cute.copy(tma_dq, tdQs, tdQg, tma_desc_ptr=desc_dq)
                     cute.arch.cp_async_bulk_commit_group()
         release_by_one_lane(kv_handle)
         if dq_warp:
@@ -332,8 +391,8 @@ class HopperAttentionBackward:
         dk_out.store((acc_dk.load() * score_scale).to(self.dtype))
         dv_out.store((acc_dv.load() * out_scale).to(self.dtype))
         tdKcdK = thr_dkv.partition_C(cute.make_identity_tensor((tile_n, d)))
-        store_o_direct(dk_out, tdKcdK, mdK, False, n_block, tile_n, head_kv, batch, Int32(0), seqlen_k)
-        store_o_direct(dv_out, tdKcdK, mdV, False, n_block, tile_n, head_kv, batch, Int32(0), seqlen_k)
+        store_o_direct(dk_out, tdKcdK, mdK, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
+        store_o_direct(dv_out, tdKcdK, mdV, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
 
     @cute.jit
     def apply_mask(self, s: cute.Tensor, tScS: cute.Tensor, m0, n0, seqlen_q, seqlen_k, window_left, window_right):

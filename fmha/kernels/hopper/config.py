@@ -262,6 +262,7 @@ class HopperBackwardConfig:
     window_left_bounded: bool
     window_right_bounded: bool
     bottom_right: bool
+    varlen: bool = False
 
     #: query rows per step of the K/V tile's loop
     tile_m = 64
@@ -272,7 +273,8 @@ class HopperBackwardConfig:
     def from_problem(problem: AttentionProblem) -> "HopperBackwardConfig":
         m = problem.mask
         return HopperBackwardConfig(problem.dtype, problem.head_dim, m.kind, m.window_left is not None,
-                                    m.window_right is not None, m.bottom_right if m.kind == MaskKind.WINDOW else False)
+                                    m.window_right is not None, m.bottom_right if m.kind == MaskKind.WINDOW else False,
+                                    problem.varlen)
 
 
 def why_unsupported_backward(problem: AttentionProblem, options: KernelOptions) -> list:
@@ -285,8 +287,6 @@ def why_unsupported_backward(problem: AttentionProblem, options: KernelOptions) 
     if problem.out_dtype != problem.dtype:
         reasons.append(f"the Hopper backward needs out (and dout) in q's dtype {problem.dtype}, "
                        f"not {problem.out_dtype}")
-    if problem.varlen:
-        reasons.append("the Hopper backward takes fixed-length (BSHD) batches; varlen runs the reference")
     if options.deterministic:
         reasons.append("deterministic=True: the Hopper backward adds dQ with float atomics")
     if not (problem.score_scale > 0 and problem.score_scale < float("inf")):

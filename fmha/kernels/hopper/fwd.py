@@ -317,13 +317,10 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors):
                 if const_expr(cfg.varlen):
                     # This sequence's own descriptors: coordinates are relative to its first row
                     # and TMA stops at its last.
-                    desc_q = seq_desc.sequence_descriptor(mSeqDescriptors, tile.batch, seq_desc.Q)
-                    desc_k = seq_desc.sequence_descriptor(mSeqDescriptors, tile.batch, seq_desc.K)
-                    cpasync.fence_tma_desc_acquire(desc_q)
-                    cpasync.fence_tma_desc_acquire(desc_k)
+                    desc_q = seq_desc.acquire_descriptor(mSeqDescriptors, tile.batch, seq_desc.Q)
+                    desc_k = seq_desc.acquire_descriptor(mSeqDescriptors, tile.batch, seq_desc.K)
                     if const_expr(not cfg.v_staged):
-                        desc_v = seq_desc.sequence_descriptor(mSeqDescriptors, tile.batch, seq_desc.V)
-                        cpasync.fence_tma_desc_acquire(desc_v)
+                        desc_v = seq_desc.acquire_descriptor(mSeqDescriptors, tile.batch, seq_desc.V)
                 # varlen tensors have one batch row, the packed tokens; staged V has one per sequence
                 row_batch = Int32(0) if const_expr(cfg.varlen) else tile.batch
                 mQ_cur = mQ_tma[None, None, tile.head, row_batch]
