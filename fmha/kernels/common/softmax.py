@@ -175,3 +175,26 @@ class OnlineSoftmax:
             lse_out[r] = lse
             for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
                 o[r, c] = o[r, c] * inv
+
+
+@cute.jit
+def finite_row_max(row_max: Float32) -> Float32:
+    """The max a row's exponentials are taken against: its running max, or 0 while that is still
+    -inf (every score masked so far), so that exp2 gives exactly 0 and never -inf - -inf = NaN."""
+    safe = row_max
+    if row_max == Float32(-math.inf):
+        safe = Float32(0.0)
+    return safe
+
+
+@cute.jit
+def row_lse_and_inverse(row_max: Float32, row_sum: Float32, scale_log2: Float32, output_scale: Float32):
+    """(natural-log LSE of the scaled scores, factor that normalizes the row's O) for a row whose
+    probabilities exp2((s - row_max) * scale_log2) sum to ``row_sum``; a row that kept nothing
+    (sum 0) gets (-inf, 0) (docs/semantics.md)."""
+    inv = Float32(0.0)
+    lse = Float32(-math.inf)
+    if row_sum > Float32(0.0):
+        inv = output_scale / row_sum
+        lse = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * Float32(math.log(2.0))
+    return lse, inv
