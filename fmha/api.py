@@ -62,7 +62,9 @@ def _needs_autograd(q, k, v) -> bool:
 
 
 def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqlen_k,
-         return_lse, out, lse, out_dtype, backend, persistent, tile_mn, **mask_and_scales):
+         return_lse, out, lse, out_dtype, backend, persistent, tile_mn, deterministic, **mask_and_scales):
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     if _needs_autograd(q, k, v):
         from . import ops
 
@@ -71,7 +73,8 @@ def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqle
                              "grad (or call under torch.no_grad())")
         o, l = ops.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=varlen, max_seqlen_q=max_seqlen_q,
                                      max_seqlen_k=max_seqlen_k, out_dtype=out_dtype, backend=backend,
-                                     persistent=persistent, tile_mn=tile_mn, **mask_and_scales)
+                                     persistent=persistent, tile_mn=tile_mn, deterministic=deterministic,
+                                     **mask_and_scales)
         return (o, l) if return_lse else o
     return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=varlen, max_seqlen_q=max_seqlen_q,
                     max_seqlen_k=max_seqlen_k, return_lse=return_lse, out=out, lse=lse, out_dtype=out_dtype,
@@ -114,14 +117,15 @@ def attention(
     causal=False, window_size=(None, None), mask_align="top_left", compressed_causal=False,
     softmax_scale=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
     return_lse=False, out=None, lse=None, out_dtype=None,
-    backend="auto", persistent=None, tile_mn=None,
+    backend="auto", persistent=None, tile_mn=None, deterministic=False,
 ):
     """Attention forward on BSHD tensors: q (B, S_q, H_q, D), k/v (B, S_k, H_k, D); a BHSD tensor
     is accepted as ``x.transpose(1, 2)``. Returns O (B, S_q, H_q, D) in ``out_dtype`` (default:
     the input dtype, bf16 for fp8), or ``(O, LSE)`` with LSE (B, H_q, S_q) fp32 when
     ``return_lse``. ``out``/``lse`` preallocated are written in place (``lse`` is filled even
     without ``return_lse``). Semantics: docs/semantics.md; ``window_size`` sides are ints or None
-    (unbounded).
+    (unbounded). With inputs that require grad, autograd records the call; ``deterministic=True``
+    makes its backward bitwise-repeatable (the forward always is).
     """
     return _run(
         q, k, v, None, None, varlen=False, max_seqlen_q=None, max_seqlen_k=None,
@@ -129,7 +133,7 @@ def attention(
         compressed_causal=compressed_causal, softmax_scale=softmax_scale, scale_q=scale_q,
         scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o, return_lse=return_lse,
         out=out, lse=lse, out_dtype=out_dtype, backend=backend, persistent=persistent,
-        tile_mn=tile_mn,
+        tile_mn=tile_mn, deterministic=deterministic,
     )
 
 
@@ -138,7 +142,7 @@ def attention_varlen(
     causal=False, window_size=(None, None), mask_align="top_left", compressed_causal=False,
     softmax_scale=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
     return_lse=False, out=None, lse=None, out_dtype=None,
-    backend="auto", persistent=None, tile_mn=None,
+    backend="auto", persistent=None, tile_mn=None, deterministic=False,
 ):
     """Attention forward on packed THD tensors: q (T_q, H_q, D), k/v (T_k, H_k, D); sequence b is
     rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32, length B + 1, on q's device). Masks apply per
@@ -153,7 +157,7 @@ def attention_varlen(
         compressed_causal=compressed_causal, softmax_scale=softmax_scale, scale_q=scale_q,
         scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o, return_lse=return_lse,
         out=out, lse=lse, out_dtype=out_dtype, backend=backend, persistent=persistent,
-        tile_mn=tile_mn,
+        tile_mn=tile_mn, deterministic=deterministic,
     )
 
 

@@ -15,7 +15,8 @@ A kernel backend is any object with
 - ``prepare(problem, options) -> runner``: compiles. ``runner(problem, q, k, v, out, lse,
   cu_seqlens_q, cu_seqlens_k)`` runs the call described by ``problem`` (whose key equals the
   prepared one), writes ``out`` (and ``lse`` unless it is None) in place and returns nothing.
-- optionally, for the backward: ``why_unsupported_backward(problem, options)`` and
+- optionally, for the backward: ``why_unsupported_backward(problem, options)``,
+  ``backward_cache_key(problem, options)`` (as ``cache_key``, for the backward's runners) and
   ``prepare_backward(problem, options) -> runner``, ``runner(problem, dout, q, k, v, out, lse,
   dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, deterministic)`` writing ``dq``, ``dk``, ``dv``.
   A backend without them has no backward; the reference then computes it.
@@ -82,6 +83,8 @@ class ReferenceBackend:
 
     def cache_key(self, problem: AttentionProblem, options: KernelOptions) -> Hashable:
         return ()
+
+    backward_cache_key = cache_key
 
     def prepare(self, problem: AttentionProblem, options: KernelOptions) -> Runner:
         return self.run
@@ -256,7 +259,7 @@ def get_runner(backend_obj, problem: AttentionProblem, options: KernelOptions) -
 
 def get_backward_runner(backend_obj, problem: AttentionProblem, options: KernelOptions) -> Runner:
     """The prepared backward runner for this problem (compiled on the first use of its key)."""
-    key = ("backward", backend_obj.name, backend_obj.cache_key(problem, options))
+    key = ("backward", backend_obj.name, backend_obj.backward_cache_key(problem, options))
     runner = _runners.get(key)
     if runner is None:
         runner = backend_obj.prepare_backward(problem, options)

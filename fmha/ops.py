@@ -34,7 +34,7 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
                 window_left: Optional[int], window_right: Optional[int], mask_align: str, compressed_causal: bool,
                 softmax_scale: float, scale_q: float, scale_k: float, scale_v: float, inv_scale_o: float,
                 out_dtype: Optional[torch.dtype], backend: str, persistent: Optional[bool],
-                tile_mn: Optional[List[int]]) -> Tuple[Tensor, Tensor]:
+                tile_mn: Optional[List[int]], deterministic: bool) -> Tuple[Tensor, Tensor]:
     from .api import _forward
 
     return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=varlen, max_seqlen_q=max_seqlen_q,
@@ -47,7 +47,7 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
 @_forward_op.register_fake
 def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal, window_left,
                   window_right, mask_align, compressed_causal, softmax_scale, scale_q, scale_k, scale_v,
-                  inv_scale_o, out_dtype, backend, persistent, tile_mn):
+                  inv_scale_o, out_dtype, backend, persistent, tile_mn, deterministic):
     out = q.new_empty(out_shape(q, v.shape[-1]), dtype=out_dtype or default_out_dtype(q.dtype))
     return out, q.new_empty(lse_shape(q, varlen), dtype=torch.float32)
 
@@ -78,7 +78,7 @@ def _backward_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, ma
 # Positions of the forward op's arguments that the backward reads again (after q, k, v).
 _FORWARD_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "varlen", "max_seqlen_q", "max_seqlen_k", "causal", "window_left",
                  "window_right", "mask_align", "compressed_causal", "softmax_scale", "scale_q", "scale_k",
-                 "scale_v", "inv_scale_o", "out_dtype", "backend", "persistent", "tile_mn")
+                 "scale_v", "inv_scale_o", "out_dtype", "backend", "persistent", "tile_mn", "deterministic")
 
 
 def _setup_context(ctx, inputs, output):
@@ -97,7 +97,7 @@ def _backward(ctx, grad_out, grad_lse):
         grad_out.contiguous(), q, k, v, out, lse, grad_lse,
         cu_q, cu_k, a["max_seqlen_q"], a["max_seqlen_k"], a["causal"], a["window_left"], a["window_right"],
         a["mask_align"], a["compressed_causal"], a["softmax_scale"], a["scale_q"], a["scale_k"], a["scale_v"],
-        a["inv_scale_o"], False, a["backend"])
+        a["inv_scale_o"], a["deterministic"], a["backend"])
     return (dq, dk, dv) + (None,) * len(_FORWARD_ARGS)
 
 
@@ -107,7 +107,7 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqlen_k, causal=False,
                       window_size=(None, None), mask_align="top_left", compressed_causal=False, softmax_scale=None,
                       scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0, out_dtype=None, backend="auto",
-                      persistent=None, tile_mn=None) -> Tuple[Tensor, Tensor]:
+                      persistent=None, tile_mn=None, deterministic=False) -> Tuple[Tensor, Tensor]:
     """(O, LSE) through the custom op, with autograd: the public API's differentiable path. The
     scalar arguments are checked here (plain Python, so torch.compile traces it) for the same
     errors validation gives; the tensors are checked when the op runs."""
@@ -121,7 +121,9 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
         raise TypeError(f"out_dtype must be a torch.dtype, got {type(out_dtype).__name__}")
     kernel_options(persistent, tile_mn)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     return torch.ops.fmha.attention_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal, window_left, window_right,
         mask_align, compressed_causal, softmax_scale, scale_q, scale_k, scale_v, inv_scale_o, out_dtype, backend,
-        persistent, None if tile_mn is None else list(tile_mn))
+        persistent, None if tile_mn is None else list(tile_mn), deterministic)

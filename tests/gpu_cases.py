@@ -53,6 +53,8 @@ class Case:
     # with persistent=False: persistent CTAs that claim the tiles in the one-CTA-per-tile order
     # (``KernelOptions.claim_tiles``)
     claim: bool = False
+    # backward cases: deterministic=True, checked bitwise-repeatable as well
+    deterministic: bool = False
 
     def name(self):
         shape = (f"varlen q{list(self.varlen_q)} k{list(self.varlen_k)}" if self.varlen_q
@@ -67,7 +69,8 @@ class Case:
                 + (" lens_unread" if self.lens_unread else "")
                 + (f" scores={self.scores}" if self.scores != "randn" else "")
                 + (f" tile_m={self.tile_m}" if self.tile_m else "")
-                + (" claim" if self.claim else ""))
+                + (" claim" if self.claim else "")
+                + (" deterministic" if self.deterministic else ""))
 
 
 def mask_kwargs(case: Case) -> dict:
@@ -452,16 +455,32 @@ def build_backward_suite() -> list:
             cases.append(Case(dt, d, m, al, w, varlen_q=lq, varlen_k=lk, heads_q=4, heads_k=(1, 2)[(i + j) % 2]))
     cases.append(Case("bfloat16", 128, "compressed", varlen_q=(300, 1, 0, 77), varlen_k=(150, 1, 0, 10),
                       heads_q=4, heads_k=2))
+    # deterministic: many K/V tiles add into each query tile; the last has more CTAs than the GPU
+    # holds at once (each waits only on lower block indices)
+    cases += [Case("bfloat16", 128, "none", batch=2, seqlen_q=1000, seqlen_k=777, heads_q=4, heads_k=2,
+                   deterministic=True),
+              Case("float16", 64, "causal", "bottom_right", (None, 0), seqlen_q=3000, seqlen_k=2000, heads_q=8,
+                   heads_k=2, deterministic=True),
+              Case("bfloat16", 128, "window", "top_left", (100, 37), varlen_q=varlens[0][0], varlen_k=varlens[0][1],
+                   heads_q=4, heads_k=1, deterministic=True),
+              Case("float16", 32, "compressed", batch=2, seqlen_q=1000, seqlen_k=31, heads_q=4, heads_k=1,
+                   deterministic=True),
+              Case("bfloat16", 128, "causal", "top_left", (None, 0), seqlen_q=8192, seqlen_k=8192, heads_q=16,
+                   heads_k=16, deterministic=True)]
     return cases
 
 
 BACKWARD_TOL = {"bfloat16": 2e-2, "float16": 1e-2}
 
 
-def backward_problem(case: Case, torch):
-    """The problem of a backward case as validation builds it (no GPU, no data)."""
+def backward_config(case: Case, torch):
+    """The Hopper backward configuration of a backward case (no GPU, no data)."""
+    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.problem import KernelOptions
+
     q, k, v, cu_q, cu_k = _make_inputs(case, torch, "cpu", data=False)
-    return _problem(case, q, k, v, cu_q, cu_k, torch)
+    problem = _problem(case, q, k, v, cu_q, cu_k, torch)
+    return HopperBackwardConfig.from_problem(problem, KernelOptions(deterministic=case.deterministic))
 
 
 def run_backward_case(case: Case, torch, device="cuda", backend="kernel") -> dict:
@@ -482,12 +501,20 @@ def run_backward_case(case: Case, torch, device="cuda", backend="kernel") -> dic
     dlse = torch.randn(lse.shape, generator=gen, device=device).masked_fill(torch.isneginf(lse), 0)
     want = attention_backward_reference(dout, q, k, v, out, lse, cu_q, cu_k, mask=problem.mask, dlse=dlse,
                                         **scales)
-    grads = [torch.full_like(t, math.nan) for t in (q, k, v)]
-    fmha.attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, dlse=dlse, dq=grads[0], dk=grads[1], dv=grads[2],
-                            backend=backend, **scales, **mask_kwargs(case))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    def run():
+        grads = [torch.full_like(t, math.nan) for t in (q, k, v)]
+        fmha.attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, dlse=dlse, dq=grads[0], dk=grads[1],
+                                dv=grads[2], deterministic=case.deterministic, backend=backend, **scales,
+                                **mask_kwargs(case))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return grads
+
+    grads = run()
     res = {}
+    if case.deterministic:  # bitwise the same, run after run
+        res["repeatable"] = all(all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(grads, again))
+                                for again in (run(), run()))
     for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
         g = got.float()
         res[f"nan_in_{name}"] = int(torch.isnan(g).sum())
@@ -496,5 +523,6 @@ def run_backward_case(case: Case, torch, device="cuda", backend="kernel") -> dic
         res[f"{name}_rel_l2"] = diff / norm if norm > 0 else diff
     tol = BACKWARD_TOL[case.dtype]
     res["o_rel_l2"] = max(res[f"{n}_rel_l2"] for n in ("dq", "dk", "dv"))
-    res["ok"] = bool(all(res[f"nan_in_{n}"] == 0 for n in ("dq", "dk", "dv")) and res["o_rel_l2"] < tol)
+    res["ok"] = bool(all(res[f"nan_in_{n}"] == 0 for n in ("dq", "dk", "dv")) and res["o_rel_l2"] < tol
+                     and res.get("repeatable", True))
     return res

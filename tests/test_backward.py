@@ -176,7 +176,7 @@ def test_a_gradient_on_the_lse_reaches_q_and_k():
 
 def test_deterministic_reaches_the_backend_choice(monkeypatch):
     """``deterministic=True`` is part of what the backward's backend is chosen by (the Hopper
-    kernel refuses it: its dQ reduce-adds land in varying order)."""
+    kernel builds an ordered-dQ kernel for it), from the functional backward and from autograd."""
     from fmha import api, backends
 
     seen = []
@@ -193,6 +193,13 @@ def test_deterministic_reaches_the_backend_choice(monkeypatch):
     assert seen == [False, True]
     with pytest.raises(TypeError, match="deterministic"):
         fmha.attention_backward(o, q, k, v, o, lse, deterministic=1)
+    for flag in (False, True):
+        qg = q.detach().requires_grad_(True)
+        fmha.attention(qg, k, v, deterministic=flag).sum().backward()
+        assert qg.grad is not None
+    assert seen == [False, True, False, True]
+    with pytest.raises(TypeError, match="deterministic"):
+        fmha.attention(q.detach().requires_grad_(True), k, v, deterministic="yes")
 
 
 def test_the_hopper_backward_refuses_what_it_does_not_serve():
@@ -204,7 +211,8 @@ def test_the_hopper_backward_refuses_what_it_does_not_serve():
     q, k, v, _ = _inputs(False, {}, dtype=torch.bfloat16, d=64)
     problem = validate(q, k, v)
     assert why_unsupported_backward(problem, KernelOptions()) == []
-    assert "deterministic" in why_unsupported_backward(problem, KernelOptions(deterministic=True))[0]
+    assert why_unsupported_backward(problem, KernelOptions(deterministic=True)) == []
+    assert HopperBackwardConfig.from_problem(problem, KernelOptions(deterministic=True)).deterministic
     q256 = torch.zeros(1, 8, 2, 256, dtype=torch.bfloat16)
     assert "head dims" in why_unsupported_backward(validate(q256, q256, q256), KernelOptions())[0]
     cu = torch.tensor([0, 8], dtype=torch.int32)

@@ -192,5 +192,34 @@ def test_varlen_backward_moves_every_tile_through_sequence_descriptors(dtype, he
     assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.add", kernel)
 
 
+def _backward_ptx(cfg, dump_dir) -> str:
+    from fmha.kernels.hopper.backend import compile_backward
+
+    dump_dir.mkdir(exist_ok=True)
+    compile_backward(cfg, extra_options=f"--keep-ptx --dump-dir={dump_dir}")
+    return next(dump_dir.glob("*.ptx")).read_text()
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_deterministic_backward_orders_the_dq_adds(varlen, tmp_path):
+    """deterministic=True: before its dQ reduce-add the dQ warp spins on an acquire load of the
+    query tile's semaphore, and after it waits for the add to complete (not only its read of
+    shared memory) before the release store that lets the next K/V tile add."""
+    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.problem import KernelOptions
+    from kernel_configs import problem_for
+
+    problem = problem_for(torch.bfloat16, 64, "causal", varlen=varlen)
+    ptx = _backward_ptx(HopperBackwardConfig.from_problem(problem, KernelOptions(deterministic=True)),
+                        tmp_path / "deterministic")
+    order = re.findall(r"ld\.acquire\.gpu|cp\.reduce\.async\.bulk|cp\.async\.bulk\.wait_group\s|st\.release\.gpu",
+                       ptx)
+    assert order[0] == "ld.acquire.gpu" and order[-1] == "st.release.gpu"
+    assert order[-2].startswith("cp.async.bulk.wait_group")  # without .read: the add has completed
+    assert max(i for i, o in enumerate(order) if o.startswith("cp.reduce")) < len(order) - 2
+    plain = _backward_ptx(HopperBackwardConfig.from_problem(problem), tmp_path / "plain")
+    assert "ld.acquire.gpu" not in plain and "st.release.gpu" not in plain
+
+
 def test_backward_mask_families_cover_every_kind():
     assert {m for _, _, m in _BWD} == set(_BWD_MASKS)

@@ -86,6 +86,9 @@ def test_the_backward_cases_pass_with_the_reference_backend():
     assert varlen and any(0 in c.varlen_q for c in varlen) and any(1 in c.varlen_q for c in varlen)
     for case in varlen[:3]:
         assert gpu_check.run_backward_case(case, torch, "cpu", backend="reference")["ok"], case.name()
+    deterministic = next(c for c in gpu_check.build_backward_suite() if c.deterministic)
+    res = gpu_check.run_backward_case(deterministic, torch, "cpu", backend="reference")
+    assert res["ok"] and res["repeatable"]
 
 
 def test_the_backward_check_fails_a_wrong_gradient(monkeypatch):

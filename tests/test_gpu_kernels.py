@@ -79,10 +79,7 @@ def _workers(request) -> int:
 def backward_kernels(request, tmp_path_factory):
     """Every backward kernel of the backward cases, compiled in parallel into the disk cache that
     the library then loads them from."""
-    from fmha.kernels.hopper.config import HopperBackwardConfig
-
-    configs = {HopperBackwardConfig.from_problem(gpu_cases.backward_problem(c, torch))
-               for c in gpu_cases.build_backward_suite()}
+    configs = {gpu_cases.backward_config(c, torch) for c in gpu_cases.build_backward_suite()}
     cache_dir = str(tmp_path_factory.mktemp("backward_kernels"))
     start = time.time()
     _compile_all(sorted(configs, key=repr), cache_dir, _workers(request))

@@ -132,13 +132,18 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
     q, k, v, do, dk, dv = (fake_rows(t, rank, d) for _ in range(6))
     lse2, delta = (fake_rows(cutlass.Float32, rank - 1, None, align_bytes=4) for _ in range(2))
     dq_acc = fake_rows(cutlass.Float32, rank, d)  # read by TMA: rows 16-byte aligned
-    cu_q = cu_k = descriptors = None
+    cu_q = cu_k = descriptors = semaphores = None
+    if cfg.deterministic:
+        semaphores = cute.runtime.make_fake_tensor(
+            cutlass.Int32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
+            stride=(cute.sym_int(), cute.sym_int(), 1), assumed_align=4)
     if cfg.varlen:
         cu_q, cu_k = fake_vector(cutlass.Int32), fake_vector(cutlass.Int32)
         descriptors = cute.runtime.make_fake_tensor(cutlass.Int64, (cute.sym_int(), 5, 16), stride=(80, 16, 1),
                                                     assumed_align=128)
     return compile_for(
         ARCH, HopperAttentionBackward(cfg), q, k, v, do, lse2, delta, dq_acc, dk, dv, cu_q, cu_k, descriptors,
+        semaphores,
         Int32(1),  # max_seqlen_k
         Float32(1.0), Float32(1.0), Float32(1.0),  # scale_log2, out_scale, score_scale
         Int32(0) if cfg.window_left_bounded else None,
@@ -174,10 +179,16 @@ class HopperBackwardRunner:
         if self.cfg.varlen:
             # per-sequence TMA descriptors (q, k, v, dO, dQ accumulator; 128 bytes each)
             descriptors = torch.empty((problem.batch, 5, 16), dtype=torch.int64, device=q.device)
+        semaphores = None
+        if self.cfg.deterministic:
+            # one per (sequence, query head, query tile): the dQ adds' turn (bwd.py)
+            m_tiles = -(-problem.seqlen_q // self.cfg.tile_m)
+            semaphores = torch.zeros((problem.batch, problem.num_heads_q, m_tiles), dtype=torch.int32,
+                                     device=q.device)
         self.compiled(
             q, k, v, dout, lse2, delta, dq_acc, dk, dv,
             cu_seqlens_q if self.cfg.varlen else None, cu_seqlens_k if self.cfg.varlen else None, descriptors,
-            problem.seqlen_k,
+            semaphores, problem.seqlen_k,
             problem.score_scale_log2, problem.output_scale, problem.score_scale,
             m.window_left if self.cfg.window_left_bounded else None,
             m.window_right if self.cfg.window_right_bounded else None,
@@ -203,6 +214,9 @@ class HopperBackend:
     def why_unsupported_backward(self, problem: AttentionProblem, options: KernelOptions) -> list:
         return why_unsupported_backward(problem, options)
 
+    def backward_cache_key(self, problem: AttentionProblem, options: KernelOptions):
+        return HopperBackwardConfig.from_problem(problem, options)
+
     def prepare_backward(self, problem: AttentionProblem, options: KernelOptions) -> HopperBackwardRunner:
-        cfg = HopperBackwardConfig.from_problem(problem)
+        cfg = HopperBackwardConfig.from_problem(problem, options)
         return HopperBackwardRunner(cfg, disk_cache.load_or_compile(cfg, compile_backward))

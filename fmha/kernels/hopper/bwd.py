@@ -20,6 +20,13 @@ keep nothing, so their P is 0) and delta = rowsum(dO * O) - dLSE, and scales and
 afterwards. The K/V tile's query range and which query tiles need the element-wise mask come
 from the same row bands as the forward's (``fmha.masking.row_key_bounds``).
 
+``deterministic``: the dQ reduce-adds of one query tile happen in K/V tile order. A semaphore
+per (sequence, query head, query tile) holds one past the last K/V tile that added; each CTA waits
+for its predecessor's value before adding and publishes its own once its add has completed. The
+K/V tiles that add into a query tile are consecutive (the mask's row bands move right by at most
+one key per row and never have gaps), so the predecessor of tile n is n - 1 unless n is the first.
+CTAs wait only on CTAs of lower block index, which the GPU starts first.
+
 Varlen (packed THD) batches move every tile through per-sequence TMA descriptors
 (``sequence_descriptors.py``): loads past a sequence's end read zeros, and the dQ reduce-add of a
 ragged query tile stops at the sequence's last row instead of adding into the next sequence.
@@ -68,13 +75,13 @@ class HopperAttentionBackward:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
                  mDelta: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-                 mSeqDescriptors: Optional[cute.Tensor], max_seqlen_k: Int32,
+                 mSeqDescriptors: Optional[cute.Tensor], mSemaphores: Optional[cute.Tensor], max_seqlen_k: Int32,
                  scale_log2: Float32, out_scale: Float32, score_scale: Float32,
                  window_left: Optional[Int32], window_right: Optional[Int32], stream: cuda.CUstream):
         """Dense tensors: q/dO (B, S_q, H_q, D), k/v/dK/dV (B, S_k, H_k, D), LSE2/delta
         (B, H_q, S_q) fp32, dQacc (B, S_q, H_q, D) fp32 (zeroed). Varlen: (T, H, D) rows,
         LSE2/delta (H_q, T_q), cu_seqlens (B + 1,) and room for five descriptors per sequence
-        (B, 5, 16) int64."""
+        (B, 5, 16) int64. ``deterministic``: semaphores (B, H_q, query tiles) int32, zeroed."""
         cfg = self.cfg
         varlen = cfg.varlen
         self.dtype = mQ.element_type
@@ -130,7 +137,7 @@ class HopperAttentionBackward:
                 grid=[num_batches, 1, 1], block=[32, 1, 1], stream=stream)
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_tensor_q, tma_do, tma_tensor_do, tma_k, tma_tensor_k,
                     tma_v, tma_tensor_v, tma_dq, tma_tensor_dq, mLSE2, mDelta, mdK, mdV, mCuSeqlensQ, mCuSeqlensK,
-                    mSeqDescriptors, scale_log2, out_scale, score_scale, window_left, window_right, sQ_layout,
+                    mSeqDescriptors, mSemaphores, scale_log2, out_scale, score_scale, window_left, window_right, sQ_layout,
                     sK_layout, sdS_layout, sdQ_layout).launch(
             grid=[num_n_blocks, k.shape[2], num_batches], block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
@@ -159,7 +166,7 @@ class HopperAttentionBackward:
                tma_dq: cute.CopyAtom, mdQacc: cute.Tensor,
                mLSE2: cute.Tensor, mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-               mSeqDescriptors: Optional[cute.Tensor], scale_log2: Float32, out_scale: Float32, score_scale: Float32,
+               mSeqDescriptors: Optional[cute.Tensor], mSemaphores: Optional[cute.Tensor], scale_log2: Float32, out_scale: Float32, score_scale: Float32,
                window_left: Optional[Int32], window_right: Optional[Int32],
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
                sdQ_layout: cute.ComposedLayout):
@@ -200,7 +207,8 @@ class HopperAttentionBackward:
             else:
                 cute.arch.setmaxregister_increase(240)
                 self.consumer(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, qdo_consumer, kv_consumer, mLSE2,
-                              mDelta, tma_dq, mdQacc, mdK, mdV, mSeqDescriptors, scale_log2, out_scale, score_scale,
+                              mDelta, tma_dq, mdQacc, mdK, mdV, mSeqDescriptors, mSemaphores, scale_log2, out_scale,
+                              score_scale,
                               window_left, window_right, n_block, head_kv, batch, group, m_start, m_end, seq,
                               tidx - _WG)
 
@@ -277,6 +285,7 @@ class HopperAttentionBackward:
     def consumer(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ,
                  qdo_consumer: pipeline.PipelineConsumer, kv_consumer: pipeline.PipelineConsumer,
                  mLSE2, mDelta, tma_dq, mdQacc, mdK, mdV, mSeqDescriptors: Optional[cute.Tensor],
+                 mSemaphores: Optional[cute.Tensor],
                  scale_log2: Float32, out_scale: Float32, score_scale: Float32, window_left, window_right, n_block,
                  head_kv, batch, group, m_start, m_end, seq: SequenceInfo, tidx: Int32):
         cfg = self.cfg
@@ -318,6 +327,11 @@ class HopperAttentionBackward:
         n0 = n_block * tile_n
         n1 = cutlass.min(n0 + tile_n, seqlen_k)
         num_cols = cute.size(tScS, mode=[1])
+        # deterministic: the query tiles that K/V tile n_block - 1 adds into (none for tile 0)
+        prev_start, prev_end = Int32(0), Int32(0)
+        if const_expr(cfg.deterministic):
+            if n_block > 0:
+                prev_start, prev_end = self.query_tiles(n_block - 1, seqlen_q, seqlen_k, window_left, window_right)
 
         kv_handle = kv_consumer.wait_and_advance()
         for g in cutlass.range(group, unroll=1):
@@ -379,10 +393,16 @@ class HopperAttentionBackward:
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=NamedBarrierBwd.DQ_STAGED, number_of_threads=2 * _WG)
                 if dq_warp:
+                    turn = None
+                    if const_expr(cfg.deterministic):
+                        has_predecessor = prev_start <= m_block and m_block < prev_end
+                        turn = self.wait_for_turn(mSemaphores, batch, head, m_block, n_block, has_predecessor)
                     gdQ = cute.local_tile(mdQacc[None, None, head, row_batch], (tile_m, d), (m_block, 0))
                     tdQs, tdQg = tma_tiles(tma_dq, sdQ, gdQ)
                     cute.copy(tma_dq, tdQs, tdQg, tma_desc_ptr=desc_dq)
                     cute.arch.cp_async_bulk_commit_group()
+                    if const_expr(cfg.deterministic):
+                        self.pass_turn(turn, n_block)
         release_by_one_lane(kv_handle)
         if dq_warp:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -393,6 +413,28 @@ class HopperAttentionBackward:
         tdKcdK = thr_dkv.partition_C(cute.make_identity_tensor((tile_n, d)))
         store_o_direct(dk_out, tdKcdK, mdK, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
         store_o_direct(dv_out, tdKcdK, mdV, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
+
+    @cute.jit
+    def wait_for_turn(self, mSemaphores: cute.Tensor, batch, head, m_block, n_block, has_predecessor):
+        """The dQ warp: spin until K/V tile n_block - 1 (if it adds into this query tile) has
+        completed its add. Returns the semaphore's address."""
+        sem = mSemaphores.iterator + cute.crd2idx((batch, head, m_block), mSemaphores.layout)
+        turn = n_block if has_predecessor else Int32(0)
+        while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != turn:
+            pass
+        # the reduce-add about to be issued (async proxy) comes after what the acquire saw
+        cute.arch.fence_proxy("async.global")
+        return sem
+
+    @cute.jit
+    def pass_turn(self, sem, n_block):
+        """The dQ warp, after issuing its add: wait until the add has completed (not just read
+        shared memory), then let K/V tile n_block + 1 add."""
+        cute.arch.cp_async_bulk_wait_group(0, read=False)  # on the lane that issued it
+        cute.arch.sync_warp()
+        cute.arch.fence_proxy("async.global")
+        with cute.arch.elect_one():
+            cute.arch.store(sem, n_block + 1, sem="release", scope="gpu")
 
     @cute.jit
     def apply_mask(self, s: cute.Tensor, tScS: cute.Tensor, m0, n0, seqlen_q, seqlen_k, window_left, window_right):

@@ -263,6 +263,8 @@ class HopperBackwardConfig:
     window_right_bounded: bool
     bottom_right: bool
     varlen: bool = False
+    #: dQ added in K/V tile order (bitwise-repeatable), each add waiting for the one before
+    deterministic: bool = False
 
     #: query rows per step of the K/V tile's loop
     tile_m = 64
@@ -270,11 +272,11 @@ class HopperBackwardConfig:
     tile_n = 128
 
     @staticmethod
-    def from_problem(problem: AttentionProblem) -> "HopperBackwardConfig":
+    def from_problem(problem: AttentionProblem, options: KernelOptions = KernelOptions()) -> "HopperBackwardConfig":
         m = problem.mask
         return HopperBackwardConfig(problem.dtype, problem.head_dim, m.kind, m.window_left is not None,
                                     m.window_right is not None, m.bottom_right if m.kind == MaskKind.WINDOW else False,
-                                    problem.varlen)
+                                    problem.varlen, options.deterministic)
 
 
 def why_unsupported_backward(problem: AttentionProblem, options: KernelOptions) -> list:
@@ -287,8 +289,6 @@ def why_unsupported_backward(problem: AttentionProblem, options: KernelOptions) 
     if problem.out_dtype != problem.dtype:
         reasons.append(f"the Hopper backward needs out (and dout) in q's dtype {problem.dtype}, "
                        f"not {problem.out_dtype}")
-    if options.deterministic:
-        reasons.append("deterministic=True: the Hopper backward adds dQ with float atomics")
     if not (problem.score_scale > 0 and problem.score_scale < float("inf")):
         reasons.append("the Hopper backward needs softmax_scale * scale_q * scale_k to be a positive finite "
                        f"number, got {problem.score_scale}")
