@@ -89,6 +89,10 @@ class BlackwellForwardConfig:
     #: query rows per CTA: the trip count and row bands are computed for all of them at once
     cta_rows = Q_TILES * TILE_M
 
+    #: tcgen05 MMAs read V MN-major in every input dtype, fp8 included: V is never re-laid out
+    #: (``hopper.sequence_descriptors`` reads this)
+    v_staged = False
+
     @property
     def kv_stages(self) -> int:
         return kv_stages_for(self.dtype, self.head_dim, self.out_dtype)
@@ -117,9 +121,9 @@ class BlackwellForwardConfig:
 #: registers per thread after ``setmaxnreg``: softmax warpgroups hold a row of 128 fp32 scores
 #: plus a chunk of its P; the correction warpgroup 16 columns of O at a time; the load, MMA and
 #: epilogue warps their loop state. 2 x 128 x 192 + 128 x 80 + 128 x 48 = 65536, the register file.
-REGISTERS_SOFTMAX = 192
+REGISTERS_SOFTMAX = 176
 REGISTERS_CORRECTION = 80
-REGISTERS_OTHER = 48
+REGISTERS_OTHER = 80
 
 
 def why_unsupported(problem: AttentionProblem, options: KernelOptions) -> list:

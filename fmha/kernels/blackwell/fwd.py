@@ -420,9 +420,7 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
         tSrQ = thr_qk.make_fragment_A(sQ)
         tSrK = thr_qk.make_fragment_B(sK)
         tOrV = thr_pv.make_fragment_B(sV)
-        tStS0, tStS1 = self.tmem.s_tiles(tmem_base)
-        tOtO0, tOtO1 = self.tmem.o_tiles(tmem_base)
-        tOrP0, tOrP1 = self.tmem.p_operands(thr_pv, tmem_base, tP_layout)
+        self.tmem.bind_p(thr_pv, tmem_base, tP_layout)
         q_consumer, kv_consumer = pipes.q.consumer, pipes.kv.consumer
         s0_producer, s1_producer, o_producer = pipes.s0.producer, pipes.s1.producer, pipes.o.producer
 
@@ -432,6 +430,7 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
             seq = self.sequence(tile, mQ_tma, mK_tma, mCuSeqlensQ, mCuSeqlensK)
             if tile.m_block * cfg.cta_rows < seq.seqlen_q:
                 walk = self.kv_walk(tile.m_block, seq, window_left, window_right)
+                tStS0, tStS1, tOtO0, tOtO1, tOrP0, tOrP1 = self.mma_tmem_views(storage)
                 q0 = q_consumer.wait_and_advance()
                 k_stage = kv_consumer.wait_and_advance()
                 s0 = s0_producer.acquire_and_advance()
@@ -452,6 +451,7 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
                 o0.commit()
                 o1_accumulates = cutlass.Boolean(False)
                 for _ in cutlass.range(1, walk.count, unroll=1):
+                    tStS0, tStS1, tOtO0, tOtO1, tOrP0, tOrP1 = self.mma_tmem_views(storage)
                     k_stage = kv_consumer.wait_and_advance()
                     # S0's columns are free: P0 was read by the P.V above, issued earlier in order
                     tiled_mma_qk = self.gemm(tiled_mma_qk, tStS0, tSrQ[None, None, None, q0.index],
@@ -474,6 +474,7 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
                     o0.commit()
                 q0.release()
                 q1.release()
+                tStS0, tStS1, tOtO0, tOtO1, tOrP0, tOrP1 = self.mma_tmem_views(storage)
                 o1 = o_producer.acquire_and_advance()
                 s1 = s1_producer.acquire_and_advance()  # P1 written
                 tiled_mma_pv = self.gemm(tiled_mma_pv, tOtO1, tOrP1, tOrV[None, None, None, v_stage.index], o1_accumulates)
@@ -488,12 +489,22 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
         cute.arch.mbarrier_wait(tmem_dealloc_mbar, 0)
         cute.arch.dealloc_tmem(tmem_base, Int32(cfg.tmem_columns))
 
+    def mma_tmem_views(self, storage):
+        """S0, S1, O0, O1, P0, P1 from TMEM's base address read again from shared memory: taken
+        where they are used, so that ptxas does not keep every k-block's address of them live
+        across the loops (they overflowed the uniform registers into local memory)."""
+        tmem_base = cute.arch.retrieve_tmem_ptr(Float32, alignment=16,
+                                                ptr_to_buffer_holding_addr=storage.tmem_base)
+        return (*self.tmem.s_tiles(tmem_base), *self.tmem.o_tiles(tmem_base), *self.tmem.p_operands(tmem_base))
+
     @cute.jit
     def gemm(self, tiled_mma, acc, a, b, accumulate):
         """acc (+)= a b over the K blocks of one tile; ``accumulate`` (dynamic or static) for the
         first block."""
-        for kb in cutlass.range_constexpr(cute.size(a, mode=[2])):
-            tiled_mma.set(tcgen05.Field.ACCUMULATE, accumulate if kb == 0 else True)
+        # a rolled loop: unrolled, ptxas keeps every k-block's operand descriptors live across the
+        # tile loops, more than the uniform registers hold
+        for kb in cutlass.range(cute.size(a, mode=[2]), unroll=1):
+            tiled_mma.set(tcgen05.Field.ACCUMULATE, (kb != 0) | cutlass.Boolean(accumulate))
             cute.gemm(tiled_mma, acc, a[None, None, kb], b[None, None, kb], acc)
         return tiled_mma  # rebound by the caller: its accumulate flag is loop-carried state
 

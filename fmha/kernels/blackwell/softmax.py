@@ -114,10 +114,11 @@ class SoftmaxRole:
         cute.copy(load_s, tLtS, s)
         if masked:
             lo, hi = mask.key_bounds(row_base + tLcS[0][0])
+            # relative to this tile's first column: one compare against a constant per bound
+            lo_rel, hi_rel = lo - col_base, hi - col_base
             for i in cutlass.range_constexpr(cute.size(s)):
-                col = col_base + tLcS[i][1]
-                if col < lo or col >= hi:
-                    s[i] = Float32(-math.inf)
+                col = tLcS[i][1]
+                s[i] = s[i] if (col >= lo_rel) & (col < hi_rel) else Float32(-math.inf)
 
         old_max = row_max
         row_max = s.load().reduce(cute.ReductionOp.MAX, row_max, 0)

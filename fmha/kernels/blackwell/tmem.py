@@ -45,11 +45,16 @@ class TmemPlan:
         """(O0, O1) as the PV MMA's accumulators."""
         return tuple(cute.make_tensor(tmem_base + off, self.o_layout) for off in self.o_offsets)
 
-    def p_operands(self, thr_mma_pv, tmem_base, tP_layout):
-        """(P0, P1) as the PV MMA's TMEM A operands (for the MMA warp only)."""
+    def bind_p(self, thr_mma_pv, tmem_base, tP_layout):
+        """Record the layout and type of P as the PV MMA's TMEM A operand (the MMA warp's)."""
         frag = thr_mma_pv.make_fragment_A(cute.make_tensor(tmem_base, tP_layout.outer))[None, None, None, 0]
-        return tuple(cute.make_tensor(cute.recast_ptr(tmem_base + off + P_COLUMN, dtype=frag.element_type),
-                                      frag.layout) for off in self.s_offsets)
+        self.p_layout = frag.layout
+        self.p_dtype = frag.element_type
+
+    def p_operands(self, tmem_base):
+        """(P0, P1) as the PV MMA's TMEM A operands (after ``bind_p``)."""
+        return tuple(cute.make_tensor(cute.recast_ptr(tmem_base + off + P_COLUMN, dtype=self.p_dtype),
+                                      self.p_layout) for off in self.s_offsets)
 
     @staticmethod
     def columns(tile: cute.Tensor, first: int, count: int) -> cute.Tensor:
