@@ -2,6 +2,7 @@
 
 from .api import FusedAttention, attention, attention_backward, attention_varlen
 from .backends import UnsupportedError
+from .device_errors import check_device_errors
 from .masking import MaskKind, MaskSpec
 from .reference import attention_reference
 
@@ -13,6 +14,7 @@ __all__ = [
     "attention_backward",
     "FusedAttention",
     "UnsupportedError",
+    "check_device_errors",
     "attention_reference",
     "MaskKind",
     "MaskSpec",

@@ -4,6 +4,7 @@ form modelled on cuDNN's graph API (construct from samples, check_support, compi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Optional
 
@@ -20,6 +21,7 @@ from .backends import (
     select_backward_backend,
     unsupported_reasons,
 )
+from . import device_errors
 from .problem import AttentionProblem
 from .validation import ALIGN_BYTES, kernel_options, lse_shape, out_shape, validate, validate_backward
 
@@ -108,8 +110,20 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_s
     runner = get_runner(chosen, problem, options)
     if key is not None:
         remember_dispatch(key, problem, runner)
-    runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    with _offsets_checked_on_device(problem):
+        runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     return (out, lse) if return_lse else out
+
+
+@contextlib.contextmanager
+def _offsets_checked_on_device(problem):
+    """Around a varlen launch whose offsets the host did not read (``fmha.device_errors``)."""
+    unread = problem.varlen and problem.seqlens_q is None and problem.device.type == "cuda"
+    if unread:
+        device_errors.raise_pending(problem.device)
+    yield
+    if unread:
+        device_errors.watch(problem.device)
 
 
 def attention(
@@ -190,7 +204,8 @@ def attention_backward(
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    runner(problem, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, deterministic)
+    with _offsets_checked_on_device(problem):
+        runner(problem, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, deterministic)
     return dq, dk, dv
 
 
@@ -272,7 +287,8 @@ class FusedAttention:
         if not check:
             if self._runner is None:
                 self.compile()
-            self._runner(self._problem_unread, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+            with _offsets_checked_on_device(self._problem_unread):
+                self._runner(self._problem_unread, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
             return
         problem = self._validate(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
                                  self.problem.seqlen_q if self._varlen else None,
@@ -291,4 +307,5 @@ class FusedAttention:
             )
         if self._runner is None:
             self.compile()
-        self._runner(problem, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+        with _offsets_checked_on_device(problem):
+            self._runner(problem, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)

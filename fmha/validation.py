@@ -154,7 +154,8 @@ def _read_offsets(cu: torch.Tensor) -> List[int]:
     return offsets
 
 
-def _seqlens_from_cu(name: str, cu, total: int, q_dev: torch.device) -> List[int]:
+def _check_offsets_tensor(name: str, cu, q_dev: torch.device) -> None:
+    """What can be checked of cu_seqlens without reading its values."""
     _require_tensor(name, cu)
     if cu.dtype != torch.int32:
         raise TypeError(f"{name} must be int32, got {_dtype_name(cu.dtype)}; use .to(torch.int32)")
@@ -163,6 +164,10 @@ def _seqlens_from_cu(name: str, cu, total: int, q_dev: torch.device) -> List[int
         raise ValueError(f"{name} must be 1-D of length B + 1, got shape {tuple(cu.shape)}")
     if not cu.is_contiguous():
         raise ValueError(f"{name} must be contiguous (stride {cu.stride(0)}); call .contiguous()")
+
+
+def _seqlens_from_cu(name: str, cu, total: int, q_dev: torch.device) -> List[int]:
+    _check_offsets_tensor(name, cu, q_dev)
     offsets = _read_offsets(cu)
     if offsets[0] != 0:
         raise ValueError(f"{name} must start at 0, got {offsets[0]}")
@@ -289,17 +294,29 @@ def validate(
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_layout(name, t)
 
+    lens_read = True
     if varlen:
-        lens_q = _seqlens_from_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-        lens_k = _seqlens_from_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
-        if len(lens_q) != len(lens_k):
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            _check_offsets_tensor(name, cu, q.device)
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
             raise ValueError(
-                f"cu_seqlens_q has {len(lens_q) + 1} entries but cu_seqlens_k has "
-                f"{len(lens_k) + 1}; both must have B + 1"
+                f"cu_seqlens_q has {cu_seqlens_q.numel()} entries but cu_seqlens_k has "
+                f"{cu_seqlens_k.numel()}; both must have B + 1"
             )
-        batch = len(lens_q)
-        seqlen_q = _resolve_max_seqlen("max_seqlen_q", max_seqlen_q, lens_q)
-        seqlen_k = _resolve_max_seqlen("max_seqlen_k", max_seqlen_k, lens_k)
+        # Given both max lengths, the offsets stay on the device (no sync): the kernels check
+        # them there (fmha.device_errors). compressed_causal needs each pair of lengths here.
+        lens_read = (max_seqlen_q is None or max_seqlen_k is None or bool(compressed_causal)
+                     or q.device.type != "cuda")
+        if lens_read:
+            lens_q = _seqlens_from_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+            lens_k = _seqlens_from_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+            seqlen_q = _resolve_max_seqlen("max_seqlen_q", max_seqlen_q, lens_q)
+            seqlen_k = _resolve_max_seqlen("max_seqlen_k", max_seqlen_k, lens_k)
+        else:
+            seqlen_q = _resolve_max_seqlen("max_seqlen_q", max_seqlen_q, ())
+            seqlen_k = _resolve_max_seqlen("max_seqlen_k", max_seqlen_k, ())
+            lens_q = lens_k = None
+        batch = cu_seqlens_q.numel() - 1
     else:
         if cu_seqlens_q is not None or cu_seqlens_k is not None:
             raise ValueError("cu_seqlens are for varlen inputs; use fmha.attention_varlen")
@@ -339,13 +356,13 @@ def validate(
         batch=batch,
         seqlen_q=seqlen_q,
         seqlen_k=seqlen_k,
-        total_q=sum(lens_q),
-        total_k=sum(lens_k),
+        total_q=q.shape[0] if varlen else batch * seqlen_q,
+        total_k=k.shape[0] if varlen else batch * seqlen_k,
         softmax_scale=softmax_scale,
         device=q.device,
         **scales,
-        seqlens_q=tuple(lens_q) if varlen else None,
-        seqlens_k=tuple(lens_k) if varlen else None,
+        seqlens_q=tuple(lens_q) if varlen and lens_read else None,
+        seqlens_k=tuple(lens_k) if varlen and lens_read else None,
     )
 
 

@@ -46,7 +46,9 @@ def work_tile_table(seqlens_q, seqlens_k, mask: MaskSpec, tile_m: int, tile_n: i
     table = _DEVICE_CACHE.get(key)
     if table is None:
         tiles = work_tiles(seqlens_q, seqlens_k, mask, tile_m, tile_n)
-        table = torch.tensor(tiles or [(0, 0)], dtype=torch.int32).reshape(-1, 2).to(device)
+        table = torch.tensor(tiles or [(0, 0)], dtype=torch.int32).reshape(-1, 2)
+        if torch.device(device).type == "cuda":  # pinned: the copy does not wait for the GPU
+            table = table.pin_memory().to(device, non_blocking=True)
         _DEVICE_CACHE[key] = table
         if len(_DEVICE_CACHE) > _CACHE_SIZE:
             _DEVICE_CACHE.popitem(last=False)

@@ -111,9 +111,8 @@ def _implementations(torch, variants: bool = False) -> dict[str, Callable]:
     import fmha
 
     def ours(q, k, v, p, cu):
-        if p.varlen:
-            m = max(p.varlen)
-            return fmha.attention_varlen(q, k, v, cu, cu, m, m, backend="kernel", **_mask_kwargs(p))
+        if p.varlen:  # one offsets tensor, read on the host once (exact tile list)
+            return fmha.attention_varlen(q, k, v, cu, cu, backend="kernel", **_mask_kwargs(p))
         return fmha.attention(q, k, v, backend="kernel", **_mask_kwargs(p))
 
     prepared = {}
@@ -135,15 +134,23 @@ def _implementations(torch, variants: bool = False) -> dict[str, Callable]:
         return o
 
     def ours_new_offsets(q, k, v, p, cu):
-        """The public API given a new cu_seqlens tensor every call, as the first attention layer
-        of each batch is: its offsets are read on the host (a sync) every time. ``fmha`` reuses
-        one tensor, as a model's later layers do, and pays that read once (fmha.validation)."""
+        """The public API given a new cu_seqlens tensor every call, as a training loop's packed
+        batches are, with max_seqlen_q/k: nothing is read back (the offsets are checked on the
+        device), and the tile list covers every query tile up to the max length. ``fmha`` reuses
+        one tensor and reads it once on the host (fmha.validation)."""
         if not p.varlen:
             raise NotImplementedError("timed on varlen points (dense calls never sync)")
-        return ours(q, k, v, p, cu.clone())
+        m = max(p.varlen)
+        return fmha.attention_varlen(q, k, v, cu.clone(), cu.clone(), m, m, backend="kernel", **_mask_kwargs(p))
+
+    def ours_deterministic(q, k, v, p, cu):
+        """deterministic=True: the backward adds dQ in K/V tile order (timed in --backward)."""
+        if p.varlen:
+            return fmha.attention_varlen(q, k, v, cu, cu, backend="kernel", deterministic=True, **_mask_kwargs(p))
+        return fmha.attention(q, k, v, backend="kernel", deterministic=True, **_mask_kwargs(p))
 
     impls: dict[str, Callable] = {"fmha": ours, "fmha_new_offsets": ours_new_offsets,
-                                  "fmha_unchecked": ours_unchecked}
+                                  "fmha_unchecked": ours_unchecked, "fmha_deterministic": ours_deterministic}
     if variants:
         from lab.variants import VARIANTS, kernel_variant
 
@@ -217,7 +224,7 @@ def run_point(p: Point, impls: dict, torch, do_bench, rounds: int = 1) -> list[d
     ref = _reference(p, q, k, v, cu, torch)
     limit = FP8_REL_L2_LIMIT if p.dtype != "bfloat16" else REL_L2_LIMIT
     rows = {}
-    for name, fn in impls.items():
+    for name, fn in ((n, f) for n, f in impls.items() if n not in BACKWARD_ONLY):
         row = dict(point=asdict(p), impl=name)
         rows[name] = row
         try:
@@ -249,7 +256,9 @@ def run_point(p: Point, impls: dict, torch, do_bench, rounds: int = 1) -> list[d
     return list(rows.values())
 
 
-BACKWARD_IMPLS = ("fmha", "fa4", "cudnn", "sdpa_flash")
+BACKWARD_IMPLS = ("fmha", "fmha_deterministic", "fa4", "cudnn", "sdpa_flash")
+#: implementations that differ from ``fmha`` only in the backward
+BACKWARD_ONLY = ("fmha_deterministic",)
 BACKWARD_REL_L2_LIMIT = 3e-2  # bf16 gradients against the fp32 reference backward
 
 
@@ -543,7 +552,7 @@ def main(argv=None):
                    for w in args.filter.split("|"))
 
     if args.backward:
-        points = [p for p in points if not p.varlen and p.dtype == "bfloat16" and p.window_left is None]
+        points = [p for p in points if p.dtype == "bfloat16" and p.window_left is None]
     for p in (p for p in points if wanted(p.label())):
         new = (run_point_backward if args.backward else run_point)(p, impls, torch, do_bench, args.rounds)
         rows += new

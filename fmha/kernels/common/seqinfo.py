@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
@@ -11,7 +12,12 @@ from cutlass import Int32
 class SequenceInfo:
     """Sequence ``batch``'s first row in the token dim and its length, for queries and keys.
     Dense batches start every sequence at row 0 of its own batch entry and take the tensors'
-    lengths; packed ones read ``cu_seqlens`` (whether they are given is static)."""
+    lengths; packed ones read ``cu_seqlens`` (whether they are given is static).
+
+    Packed offsets the host did not read may be wrong; they are clamped here, so that every
+    kernel sees the same rows and none lies outside the tensors (``total_*``: their row counts)
+    or past ``max_seqlen_*`` where the launch was sized by it. The descriptor kernel flags the
+    offsets that needed it (``sequence_descriptors.flag_bad_offsets``)."""
 
     offset_q: Int32
     seqlen_q: Int32
@@ -20,10 +26,19 @@ class SequenceInfo:
 
     @staticmethod
     def create(batch: Int32, seqlen_q_static, seqlen_k_static, cu_seqlens_q: Optional[cute.Tensor] = None,
-               cu_seqlens_k: Optional[cute.Tensor] = None) -> "SequenceInfo":
+               cu_seqlens_k: Optional[cute.Tensor] = None, max_seqlen_q=None, max_seqlen_k=None) -> "SequenceInfo":
+        """``seqlen_*_static``: dense, the sequence lengths; packed, the tensors' row counts."""
         if cu_seqlens_q is None:
             return SequenceInfo(Int32(0), seqlen_q_static, Int32(0), seqlen_k_static)
-        offset_q = cu_seqlens_q[batch]
-        seqlen_q = cu_seqlens_q[batch + 1] - offset_q
-        offset_k = cu_seqlens_k[batch]
-        return SequenceInfo(offset_q, seqlen_q, offset_k, cu_seqlens_k[batch + 1] - offset_k)
+        offset_q, seqlen_q = _rows(cu_seqlens_q, batch, seqlen_q_static, max_seqlen_q)
+        offset_k, seqlen_k = _rows(cu_seqlens_k, batch, seqlen_k_static, max_seqlen_k)
+        return SequenceInfo(offset_q, seqlen_q, offset_k, seqlen_k)
+
+
+def _rows(cu_seqlens: cute.Tensor, batch: Int32, total, max_seqlen):
+    """(first row, length) of sequence ``batch``, within [0, total) and at most ``max_seqlen``."""
+    start = cutlass.min(cutlass.max(cu_seqlens[batch], 0), total)
+    length = cutlass.min(cutlass.max(cu_seqlens[batch + 1], start), total) - start
+    if max_seqlen is not None:
+        length = cutlass.min(length, max_seqlen)
+    return start, length

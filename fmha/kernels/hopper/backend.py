@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from fmha import device_errors
 from fmha.jit import disk_cache
 from fmha.jit.compile import compile_for, cutlass_dtype, fake_rows, fake_vector
 from fmha.jit.launch import sm_count
@@ -41,14 +42,15 @@ def _fake_arguments(cfg: HopperForwardConfig) -> tuple:
         v = fake_rows(in_t, rank, d)
     o = fake_rows(out_t, rank, d)
     lse = fake_rows(cutlass.Float32, 2 if cfg.varlen else 3, None, align_bytes=4) if cfg.has_lse else None
-    cu_q = cu_k = tiles = descriptors = None
+    cu_q = cu_k = tiles = descriptors = errors = None
     if cfg.varlen:
         cu_q, cu_k = fake_vector(cutlass.Int32), fake_vector(cutlass.Int32)
         tiles = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=4)
         descriptors = cute.runtime.make_fake_tensor(cutlass.Int64, (cute.sym_int(), 3, 16), stride=(48, 16, 1),
                                                     assumed_align=128)
+        errors = fake_vector(cutlass.Int32, 1)
     counter = fake_vector(cutlass.Int32, 1) if cfg.claims_tiles else None
-    return q, k, v, o, lse, cu_q, cu_k, tiles, descriptors, counter
+    return q, k, v, o, lse, cu_q, cu_k, tiles, descriptors, errors, counter
 
 
 def compile_forward(cfg: HopperForwardConfig, extra_options: str = "", kernel_class=None):
@@ -106,6 +108,7 @@ class HopperRunner:
             cu_seqlens_k if cfg.varlen else None,
             tiles,
             descriptors,
+            device_errors.flag(q.device) if cfg.varlen else None,
             # the claim counter starts at 0 in every launch (ClaimingTileScheduler)
             torch.zeros(1, dtype=torch.int32, device=q.device) if cfg.claims_tiles else None,
             problem.seqlen_q,
@@ -132,7 +135,7 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
     q, k, v, do, dk, dv = (fake_rows(t, rank, d) for _ in range(6))
     lse2, delta = (fake_rows(cutlass.Float32, rank - 1, None, align_bytes=4) for _ in range(2))
     dq_acc = fake_rows(cutlass.Float32, rank, d)  # read by TMA: rows 16-byte aligned
-    cu_q = cu_k = descriptors = semaphores = None
+    cu_q = cu_k = descriptors = errors = semaphores = None
     if cfg.deterministic:
         semaphores = cute.runtime.make_fake_tensor(
             cutlass.Int32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
@@ -141,10 +144,11 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
         cu_q, cu_k = fake_vector(cutlass.Int32), fake_vector(cutlass.Int32)
         descriptors = cute.runtime.make_fake_tensor(cutlass.Int64, (cute.sym_int(), 5, 16), stride=(80, 16, 1),
                                                     assumed_align=128)
+        errors = fake_vector(cutlass.Int32, 1)
     return compile_for(
         ARCH, HopperAttentionBackward(cfg), q, k, v, do, lse2, delta, dq_acc, dk, dv, cu_q, cu_k, descriptors,
-        semaphores,
-        Int32(1),  # max_seqlen_k
+        errors, semaphores,
+        Int32(1), Int32(1),  # max_seqlen_q, max_seqlen_k
         Float32(1.0), Float32(1.0), Float32(1.0),  # scale_log2, out_scale, score_scale
         Int32(0) if cfg.window_left_bounded else None,
         Int32(0) if cfg.window_right_bounded else None,
@@ -188,7 +192,7 @@ class HopperBackwardRunner:
         self.compiled(
             q, k, v, dout, lse2, delta, dq_acc, dk, dv,
             cu_seqlens_q if self.cfg.varlen else None, cu_seqlens_k if self.cfg.varlen else None, descriptors,
-            semaphores, problem.seqlen_k,
+            device_errors.flag(q.device) if self.cfg.varlen else None, semaphores, problem.seqlen_q, problem.seqlen_k,
             problem.score_scale_log2, problem.output_scale, problem.score_scale,
             m.window_left if self.cfg.window_left_bounded else None,
             m.window_right if self.cfg.window_right_bounded else None,

@@ -75,8 +75,8 @@ class HopperAttentionBackward:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
                  mDelta: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-                 mSeqDescriptors: Optional[cute.Tensor], mSemaphores: Optional[cute.Tensor], max_seqlen_k: Int32,
-                 scale_log2: Float32, out_scale: Float32, score_scale: Float32,
+                 mSeqDescriptors: Optional[cute.Tensor], mErrors: Optional[cute.Tensor],
+                 mSemaphores: Optional[cute.Tensor], max_seqlen_q: Int32, max_seqlen_k: Int32, scale_log2: Float32, out_scale: Float32, score_scale: Float32,
                  window_left: Optional[Int32], window_right: Optional[Int32], stream: cuda.CUstream):
         """Dense tensors: q/dO (B, S_q, H_q, D), k/v/dK/dV (B, S_k, H_k, D), LSE2/delta
         (B, H_q, S_q) fp32, dQacc (B, S_q, H_q, D) fp32 (zeroed). Varlen: (T, H, D) rows,
@@ -133,11 +133,11 @@ class HopperAttentionBackward:
         num_batches = mCuSeqlensQ.shape[0] - 1 if const_expr(varlen) else k.shape[3]
         if const_expr(varlen):
             self.describe_sequences(tma_q, tma_k, tma_v, tma_do, tma_dq, q, k, v, do, dq_acc, mCuSeqlensQ,
-                                    mCuSeqlensK, mSeqDescriptors).launch(
+                                    mCuSeqlensK, mSeqDescriptors, mErrors, max_seqlen_q, max_seqlen_k).launch(
                 grid=[num_batches, 1, 1], block=[32, 1, 1], stream=stream)
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_tensor_q, tma_do, tma_tensor_do, tma_k, tma_tensor_k,
                     tma_v, tma_tensor_v, tma_dq, tma_tensor_dq, mLSE2, mDelta, mdK, mdV, mCuSeqlensQ, mCuSeqlensK,
-                    mSeqDescriptors, mSemaphores, scale_log2, out_scale, score_scale, window_left, window_right, sQ_layout,
+                    mSeqDescriptors, mSemaphores, max_seqlen_q, max_seqlen_k, scale_log2, out_scale, score_scale, window_left, window_right, sQ_layout,
                     sK_layout, sdS_layout, sdQ_layout).launch(
             grid=[num_n_blocks, k.shape[2], num_batches], block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
@@ -146,10 +146,13 @@ class HopperAttentionBackward:
     def describe_sequences(self, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
                            tma_do: cute.CopyAtom, tma_dq: cute.CopyAtom, q: cute.Tensor, k: cute.Tensor,
                            v: cute.Tensor, do: cute.Tensor, dq_acc: cute.Tensor, mCuSeqlensQ: cute.Tensor,
-                           mCuSeqlensK: cute.Tensor, mSeqDescriptors: cute.Tensor):
+                           mCuSeqlensK: cute.Tensor, mSeqDescriptors: cute.Tensor, mErrors: cute.Tensor,
+                           max_seqlen_q: Int32, max_seqlen_k: Int32):
         """One warp per sequence: the five descriptors of its rows (all tensors (S, D, H, 1))."""
         batch = Int32(cute.arch.block_idx()[0])
-        offset_q, len_q, offset_k, len_k = seq_desc.sequence_extents(mCuSeqlensQ, mCuSeqlensK, batch)
+        seq = SequenceInfo.create(batch, q.shape[0], k.shape[0], mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, max_seqlen_k)
+        seq_desc.flag_bad_offsets(mCuSeqlensQ, mCuSeqlensK, batch, seq, q.shape[0], k.shape[0], mErrors)
+        offset_q, len_q, offset_k, len_k = seq_desc.sequence_extents(seq)
         for atom, t, offset, length, which in ((tma_q, q, offset_q, len_q, seq_desc.Q),
                                                (tma_do, do, offset_q, len_q, seq_desc.DO),
                                                (tma_dq, dq_acc, offset_q, len_q, seq_desc.DQ),
@@ -166,7 +169,8 @@ class HopperAttentionBackward:
                tma_dq: cute.CopyAtom, mdQacc: cute.Tensor,
                mLSE2: cute.Tensor, mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-               mSeqDescriptors: Optional[cute.Tensor], mSemaphores: Optional[cute.Tensor], scale_log2: Float32, out_scale: Float32, score_scale: Float32,
+               mSeqDescriptors: Optional[cute.Tensor], mSemaphores: Optional[cute.Tensor], max_seqlen_q: Int32,
+               max_seqlen_k: Int32, scale_log2: Float32, out_scale: Float32, score_scale: Float32,
                window_left: Optional[Int32], window_right: Optional[Int32],
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
                sdQ_layout: cute.ComposedLayout):
@@ -194,7 +198,7 @@ class HopperAttentionBackward:
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)[None, None, 0]
         pipeline.pipeline_init_wait()
 
-        seq = SequenceInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
+        seq = SequenceInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, max_seqlen_k)
         group = mQ.shape[2] // mK.shape[2]
         # varlen grids cover the longest sequence: the K/V tiles past this one's end have no work
         if n_block * self.tile_n < seq.seqlen_k:

@@ -16,6 +16,8 @@ from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import TensorMapManager, TensorMapUpdateMode
 
+from ..common.seqinfo import SequenceInfo
+
 #: which descriptor of a sequence's (forward: q, k, v; backward: q, k, v, dO, dQ accumulator)
 Q, K, V, DO, DQ = 0, 1, 2, 3, 4
 
@@ -58,15 +60,29 @@ def write_sequence_descriptor(atom: cute.CopyAtom, rows: cute.Tensor, descriptor
     cute.arch.sync_warp()
 
 
+def sequence_extents(seq: SequenceInfo):
+    """(offset_q, extent_q, offset_k, extent_k) of a sequence's descriptors. An empty sequence is
+    never moved through; extent 1 keeps its descriptors well formed (an empty sequence at the
+    tensor's end starts past its last row, but no copy goes through it)."""
+    return seq.offset_q, cutlass.max(seq.seqlen_q, 1), seq.offset_k, cutlass.max(seq.seqlen_k, 1)
+
+
 @cute.jit
-def sequence_extents(mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, batch):
-    """(offset_q, extent_q, offset_k, extent_k) of sequence ``batch``. An empty sequence is never
-    moved through; extent 1 keeps its descriptors well formed."""
-    offset_q = mCuSeqlensQ[batch]
-    offset_k = mCuSeqlensK[batch]
-    len_q = cutlass.max(mCuSeqlensQ[batch + 1] - offset_q, 1)
-    len_k = cutlass.max(mCuSeqlensK[batch + 1] - offset_k, 1)
-    return offset_q, len_q, offset_k, len_k
+def flag_bad_offsets(mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, batch, seq: SequenceInfo, total_q,
+                     total_k, mErrors: cute.Tensor):
+    """Set ``mErrors[0]`` if sequence ``batch``'s offsets are not what ``SequenceInfo`` made of
+    them (out of order or of range, longer than the max length the launch was sized by), or if
+    the first offset is not 0 or the last not the tensor's row count."""
+    num_batches = mCuSeqlensQ.shape[0] - 1
+    bad = (mCuSeqlensQ[batch] != seq.offset_q or mCuSeqlensK[batch] != seq.offset_k
+           or mCuSeqlensQ[batch + 1] != seq.offset_q + seq.seqlen_q
+           or mCuSeqlensK[batch + 1] != seq.offset_k + seq.seqlen_k)
+    if batch == 0:
+        bad = bad or mCuSeqlensQ[0] != 0 or mCuSeqlensK[0] != 0
+    if batch == num_batches - 1:
+        bad = bad or mCuSeqlensQ[num_batches] != total_q or mCuSeqlensK[num_batches] != total_k
+    if bad:
+        mErrors[0] = Int32(1)
 
 
 class SequenceDescriptors:
@@ -76,11 +92,13 @@ class SequenceDescriptors:
     def describe_sequences(self, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
                            q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,
                            mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
-                           mSeqDescriptors: cute.Tensor):
+                           mSeqDescriptors: cute.Tensor, mErrors: cute.Tensor, max_seqlen_q: Int32):
         """One warp per sequence. q, k: (S, D, H, 1); v: (D, S, H, 1). Staged fp8 V has a batch
         row per sequence already and keeps the atom's descriptor."""
         batch = Int32(cute.arch.block_idx()[0])
-        offset_q, len_q, offset_k, len_k = sequence_extents(mCuSeqlensQ, mCuSeqlensK, batch)
+        seq = SequenceInfo.create(batch, q.shape[0], k.shape[0], mCuSeqlensQ, mCuSeqlensK, max_seqlen_q)
+        flag_bad_offsets(mCuSeqlensQ, mCuSeqlensK, batch, seq, q.shape[0], k.shape[0], mErrors)
+        offset_q, len_q, offset_k, len_k = sequence_extents(seq)
         write_sequence_descriptor(tma_q, sequence_rows(q, offset_q, len_q, 0), mSeqDescriptors, batch, Q)
         write_sequence_descriptor(tma_k, sequence_rows(k, offset_k, len_k, 0), mSeqDescriptors, batch, K)
         if const_expr(not self.cfg.v_staged):
