@@ -14,9 +14,7 @@ from fmha.jit.launch import sm_count
 from fmha.problem import AttentionProblem, KernelOptions
 from fmha.work_tiles import work_tile_table
 
-from .config import BlackwellForwardConfig, why_unsupported
-
-ARCH = "sm_100a"
+from .config import ARCH_OF_CAPABILITY, SMEM_LIMIT, BlackwellForwardConfig, why_unsupported
 
 
 def _fake_arguments(cfg: BlackwellForwardConfig) -> tuple:
@@ -40,14 +38,15 @@ def _fake_arguments(cfg: BlackwellForwardConfig) -> tuple:
     return q, k, v, o, lse, cu_q, cu_k, tiles, descriptors
 
 
-def compile_forward(cfg: BlackwellForwardConfig, extra_options: str = "", arch: str = ARCH):
-    """Compile the forward kernel of ``cfg`` for ``arch`` (sm_100a by default); needs no GPU."""
+def compile_forward(cfg: BlackwellForwardConfig, extra_options: str = ""):
+    """Compile the forward kernel of ``cfg`` for ``cfg.arch``; needs no GPU."""
     from cutlass import Float32, Int32
 
     from .fwd import BlackwellAttentionForward
 
-    return compile_for(
-        arch, BlackwellAttentionForward(cfg), *_fake_arguments(cfg),
+    kernel = BlackwellAttentionForward(cfg)
+    compiled = compile_for(
+        cfg.arch, kernel, *_fake_arguments(cfg),
         Int32(1),  # max_seqlen_q
         Float32(1.0),  # scale_log2
         Float32(1.0),  # output_scale
@@ -56,6 +55,10 @@ def compile_forward(cfg: BlackwellForwardConfig, extra_options: str = "", arch: 
         Int32(1),  # num_ctas
         extra_options=extra_options,
     )
+    smem = kernel.shared_storage.size_in_bytes()
+    if smem > SMEM_LIMIT:  # the launch would fail; kv_stages_for must leave room
+        raise ValueError(f"the Blackwell kernel for {cfg} needs {smem} bytes of shared memory (limit {SMEM_LIMIT})")
+    return compiled
 
 
 class BlackwellRunner:
@@ -102,9 +105,9 @@ class BlackwellRunner:
 
 class BlackwellBackend:
     name = "blackwell"
-    #: compute capabilities this kernel is built for: sm_100a code runs on B200/GB200 (10.0); the
-    #: B300's 10.3 needs an sm_103a build, which ``compile_forward(cfg, arch="sm_103a")`` makes
-    capabilities = ((10, 0),)
+    #: compute capabilities this kernel is built for: B200/GB200 (10.0, sm_100a) and B300/GB300
+    #: (10.3, sm_103a); the configuration records which (``config.arch_for``)
+    capabilities = tuple(ARCH_OF_CAPABILITY)
 
     def why_unsupported(self, problem: AttentionProblem, options: KernelOptions) -> list:
         return why_unsupported(problem, options)

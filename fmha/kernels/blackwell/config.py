@@ -27,7 +27,19 @@ TILE_N = 128
 #: Q tiles per CTA, one per softmax warpgroup
 Q_TILES = 2
 # Shared memory a CTA may use on SM100 (227 KiB), less room for the mbarriers and alignment.
-SMEM_BYTES = 227 * 1024 - 2048
+SMEM_LIMIT = 227 * 1024
+SMEM_BYTES = SMEM_LIMIT - 2048
+#: the architecture each supported compute capability needs: ``a`` (arch-specific) code runs on
+#: exactly one capability, so a B300 (10.3) needs its own sm_103a build
+ARCH_OF_CAPABILITY = {(10, 0): "sm_100a", (10, 3): "sm_103a"}
+
+
+def arch_for(device) -> str:
+    """The architecture to compile for ``device``: its own where it is a Blackwell GPU, else sm_100a
+    (compiling on a machine without one, as the tests do)."""
+    if getattr(device, "type", None) == "cuda" and torch.cuda.is_available():
+        return ARCH_OF_CAPABILITY.get(torch.cuda.get_device_capability(device), "sm_100a")
+    return "sm_100a"
 
 
 def tmem_columns_needed(head_dim: int) -> int:
@@ -59,12 +71,15 @@ class BlackwellForwardConfig:
     varlen: bool
     has_lse: bool
     persistent: bool
+    arch: str = "sm_100a"
 
     def __post_init__(self):
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"the Blackwell kernel is built for head dims {SUPPORTED_HEAD_DIMS}, not {self.head_dim}")
         if tmem_columns_needed(self.head_dim) > TMEM_COLUMNS:
             raise ValueError(f"S and O of two Q tiles need {tmem_columns_needed(self.head_dim)} TMEM columns")
+        if self.arch not in ARCH_OF_CAPABILITY.values():
+            raise ValueError(f"the Blackwell kernel is built for {sorted(ARCH_OF_CAPABILITY.values())}, not {self.arch}")
 
     @staticmethod
     def from_problem(problem: AttentionProblem, options: KernelOptions) -> "BlackwellForwardConfig":
@@ -81,6 +96,7 @@ class BlackwellForwardConfig:
             has_lse=problem.return_lse,
             # persistent unless asked otherwise: the TMEM allocation and barrier set-up are paid once per SM
             persistent=options.persistent is not False,
+            arch=arch_for(problem.device),
         )
 
     # ---- derived: one line of reason each
