@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from fmha import device_errors
 from fmha.jit import disk_cache
 from fmha.jit.compile import compile_for, cutlass_dtype, fake_rows, fake_vector
 from fmha.jit.launch import sm_count
@@ -29,13 +30,14 @@ def _fake_arguments(cfg: BlackwellForwardConfig) -> tuple:
     q, k, v = (fake_rows(in_t, rank, d) for _ in range(3))
     o = fake_rows(out_t, rank, d)
     lse = fake_rows(cutlass.Float32, 2 if cfg.varlen else 3, None, align_bytes=4) if cfg.has_lse else None
-    cu_q = cu_k = tiles = descriptors = None
+    cu_q = cu_k = tiles = descriptors = errors = None
     if cfg.varlen:
         cu_q, cu_k = fake_vector(cutlass.Int32), fake_vector(cutlass.Int32)
         tiles = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=4)
         descriptors = cute.runtime.make_fake_tensor(cutlass.Int64, (cute.sym_int(), 3, 16), stride=(48, 16, 1),
                                                     assumed_align=128)
-    return q, k, v, o, lse, cu_q, cu_k, tiles, descriptors
+        errors = fake_vector(cutlass.Int32, 1)  # set by the descriptor kernel for bad offsets
+    return q, k, v, o, lse, cu_q, cu_k, tiles, descriptors, errors
 
 
 def compile_forward(cfg: BlackwellForwardConfig, extra_options: str = ""):
@@ -94,6 +96,7 @@ class BlackwellRunner:
             cu_seqlens_k if cfg.varlen else None,
             tiles,
             descriptors,
+            device_errors.flag(q.device) if cfg.varlen else None,
             problem.seqlen_q,
             problem.score_scale_log2,
             problem.output_scale,

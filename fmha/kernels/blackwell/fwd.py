@@ -84,6 +84,7 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
         mCuSeqlensK: Optional[cute.Tensor],
         mTileTable: Optional[cute.Tensor],
         mSeqDescriptors: Optional[cute.Tensor],
+        mErrors: Optional[cute.Tensor],
         max_seqlen_q: Int32,
         scale_log2: Float32,
         output_scale: Float32,
@@ -169,7 +170,7 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
 
         if const_expr(varlen):
             self.describe_sequences(
-                tma_q, tma_k, tma_v, q, k, v, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors,
+                tma_q, tma_k, tma_v, q, k, v, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, mErrors, max_seqlen_q,
             ).launch(grid=[num_batches, 1, 1], block=[32, 1, 1], stream=stream)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,

@@ -1,0 +1,78 @@
+"""Compile the Blackwell kernel for sm_100a without a GPU (fake tensors, TVM FFI environment
+stream), as the library would build it (``BlackwellForwardConfig.from_problem`` on a validated
+problem): a change that breaks compilation fails here, in CI.
+
+Coverage by default (about 15 compiles): every (input dtype, head dim) pair once, the mask kinds
+rotated over the pairs so that each kind meets every dtype, persistent and not alternating, GQA;
+varlen with each dtype (bottom-right and window masks, no LSE, another output dtype); fp8 in and
+out; one sm_103a build. ``FMHA_BLACKWELL_FULL_MATRIX=1`` compiles the full product instead."""
+
+import itertools
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+from fmha.kernels.blackwell.backend import compile_forward  # noqa: E402
+from fmha.kernels.blackwell.config import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, BlackwellForwardConfig  # noqa: E402
+from fmha.problem import KernelOptions  # noqa: E402
+from kernel_configs import MASKS, problem_for  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+KINDS = list(MASKS)  # none, causal, causal_bottom_right, window, left_window, compressed_causal
+
+
+def blackwell_config(dtype=torch.bfloat16, head_dim=128, mask="none", persistent=None, varlen=False, lse=True,
+                     out_dtype=None) -> BlackwellForwardConfig:
+    """The configuration ``fmha`` builds for these choices (GQA: 4 query heads on 2 K/V heads)."""
+    problem = problem_for(dtype, head_dim, mask, varlen, lse, out_dtype, heads_q=4, heads_k=2)
+    return BlackwellForwardConfig.from_problem(problem, KernelOptions(persistent=persistent))
+
+
+_PAIRS = list(itertools.product(SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS))
+_MAIN = [(dt, d, KINDS[(i + 2 * (i // 3)) % len(KINDS)], i % 2 == 0) for i, (dt, d) in enumerate(_PAIRS)]
+_VARLEN = [(torch.float16, 64, "causal_bottom_right", torch.bfloat16),
+           (torch.bfloat16, 128, "window", torch.float16),
+           (FP8, 32, "compressed_causal", FP8)]
+if os.environ.get("FMHA_BLACKWELL_FULL_MATRIX") == "1":
+    _MAIN = [(dt, d, m, p) for (dt, d), m, p in itertools.product(_PAIRS, KINDS, (False, True))]
+    _VARLEN = [(dt, d, m, None) for (dt, d), m in itertools.product(_PAIRS, KINDS)]
+
+_ids = lambda x: str(x).replace("torch.", "")  # noqa: E731
+
+
+def test_every_mask_kind_meets_every_dtype():
+    for dt in SUPPORTED_DTYPES:
+        kinds = {m for d_, _, m, _ in _MAIN if d_ == dt} | {m for d_, _, m, _ in _VARLEN if d_ == dt}
+        assert len(kinds) >= 3
+    assert {m for _, _, m, _ in _MAIN} | {m for _, _, m, _ in _VARLEN} == set(KINDS)
+
+
+@pytest.mark.parametrize("dtype,head_dim,mask,persistent", _MAIN, ids=_ids)
+def test_compiles(dtype, head_dim, mask, persistent):
+    cfg = blackwell_config(dtype, head_dim, mask, persistent)
+    assert cfg.persistent == persistent
+    assert compile_forward(cfg) is not None
+
+
+@pytest.mark.parametrize("dtype,head_dim,mask,out_dtype", _VARLEN, ids=_ids)
+def test_compiles_varlen_no_lse_other_out_dtype(dtype, head_dim, mask, out_dtype):
+    cfg = blackwell_config(dtype, head_dim, mask, varlen=True, lse=False, out_dtype=out_dtype)
+    assert cfg.varlen and not cfg.o_via_tma and not cfg.has_lse
+    assert compile_forward(cfg) is not None
+
+
+def test_compiles_fp8_output():
+    cfg = blackwell_config(FP8, 128, "causal", out_dtype=FP8)
+    assert cfg.out_dtype == FP8
+    assert compile_forward(cfg) is not None
+
+
+def test_compiles_for_sm_103a(tmp_path):
+    import dataclasses
+
+    cfg = dataclasses.replace(blackwell_config(torch.bfloat16, 128, "causal"), arch="sm_103a")
+    compile_forward(cfg, extra_options=f"--keep-cubin --dump-dir={tmp_path}")
+    assert [p.name for p in tmp_path.glob("*.cubin")] and all(".sm_103a." in p.name for p in tmp_path.glob("*.cubin"))
