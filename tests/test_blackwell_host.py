@@ -71,6 +71,7 @@ def test_walk_visits_every_kept_key_and_masks_every_partial_tile(mask):
             assert walk.count >= 1
             if not kept_tiles:
                 assert walk.count == 1 and step_is_masked(walk, 0), (sq, sk, m)
+                assert walk.start * TILE_N >= max(sk, 1), (sq, sk, m)  # zero-filled, nothing read
                 continue
             assert visited == kept_tiles, (sq, sk, m, walk)
             for step, n in enumerate(visited):

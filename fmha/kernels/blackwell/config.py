@@ -134,9 +134,10 @@ class BlackwellForwardConfig:
         return not self.varlen
 
 
-#: registers per thread after ``setmaxnreg``: softmax warpgroups hold a row of 128 fp32 scores
-#: plus a chunk of its P; the correction warpgroup 16 columns of O at a time; the load, MMA and
-#: epilogue warps their loop state. 2 x 128 x 192 + 128 x 80 + 128 x 48 = 65536, the register file.
+#: registers per thread after ``setmaxnreg`` (one budget per warpgroup): the softmax warpgroups
+#: hold a row of 128 fp32 scores plus a 32-key chunk of its P; the correction warpgroup 16
+#: columns of O at a time; the fourth warpgroup (load, MMA, epilogue, idle warps) the MMA
+#: warp's operand descriptors and pipeline states. 2 x 128 x 176 + 128 x 80 + 128 x 80 = 65536.
 REGISTERS_SOFTMAX = 176
 REGISTERS_CORRECTION = 80
 REGISTERS_OTHER = 80

@@ -9,7 +9,10 @@ tile kept by any row is visited, and a tile is left unmasked only when every row
 The pipelines of the kernel expect at least one K/V tile per CTA. A CTA whose rows keep no key at
 all (a window that misses every key, the first rows of a compressed-causal mask, a sequence with
 no keys) visits one fully masked tile: its scores are all -inf, so O = 0 and LSE = -inf come out
-of the ordinary path (docs/semantics.md).
+of the ordinary path (docs/semantics.md). That tile lies past the last key (past the first row
+for a sequence with no keys, whose descriptor keeps one row): TMA zero-fills it without reading
+memory, so no other sequence's values (a NaN in V would survive P = 0) and no address past the
+tensor are touched.
 """
 
 from typing import Any, Callable, NamedTuple
@@ -33,9 +36,12 @@ def cta_kv_walk(m_block: Any, cta_rows: int, tile_n: int, seqlen_q: Any, seqlen_
     """The walk of CTA row block ``m_block`` (requires ``m_block * cta_rows < seqlen_q``)."""
     tiles = kv_tile_schedule(m_block, cta_rows, tile_n, seqlen_q, seqlen_k, kind, window_left, window_right,
                              bottom_right, imin=imin, imax=imax)
-    # With no tile kept, count is 1 and unmasked_from == unmasked_to == 0: the one step is masked.
-    count = imax(tiles.total, 1)
-    return KvWalk(tiles.start, count, tiles.leading_masked, tiles.leading_masked + tiles.unmasked)
+    # With no tile kept, count is 1 and unmasked_from == unmasked_to == 0: the one step is masked,
+    # on the first tile past the keys. Arithmetic instead of a branch: it runs on device integers.
+    kept = imin(tiles.total, 1)
+    past_the_keys = imax((seqlen_k + tile_n - 1) // tile_n, 1)
+    start = kept * tiles.start + (1 - kept) * past_the_keys
+    return KvWalk(start, imax(tiles.total, 1), tiles.leading_masked, tiles.leading_masked + tiles.unmasked)
 
 
 def step_is_masked(walk: KvWalk, step: Any):
