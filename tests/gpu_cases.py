@@ -47,6 +47,8 @@ class Case:
     tile_m: Optional[int] = None  # None: the backend's default for the head dim
     scales: Optional[tuple] = None  # (scale_q, scale_k, scale_v, inv_scale_o), default all 1
     lens_unread: bool = False  # varlen as FusedAttention.execute(check=False) runs it
+    # varlen with the lengths not read on the host (max lengths given): the GPU lists the tiles
+    tiles_on_device: bool = False
     # "randn", or "rising": keys scaled up along the sequence, with two spiked keys, so that
     # rows' maxima jump by more than the softmax's slack (``OnlineSoftmax.max_slack``) mid-row
     scores: str = "randn"
@@ -59,6 +61,9 @@ class Case:
     def name(self):
         shape = (f"varlen q{list(self.varlen_q)} k{list(self.varlen_k)}" if self.varlen_q
                  else f"B{self.batch} Sq{self.seqlen_q} Sk{self.seqlen_k}")
+        if self.varlen_q and len(self.varlen_q) > 8:
+            shape = (f"varlen {len(self.varlen_q)} sequences, q T{sum(self.varlen_q)} max{max(self.varlen_q)}, "
+                     f"k T{sum(self.varlen_k)} max{max(self.varlen_k)}")
         mask = self.mask
         if self.mask in ("causal", "window"):
             mask += f"({self.align}" + (f",{self.window}" if self.mask == "window" else "") + ")"
@@ -67,6 +72,7 @@ class Case:
                 + (f" out={self.out_dtype}" if self.out_dtype else "")
                 + (f" scales={self.scales}" if self.scales else "")
                 + (" lens_unread" if self.lens_unread else "")
+                + (" tiles_on_device" if self.tiles_on_device else "")
                 + (f" scores={self.scores}" if self.scores != "randn" else "")
                 + (f" tile_m={self.tile_m}" if self.tile_m else "")
                 + (" claim" if self.claim else "")
@@ -196,6 +202,14 @@ def coverage_cases(shapes, varlens) -> list[Case]:
     for m, al, w in masks:
         cases.append(Case("bfloat16", 128, m, al, w, varlen_q=varlens[1][0], varlen_k=varlens[1][1],
                           heads_q=4, heads_k=2, lens_unread=True))
+    for i, (m, al, w) in enumerate(masks + [("window", "top_left", (100, 37)), ("window", "bottom_right", (64, 0))]):
+        for j, (lq, lk) in enumerate(varlens):
+            dt, d = [("bfloat16", 128), ("float16", 64), ("float8_e4m3fn", 128), ("bfloat16", 256)][(i + j) % 4]
+            cases.append(Case(dt, d, m, al, w, varlen_q=lq, varlen_k=lk, heads_q=4, heads_k=(1, 2)[(i + j) % 2],
+                              persistent=(i + j) % 3 != 0, tiles_on_device=True))
+    many = tuple((37 * i) % 300 for i in range(1100))  # more sequences than the listing CTA has threads
+    cases.append(Case("bfloat16", 64, "causal", "top_left", (None, 0), varlen_q=many, varlen_k=many, heads_q=2,
+                      heads_k=1, tiles_on_device=True))
     cases.append(Case("bfloat16", 32, "causal", "bottom_right", (None, 0), tile_m=128, batch=2,
                       seqlen_q=1000, seqlen_k=777, heads_q=4, heads_k=2))
     # Maxima that move mid-row by more than the softmax's slack, where the kernel lets the max lag
@@ -284,9 +298,15 @@ def _problem(case, q, k, v, cu_q, cu_k, torch):
     scales = {}
     if case.scales:
         scales = dict(zip(("scale_q", "scale_k", "scale_v", "inv_scale_o"), case.scales))
-    return validate(q, k, v, varlen=case.varlen_q is not None, cu_seqlens_q=cu_q,
-                    cu_seqlens_k=cu_k, return_lse=case.lse,
-                    out_dtype=getattr(torch, case.out_dtype) if case.out_dtype else None, **scales, **mask_kwargs(case))
+    problem = validate(q, k, v, varlen=case.varlen_q is not None, cu_seqlens_q=cu_q,
+                       cu_seqlens_k=cu_k, return_lse=case.lse,
+                       out_dtype=getattr(torch, case.out_dtype) if case.out_dtype else None, **scales,
+                       **mask_kwargs(case))
+    if case.tiles_on_device:  # as validation leaves a call given max_seqlen_q/k on a GPU
+        import dataclasses
+
+        problem = dataclasses.replace(problem, seqlens_q=None, seqlens_k=None)
+    return problem
 
 
 def options_of(case: Case):

@@ -192,6 +192,30 @@ def test_varlen_backward_moves_every_tile_through_sequence_descriptors(dtype, he
     assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.add", kernel)
 
 
+def test_varlen_with_unread_lengths_lists_its_tiles_on_the_gpu(tmp_path):
+    """Lengths not read on the host (max lengths given): the launch runs a one-CTA kernel that
+    counts the tiles per cost in shared memory, scans the counts and writes the cost-sorted list
+    and its length, before the descriptor pass and the attention kernel."""
+    import dataclasses
+
+    from fmha.kernels.hopper.config import HopperForwardConfig
+    from fmha.problem import KernelOptions
+    from kernel_configs import problem_for
+
+    problem = dataclasses.replace(problem_for(torch.bfloat16, 64, "causal", varlen=True), seqlens_q=None,
+                                  seqlens_k=None)
+    cfg = HopperForwardConfig.from_problem(problem, KernelOptions())
+    assert cfg.tiles_on_device
+    compile_kernel(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = next(tmp_path.glob("*.ptx")).read_text()
+    entries = re.findall(r"\.entry (\w+?)_fmha", ptx)
+    assert entries == ["kernel_cutlass_describe_sequences", "kernel_cutlass_list_work_tiles", "kernel_cutlass_kernel"]
+    listing = ptx.split(".entry")[2]
+    assert listing.count("atom.shared.add") == 2 and "shfl.sync.up" in listing
+    assert not HopperForwardConfig.from_problem(problem_for(torch.bfloat16, 64, "causal", varlen=True),
+                                                KernelOptions()).tiles_on_device
+
+
 def _backward_ptx(cfg, dump_dir) -> str:
     from fmha.kernels.hopper.backend import compile_backward
 

@@ -27,8 +27,8 @@ Walks:
   next tile from a counter in global memory as it starts loading the current one, and hands the
   claim to its consumers through shared memory (``TileHandOff``). The balance is that of one
   CTA per tile, and the next tile's loads overlap the current tile's compute.
-* ``TileTableScheduler``: varlen; walks the host's list of the query tiles that hold rows
-  (``fmha.work_tiles``), costliest first, heads fastest.
+* ``TileTableScheduler``: varlen; walks the list of the query tiles that hold rows, costliest
+  first, heads fastest: the host's (``fmha.work_tiles``) or the GPU's (``device_tile_list``).
 """
 
 from dataclasses import dataclass
@@ -216,8 +216,11 @@ class TileTableScheduler(_GridStride):
     snake = True
 
     @staticmethod
-    def create(table: cute.Tensor, num_heads) -> "TileTableScheduler":
-        return TileTableScheduler(table, num_heads, table.shape[0] * num_heads)
+    def create(table: cute.Tensor, num_heads, count=None) -> "TileTableScheduler":
+        """``count``: (1,) int32 in global memory, the number of entries (a list built on the
+        GPU fills only the start of its table); None: all of them."""
+        entries = table.shape[0] if count is None else count[0]
+        return TileTableScheduler(table, num_heads, entries * num_heads)
 
     def decode(self, idx: Int32) -> WorkTile:
         entry = idx // self.num_heads

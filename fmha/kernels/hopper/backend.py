@@ -42,15 +42,16 @@ def _fake_arguments(cfg: HopperForwardConfig) -> tuple:
         v = fake_rows(in_t, rank, d)
     o = fake_rows(out_t, rank, d)
     lse = fake_rows(cutlass.Float32, 2 if cfg.varlen else 3, None, align_bytes=4) if cfg.has_lse else None
-    cu_q = cu_k = tiles = descriptors = errors = None
+    cu_q = cu_k = tiles = count = descriptors = errors = None
     if cfg.varlen:
         cu_q, cu_k = fake_vector(cutlass.Int32), fake_vector(cutlass.Int32)
         tiles = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=4)
+        count = fake_vector(cutlass.Int32, 1) if cfg.tiles_on_device else None
         descriptors = cute.runtime.make_fake_tensor(cutlass.Int64, (cute.sym_int(), 3, 16), stride=(48, 16, 1),
                                                     assumed_align=128)
         errors = fake_vector(cutlass.Int32, 1)
     counter = fake_vector(cutlass.Int32, 1) if cfg.claims_tiles else None
-    return q, k, v, o, lse, cu_q, cu_k, tiles, descriptors, errors, counter
+    return q, k, v, o, lse, cu_q, cu_k, tiles, count, descriptors, errors, counter
 
 
 def compile_forward(cfg: HopperForwardConfig, extra_options: str = "", kernel_class=None):
@@ -94,19 +95,25 @@ class HopperRunner:
             return
         if cfg.v_staged:
             v = stage_v_fp8(v, cu_seqlens_k if cfg.varlen else None, problem.seqlen_k)
-        tiles = descriptors = None
+        tiles = count = descriptors = None
         if cfg.varlen:
             # per-sequence TMA descriptors (q, k, v; 128 bytes each), written by the launch
             descriptors = torch.empty((problem.batch, 3, 16), dtype=torch.int64, device=q.device)
             lens_q, lens_k = problem.seqlens_q, problem.seqlens_k
-            if lens_q is None:  # lengths not read on the host: every tile up to the max lengths
-                lens_q, lens_k = (problem.seqlen_q,) * problem.batch, (problem.seqlen_k,) * problem.batch
-            tiles = work_tile_table(lens_q, lens_k, problem.mask, cfg.tile_m, cfg.tile_n, q.device)
+            if cfg.tiles_on_device:  # listed by the launch: room for every tile up to the max length
+                capacity = max(problem.batch * -(-problem.seqlen_q // cfg.tile_m), 1)
+                tiles = torch.empty((capacity, 2), dtype=torch.int32, device=q.device)
+                count = torch.empty(1, dtype=torch.int32, device=q.device)
+            else:
+                if lens_q is None:  # not read (FusedAttention.execute(check=False)): every tile up to the max
+                    lens_q, lens_k = (problem.seqlen_q,) * problem.batch, (problem.seqlen_k,) * problem.batch
+                tiles = work_tile_table(lens_q, lens_k, problem.mask, cfg.tile_m, cfg.tile_n, q.device)
         self.compiled(
             q, k, v, out, lse if cfg.has_lse else None,
             cu_seqlens_q if cfg.varlen else None,
             cu_seqlens_k if cfg.varlen else None,
             tiles,
+            count,
             descriptors,
             device_errors.flag(q.device) if cfg.varlen else None,
             # the claim counter starts at 0 in every launch (ClaimingTileScheduler)

@@ -130,6 +130,8 @@ class HopperForwardConfig:
     schedule: Schedule
     q_stages: int
     o_store: OStore
+    #: varlen with the lengths not read on the host: the tile list is built on the GPU
+    tiles_on_device: bool = False
 
     def __post_init__(self):
         if self.tile_m % 64 or self.tile_n % 16:
@@ -138,6 +140,8 @@ class HopperForwardConfig:
             raise ValueError("varlen problems walk their tile table; they do not claim tiles")
         if self.o_store != OStore.DIRECT and (self.varlen or element_bytes(self.out_dtype) != 2):
             raise ValueError("O is TMA-stored only for fixed-length batches with a 16-bit output")
+        if self.tiles_on_device and not self.varlen:
+            raise ValueError("only varlen problems have a tile list")
         if self.o_store == OStore.TMA_Q_BUFFER and self.out_dtype != self.dtype:
             raise ValueError("O staged in the Q buffer must have the input's type")
 
@@ -164,6 +168,7 @@ class HopperForwardConfig:
             q_stages=q_stages,
             o_store=o_store_for(problem.dtype, problem.out_dtype, problem.head_dim, problem.varlen,
                                 m.kind == MaskKind.NONE, problem.seqlen_k, tile_m, tile_n, q_stages),
+            tiles_on_device=problem.varlen and problem.seqlens_q is None,
         )
 
     # ---- derived: one line of reason each

@@ -32,6 +32,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from fmha.masking import kv_tile_schedule, num_q_tiles
 
+from ..common.device_tile_list import COST_BINS, DeviceWorkTileList, cost_bins_bytes
 from ..common.fragments import as_rows_cols, fp8_operand_a_shape
 from ..common.mask import FragmentMask
 from ..common.scheduler import ClaimingTileScheduler, StaticTileScheduler, TileHandOff, TileTableScheduler
@@ -62,7 +63,7 @@ def _bshd_to_sdhb(t: cute.Tensor, varlen: bool, d_first: bool = False) -> cute.T
     return cute.make_tensor(t.iterator, lay)
 
 
-class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors):
+class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, DeviceWorkTileList):
     """The kernel for one ``HopperForwardConfig``; call it (through ``cute.compile``) with the
     tensors and sizes of ``__call__``."""
 
@@ -83,6 +84,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors):
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
         mTileTable: Optional[cute.Tensor],
+        mTileCount: Optional[cute.Tensor],
         mSeqDescriptors: Optional[cute.Tensor],
         mErrors: Optional[cute.Tensor],
         mTileCounter: Optional[cute.Tensor],
@@ -172,10 +174,15 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors):
             self.describe_sequences(
                 tma_q, tma_k, tma_v, q, k, v, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, mErrors, max_seqlen_q,
             ).launch(grid=[num_batches, 1, 1], block=[32, 1, 1], stream=stream)
+        if const_expr(cfg.tiles_on_device):
+            self.list_work_tiles(mCuSeqlensQ, mCuSeqlensK, q.shape[0], k.shape[0], max_seqlen_q, window_left,
+                                 window_right, mTileTable, mTileCount).launch(
+                grid=[1, 1, 1], block=[COST_BINS, 1, 1], smem=cost_bins_bytes(), stream=stream)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_o, tma_tensor_o,
-            q, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mTileTable, mSeqDescriptors, mTileCounter, num_m_blocks,
+            q, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mTileTable, mTileCount, mSeqDescriptors, mTileCounter,
+            num_m_blocks,
             num_batches,
             scale_log2, output_scale, window_left, window_right,
             sQ_layout, sK_layout, sV_layout, sO_layout,
@@ -207,6 +214,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors):
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
         mTileTable: Optional[cute.Tensor],
+        mTileCount: Optional[cute.Tensor],
         mSeqDescriptors: Optional[cute.Tensor],
         mTileCounter: Optional[cute.Tensor],
         num_m_blocks: Int32,
@@ -259,8 +267,8 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors):
         if const_expr(cfg.o_store == OStore.TMA_OWN_BUFFER):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)[None, None, 0]
 
-        scheduler = self.make_scheduler(mTileTable, mTileCounter, hand_off, num_m_blocks, mQ_sdhb.shape[2],
-                                        num_batches)
+        scheduler = self.make_scheduler(mTileTable, mTileCount, mTileCounter, hand_off, num_m_blocks,
+                                        mQ_sdhb.shape[2], num_batches)
         pipeline.pipeline_init_wait()
 
         if warp_idx < 4:
@@ -278,11 +286,11 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors):
                 sQ, sK, sV, sO, q_consumer, kv_consumer, tidx - _WG,
             )
 
-    def make_scheduler(self, mTileTable, mTileCounter, hand_off, num_m_blocks, num_heads, num_batches):
+    def make_scheduler(self, mTileTable, mTileCount, mTileCounter, hand_off, num_m_blocks, num_heads, num_batches):
         """The tile walk this configuration's schedule asks for (``scheduler.py``)."""
         cfg = self.cfg
         if const_expr(cfg.varlen):
-            return TileTableScheduler.create(mTileTable, num_heads)
+            return TileTableScheduler.create(mTileTable, num_heads, mTileCount)
         if const_expr(cfg.claims_tiles):
             return ClaimingTileScheduler.create(num_m_blocks, num_heads, num_batches, cfg.longest_first,
                                                 mTileCounter, hand_off)
