@@ -23,7 +23,9 @@ A kernel backend is any object with
 
 Kernel backends are imported lazily (the CuTe DSL costs about a second to import) and only
 when the tensors are on a GPU, or when the caller asks for the reasons. An architecture joins
-by adding its package under ``fmha/kernels/`` and a line to ``KERNEL_BACKENDS``.
+by adding its package under ``fmha/kernels/`` and a line to ``KERNEL_BACKENDS``; until the GPU
+check has run on it (``self_check.VERIFIED_CAPABILITIES``), each of its prepared kernels proves
+itself on a small problem against the reference before its first call (``fmha.self_check``).
 """
 
 from __future__ import annotations
@@ -252,7 +254,7 @@ def get_runner(backend_obj, problem: AttentionProblem, options: KernelOptions) -
     key = (backend_obj.name, backend_obj.cache_key(problem, options))
     runner = _runners.get(key)
     if runner is None:
-        runner = backend_obj.prepare(problem, options)
+        runner = _self_checked(backend_obj.prepare(problem, options), "forward", backend_obj, key[1], problem)
         _runners[key] = runner
     return runner
 
@@ -262,9 +264,21 @@ def get_backward_runner(backend_obj, problem: AttentionProblem, options: KernelO
     key = ("backward", backend_obj.name, backend_obj.backward_cache_key(problem, options))
     runner = _runners.get(key)
     if runner is None:
-        runner = backend_obj.prepare_backward(problem, options)
+        runner = _self_checked(backend_obj.prepare_backward(problem, options), "backward", backend_obj, key[2],
+                               problem)
         _runners[key] = runner
     return runner
+
+
+def _self_checked(runner: Runner, kind: str, backend_obj, cfg, problem: AttentionProblem) -> Runner:
+    """A kernel's runner, self-checked on first use where its GPU is not a verified one
+    (``fmha.self_check``)."""
+    from . import self_check
+
+    if backend_obj is REFERENCE or not self_check.wanted(problem.device):
+        return runner
+    fallback = REFERENCE.run if kind == "forward" else REFERENCE.run_backward
+    return self_check.SelfCheckedRunner(runner, kind, backend_obj.name, cfg, fallback)
 
 
 # Dense calls repeat: a training or decoding loop calls with the same shapes, strides, dtypes and
