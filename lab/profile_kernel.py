@@ -58,6 +58,8 @@ def main(argv=None):
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"])
     ap.add_argument("--calls", type=int, default=3, help="calls after the compiling one")
+    ap.add_argument("--backward", action="store_true",
+                    help="call the backward (autograd of the implementation's forward) instead")
     args = ap.parse_args(argv)
     if args.summarize:
         print(summarize(args.summarize), end="")
@@ -72,8 +74,15 @@ def main(argv=None):
     impls = _implementations(torch, variants=args.impl not in ("fmha", "fa4", "cudnn", "sdpa_flash"))
     fn = impls[args.impl]
     q, k, v, cu = _inputs(p, torch)
-    for _ in range(1 + args.calls):
-        fn(q, k, v, p, cu)
+    if args.backward:
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, p, cu)
+        dout = torch.randn_like(out)
+        for _ in range(1 + args.calls):
+            torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    else:
+        for _ in range(1 + args.calls):
+            fn(q, k, v, p, cu)
     torch.cuda.synchronize()
     print(f"{args.impl} {p.label()}: {1 + args.calls} calls done")
 
