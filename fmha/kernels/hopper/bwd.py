@@ -340,6 +340,12 @@ class HopperAttentionBackward:
         kv_handle = kv_consumer.wait_and_advance()
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
+            # this head's statistics of the sequence's query rows, indexed by row
+            if const_expr(cfg.varlen):
+                lse2_rows = cute.domain_offset((seq.offset_q,), mLSE2[head, None])
+                delta_rows = cute.domain_offset((seq.offset_q,), mDelta[head, None])
+            else:
+                lse2_rows, delta_rows = mLSE2[batch, head, None], mDelta[batch, head, None]
             for m_block in cutlass.range(m_start, m_end, unroll=1):
                 m0 = m_block * tile_m
                 handle = qdo_consumer.wait_and_advance()
@@ -348,19 +354,7 @@ class HopperAttentionBackward:
                 issue_gemm(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, handle.index], True)
                 issue_gemm(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, handle.index], True)
                 # the statistics of this thread's query columns while the GEMMs run
-                lse2 = cute.make_rmem_tensor(num_cols, Float32)
-                delta = cute.make_rmem_tensor(num_cols, Float32)
-                for j in cutlass.range_constexpr(num_cols):
-                    row = m0 + tScS[0, j][1]
-                    lse2[j] = Float32(math.inf)
-                    delta[j] = Float32(0.0)
-                    if row < seqlen_q:
-                        if const_expr(cfg.varlen):
-                            lse2[j] = mLSE2[head, seq.offset_q + row]
-                            delta[j] = mDelta[head, seq.offset_q + row]
-                        else:
-                            lse2[j] = mLSE2[batch, head, row]
-                            delta[j] = mDelta[batch, head, row]
+                lse2, delta = self.load_row_statistics(lse2_rows, delta_rows, tScS, m0, seqlen_q)
                 warpgroup.wait_group(0)
                 s = as_rows_cols(acc_s)
                 dp = as_rows_cols(acc_dp)
@@ -417,6 +411,31 @@ class HopperAttentionBackward:
         tdKcdK = thr_dkv.partition_C(cute.make_identity_tensor((tile_n, d)))
         store_o_direct(dk_out, tdKcdK, mdK, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
         store_o_direct(dv_out, tdKcdK, mdV, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
+
+    @cute.jit
+    def load_row_statistics(self, lse2_rows: cute.Tensor, delta_rows: cute.Tensor, tScS: cute.Tensor, m0, seqlen_q):
+        """LSE (log2) and delta of this thread's query columns of the tile at row ``m0``; rows past
+        the sequence get +inf and 0 (P = 0). A whole tile loads at constant offsets from one
+        address; only the ragged last tile clamps and selects per column."""
+        num_cols = cute.size(tScS, mode=[1])
+        lse2 = cute.make_rmem_tensor(num_cols, Float32)
+        delta = cute.make_rmem_tensor(num_cols, Float32)
+        if m0 + self.tile_m <= seqlen_q:
+            for j in cutlass.range_constexpr(num_cols):
+                lse2[j] = lse2_rows[m0 + tScS[0, j][1]]
+                delta[j] = delta_rows[m0 + tScS[0, j][1]]
+        else:
+            for j in cutlass.range_constexpr(num_cols):
+                row = m0 + tScS[0, j][1]
+                inside = row < seqlen_q
+                at = cutlass.min(row, seqlen_q - 1)
+                lse2[j] = Float32(math.inf)
+                delta[j] = Float32(0.0)
+                lse_at, delta_at = lse2_rows[at], delta_rows[at]
+                if inside:
+                    lse2[j] = lse_at
+                    delta[j] = delta_at
+        return lse2, delta
 
     @cute.jit
     def wait_for_turn(self, mSemaphores: cute.Tensor, batch, head, m_block, n_block, has_predecessor):
