@@ -253,6 +253,16 @@ class HopperAttentionBackward:
                 m_end = m_start
         return m_start, m_end
 
+    def query_tile_at(self, i, m_start, m_end):
+        """The ``i``-th query tile a CTA visits (``m_start <= i < m_end``). Deterministic: from
+        the last down, so that under causal masks every K/V tile starts on the same query tile
+        and each waits for its predecessor's add of that tile only briefly; walking up, K/V tile
+        n would start on query tile n, which tile n - 1 reaches second, and the waits would add up
+        along the diagonal."""
+        if const_expr(self.cfg.deterministic):
+            return m_end - 1 - (i - m_start)
+        return i
+
     @cute.jit
     def producer(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV,
                  qdo_producer: pipeline.PipelineProducer, kv_producer: pipeline.PipelineProducer,
@@ -278,7 +288,8 @@ class HopperAttentionBackward:
             gdO = cute.local_tile(mdO[None, None, head, row_batch], (self.tile_m, d), (None, 0))
             tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
             tdOsdO, tdOgdO = tma_tiles(tma_do, sdO, gdO)
-            for m_block in cutlass.range(m_start, m_end, unroll=1):
+            for i in cutlass.range(m_start, m_end, unroll=1):
+                m_block = self.query_tile_at(i, m_start, m_end)
                 handle = qdo_producer.acquire_and_advance()
                 cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, handle.index], tma_bar_ptr=handle.barrier,
                           tma_desc_ptr=desc_q)
@@ -346,7 +357,8 @@ class HopperAttentionBackward:
                 delta_rows = cute.domain_offset((seq.offset_q,), mDelta[head, None])
             else:
                 lse2_rows, delta_rows = mLSE2[batch, head, None], mDelta[batch, head, None]
-            for m_block in cutlass.range(m_start, m_end, unroll=1):
+            for i in cutlass.range(m_start, m_end, unroll=1):
+                m_block = self.query_tile_at(i, m_start, m_end)
                 m0 = m_block * tile_m
                 handle = qdo_consumer.wait_and_advance()
                 acc_s = cute.make_rmem_tensor(s_shape, Float32)
