@@ -231,3 +231,42 @@ def test_backend_shape():
                       cu_seqlens_k=torch.tensor([0, 5, 5, 12], dtype=torch.int32))
     cfg = backend.cache_key(varlen, KernelOptions())
     assert cfg.varlen and not cfg.o_via_tma
+
+
+def test_runner_arguments_and_early_exits(monkeypatch):
+    """What the runner hands the compiled kernel (in ``BlackwellAttentionForward.__call__``'s
+    order): varlen gets the tile table of 256-row blocks that hold rows, the descriptor buffer
+    and the error flag; nothing launches without query rows; without keys O = 0 and LSE = -inf."""
+    from fmha.kernels.blackwell import backend as bb
+
+    monkeypatch.setattr(bb.device_errors, "flag", lambda device: "flag")
+    monkeypatch.setattr(bb, "sm_count", lambda device: 148)
+    calls = []
+    lens_q, lens_k = [0, 1, 300], [5, 0, 260]
+    cu = lambda lens: torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)  # noqa: E731
+    q = torch.zeros(sum(lens_q), 4, 64, dtype=torch.bfloat16)
+    k = torch.zeros(sum(lens_k), 2, 64, dtype=torch.bfloat16)
+    problem = validate(q, k, k, varlen=True, cu_seqlens_q=cu(lens_q), cu_seqlens_k=cu(lens_k), causal=True,
+                       return_lse=True)
+    cfg = BlackwellForwardConfig.from_problem(problem, KernelOptions())
+    runner = bb.BlackwellRunner(cfg, lambda *args: calls.append(args))
+    out, lse = torch.empty_like(q), torch.empty(4, sum(lens_q))
+    runner(problem, q, k, k, out, lse, cu(lens_q), cu(lens_k))
+    (args,) = calls
+    assert args[3] is out and args[4] is lse and args[9] == "flag"
+    assert args[7].tolist() == [[2, 1], [2, 0], [1, 0]]  # (batch, 256-row block), costliest first
+    assert tuple(args[8].shape) == (3, 3, 16)
+    assert args[10] == 300 and args[-1] == 148 and args[13] is None and args[14] == 0
+
+    dense_q = torch.zeros(1, 0, 4, 64, dtype=torch.bfloat16)
+    dense_k = torch.zeros(1, 7, 4, 64, dtype=torch.bfloat16)
+    empty_q = validate(dense_q, dense_k, dense_k)
+    bb.BlackwellRunner(BlackwellForwardConfig.from_problem(empty_q, KernelOptions()), None)(
+        empty_q, dense_q, dense_k, dense_k, torch.empty_like(dense_q), None)
+    dense_q = torch.zeros(1, 5, 4, 64, dtype=torch.bfloat16)
+    dense_k = torch.zeros(1, 0, 4, 64, dtype=torch.bfloat16)
+    no_keys = validate(dense_q, dense_k, dense_k, return_lse=True)
+    out, lse = torch.full_like(dense_q, 3.0), torch.zeros(1, 4, 5)
+    bb.BlackwellRunner(BlackwellForwardConfig.from_problem(no_keys, KernelOptions()), None)(
+        no_keys, dense_q, dense_k, dense_k, out, lse)
+    assert not out.any() and torch.isneginf(lse).all()

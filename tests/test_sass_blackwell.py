@@ -8,9 +8,13 @@ extras). What the design needs to see in the instructions:
 - nothing spills to local memory (no LDL / STL);
 - ``setmaxnreg`` gives each role the budget the configuration sets, and ptxas's register count
   for the kernel fits 512 threads in the register file.
+
+Four configurations by default; ``FMHA_BLACKWELL_FULL_MATRIX=1`` checks every (dtype, head dim,
+mask, dense/varlen) configuration (slow).
 """
 
 import functools
+import itertools
 import os
 import re
 import struct
@@ -24,7 +28,7 @@ pytest.importorskip("cutlass")
 from fmha.kernels.blackwell import config as bc  # noqa: E402
 from fmha.kernels.blackwell.backend import compile_forward  # noqa: E402
 from lab.machine_code import find_nvdisasm  # noqa: E402
-from test_compile_blackwell import blackwell_config  # noqa: E402
+from test_compile_blackwell import _PAIRS, KINDS, blackwell_config  # noqa: E402
 
 NVDISASM = find_nvdisasm()
 pytestmark = pytest.mark.skipif(NVDISASM is None, reason="needs nvdisasm (pip install nvidia-cuda-nvdisasm)")
@@ -36,6 +40,10 @@ CONFIGS = {
     "fp8-d128-window-fp8out": dict(dtype=FP8, head_dim=128, mask="window", out_dtype=FP8),
     "bf16-d32-varlen-compressed": dict(dtype=torch.bfloat16, head_dim=32, mask="compressed_causal", varlen=True),
 }
+if os.environ.get("FMHA_BLACKWELL_FULL_MATRIX") == "1":
+    CONFIGS = {f"{dt}-d{d}-{m}-{'varlen' if vl else 'dense'}".replace("torch.", ""):
+               dict(dtype=dt, head_dim=d, mask=m, varlen=vl)
+               for (dt, d), m, vl in itertools.product(_PAIRS, KINDS, (False, True))}
 
 
 @pytest.fixture(scope="module")

@@ -135,12 +135,12 @@ class BlackwellForwardConfig:
 
 
 #: registers per thread after ``setmaxnreg`` (one budget per warpgroup): the softmax warpgroups
-#: hold a row of 128 fp32 scores plus a 32-key chunk of its P; the correction warpgroup 16
-#: columns of O at a time; the fourth warpgroup (load, MMA, epilogue, idle warps) the MMA
-#: warp's operand descriptors and pipeline states. 2 x 128 x 176 + 128 x 80 + 128 x 80 = 65536.
-REGISTERS_SOFTMAX = 176
+#: hold a row of 128 fp32 scores plus a 32-key chunk of its P and the exponentials in flight; the
+#: correction warpgroup 16 columns of O at a time; the fourth warpgroup (load, MMA, epilogue, idle
+#: warps) loop state only. 2 x 128 x 192 + 128 x 80 + 128 x 48 = 65536, the register file.
+REGISTERS_SOFTMAX = 192
 REGISTERS_CORRECTION = 80
-REGISTERS_OTHER = 80
+REGISTERS_OTHER = 48
 
 
 def why_unsupported(problem: AttentionProblem, options: KernelOptions) -> list:

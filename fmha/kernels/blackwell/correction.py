@@ -157,9 +157,10 @@ class CorrectionRole:
     @cute.jit
     def stage_o(self, tOtO: cute.Tensor, tOcO: cute.Tensor, tOsO: cute.Tensor, inv: Float32, tidx):
         """O * inv in the output dtype into a staging tile (``tOsO``: 128 x D as the P.V MMA
-        partitions it), in column blocks of 32 bytes of output."""
+        partitions it), RESCALE_COLUMNS columns at a time (more fp32 columns in flight do not fit
+        the warpgroup's registers)."""
         d = self.cfg.head_dim
-        cols = 32 * 8 // self.out_dtype.width
+        cols = RESCALE_COLUMNS
         tOtO_blocks = cute.logical_divide(tOtO, cute.make_layout((128, cols)))
         tOsO_blocks = cute.logical_divide(tOsO, cute.make_layout((128, cols)))
         tOcO_blocks = cute.logical_divide(tOcO, cute.make_layout((128, cols)))

@@ -232,7 +232,8 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
         tmem_dealloc_mbar = storage.tmem_dealloc_mbar.data_ptr()
         if warp_idx == WarpRoles.IDLE:
             # the softmax warpgroups and the correction warpgroup are the last to touch TMEM
-            cute.arch.mbarrier_init(tmem_dealloc_mbar, 3 * WARPGROUP)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(tmem_dealloc_mbar, 3 * WARPGROUP)
         cute.arch.mbarrier_init_fence()
         pipeline.pipeline_init_arrive()
 
