@@ -379,6 +379,7 @@ def validate_backward(dout, q, k, v, out, lse, *, dlse=None, dq=None, dk=None, d
         raise TypeError("fp8 inputs have no backward: train in bfloat16 or float16 "
                         "(convert q, k, v with .to(torch.bfloat16))")
     _check_output("dout", dout, tuple(out.shape), out.dtype, q.device)
+    _check_layout("dout", dout)
     if dlse is not None:
         _check_output("dlse", dlse, tuple(lse.shape), torch.float32, q.device)
     for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):

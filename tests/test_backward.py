@@ -231,6 +231,9 @@ def test_backward_argument_errors():
         fmha.attention_backward(o[:, :3], q, k, v, o, lse)
     with pytest.raises(TypeError, match="dout has dtype"):
         fmha.attention_backward(o.half(), q, k, v, o, lse)
+    strided = torch.empty(o.shape[:-1] + (2 * o.shape[-1],), dtype=o.dtype)[..., ::2]
+    with pytest.raises(ValueError, match="dout.*contiguous"):
+        fmha.attention_backward(strided.copy_(o), q, k, v, o, lse)
     with pytest.raises(ValueError, match="dk has shape"):
         fmha.attention_backward(o, q, k, v, o, lse, dk=torch.empty_like(q))
     f8 = [t.to(torch.float8_e4m3fn) for t in (q, k, v)]

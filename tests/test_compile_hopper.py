@@ -216,6 +216,20 @@ def test_varlen_with_unread_lengths_lists_its_tiles_on_the_gpu(tmp_path):
                                                 KernelOptions()).tiles_on_device
 
 
+@pytest.mark.parametrize("varlen,has_dlse", [(False, True), (True, False)])
+def test_backward_row_pass_reads_rows_with_16_byte_loads(varlen, has_dlse, tmp_path):
+    """The row pass before the backward (delta and the LSE in log2 units): one thread per row,
+    O and dO read 16 bytes at a time."""
+    from fmha.kernels.common.backward_rows import BackwardRowsConfig
+    from fmha.kernels.hopper.backend import compile_backward_rows
+
+    compile_backward_rows(BackwardRowsConfig(torch.bfloat16, 128, varlen, has_dlse),
+                          extra_options=f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = next(tmp_path.glob("*.ptx")).read_text()
+    assert ptx.count("ld.global.v4") == 2 * 128 * 2 // 16
+    assert ptx.count("ld.global.b32") == 1 + int(has_dlse)  # the LSE (and dLSE) of the row
+
+
 def _backward_ptx(cfg, dump_dir) -> str:
     from fmha.kernels.hopper.backend import compile_backward
 

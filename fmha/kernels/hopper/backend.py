@@ -4,7 +4,6 @@ tensors, per-call arguments)."""
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -163,13 +162,36 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
     )
 
 
+def compile_backward_rows(cfg, extra_options: str = ""):
+    """Compile the backward's row pass (``kernels/common/backward_rows.py``) for sm_90a."""
+    import cutlass
+
+    from ..common.backward_rows import BackwardRows
+
+    rank = 3 if cfg.varlen else 4
+    o, do = (fake_rows(cutlass_dtype(cfg.dtype), rank, cfg.head_dim) for _ in range(2))
+    lse, dlse, lse2, delta = (fake_rows(cutlass.Float32, rank - 1, None, align_bytes=4) for _ in range(4))
+    return compile_for(ARCH, BackwardRows(cfg), o, do, lse, dlse if cfg.has_dlse else None, lse2, delta,
+                       extra_options=extra_options)
+
+
 class HopperBackwardRunner:
-    """The compiled backward plus the host passes around it: the LSE in log2 units and
-    delta = rowsum(dO * O) - dLSE before, dQ scaled and converted after."""
+    """The compiled backward plus the passes around it: the row pass (the LSE in log2 units and
+    delta = rowsum(dO * O) - dLSE) and the zeroed fp32 dQ buffer before, dQ converted after."""
 
     def __init__(self, cfg: HopperBackwardConfig, compiled: Callable):
         self.cfg = cfg
         self.compiled = compiled
+        self._row_passes = {}
+
+    def row_pass(self, has_dlse: bool) -> Callable:
+        compiled = self._row_passes.get(has_dlse)
+        if compiled is None:
+            from ..common.backward_rows import BackwardRowsConfig
+
+            cfg = BackwardRowsConfig(self.cfg.dtype, self.cfg.head_dim, self.cfg.varlen, has_dlse)
+            compiled = self._row_passes[has_dlse] = disk_cache.load_or_compile(cfg, compile_backward_rows)
+        return compiled
 
     def __call__(self, problem: AttentionProblem, dout, q, k, v, out, lse, dlse, dq, dk, dv,
                  cu_seqlens_q=None, cu_seqlens_k=None, deterministic: bool = False):
@@ -178,13 +200,10 @@ class HopperBackwardRunner:
                 grad.zero_()
             return
         m = problem.mask
-        # rows that keep no key (LSE -inf) get +inf, so that their P = exp2(s - inf) is 0
-        lse2 = torch.where(torch.isneginf(lse), math.inf, lse * math.log2(math.e)).contiguous()
-        # (B, S, H) -> (B, H, S), or varlen (T, H) -> (H, T): the LSE's layout
-        delta = (dout.float() * out.float()).sum(-1).transpose(-2, -1)
-        if dlse is not None:
-            delta = delta - dlse
-        delta = delta.contiguous()
+        lse = lse.contiguous()
+        dlse = dlse.contiguous() if dlse is not None else None
+        lse2, delta = torch.empty_like(lse), torch.empty_like(lse)
+        self.row_pass(dlse is not None)(out, dout, lse, dlse, lse2, delta)
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         descriptors = None
         if self.cfg.varlen:
@@ -204,7 +223,7 @@ class HopperBackwardRunner:
             m.window_left if self.cfg.window_left_bounded else None,
             m.window_right if self.cfg.window_right_bounded else None,
         )
-        dq.copy_(dq_acc.mul_(problem.score_scale))
+        dq.copy_(dq_acc)  # scaled by the kernel
 
 
 class HopperBackend:

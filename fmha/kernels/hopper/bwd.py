@@ -15,9 +15,9 @@ keeps some key of the tile. Roles:
   dQ tile is staged in shared memory and added to an fp32 buffer in global memory by one TMA
   reduce-add (whole lines, asynchronous) instead of per-element atomics.
 
-The host (``backend.HopperBackwardRunner``) prepares the LSE in log2 units (+inf for rows that
-keep nothing, so their P is 0) and delta = rowsum(dO * O) - dLSE, and scales and converts dQ
-afterwards. The K/V tile's query range and which query tiles need the element-wise mask come
+Before it, a row pass (``kernels/common/backward_rows.py``) turns the LSE into log2 units (+inf
+for rows that keep nothing, so their P is 0) and computes delta = rowsum(dO * O) - dLSE; dQ is
+scaled here and converted to the input's type afterwards. The K/V tile's query range and which query tiles need the element-wise mask come
 from the same row bands as the forward's (``fmha.masking.row_key_bounds``).
 
 ``deterministic``: the dQ reduce-adds of one query tile happen in K/V tile order. A semaphore
@@ -399,6 +399,7 @@ class HopperAttentionBackward:
                 issue_gemm(mma_dq, acc_dq, tQrdS, tQrK, True)
                 warpgroup.wait_group(0)
                 release_by_one_lane(handle)
+                acc_dq.store(acc_dq.load() * score_scale)
                 cute.autovec_copy(acc_dq, tdQsdQ)
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=NamedBarrierBwd.DQ_STAGED, number_of_threads=2 * _WG)
