@@ -3,6 +3,7 @@
 from .api import FusedAttention, attention, attention_backward, attention_varlen
 from .backends import UnsupportedError
 from .device_errors import check_device_errors
+from .kvcache import attention_with_kvcache
 from .masking import MaskKind, MaskSpec
 from .reference import attention_reference
 
@@ -12,6 +13,7 @@ __all__ = [
     "attention",
     "attention_varlen",
     "attention_backward",
+    "attention_with_kvcache",
     "FusedAttention",
     "UnsupportedError",
     "check_device_errors",
