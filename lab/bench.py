@@ -262,11 +262,13 @@ BACKWARD_ONLY = ("fmha_deterministic",)
 BACKWARD_REL_L2_LIMIT = 3e-2  # bf16 gradients against the fp32 reference backward
 
 
-def run_point_backward(p: Point, impls: dict, torch, do_bench, rounds: int = 1) -> list[dict]:
+def run_point_backward(p: Point, impls: dict, torch, do_bench, rounds: int = 1, step: bool = False) -> list[dict]:
     """The backward alone: each implementation's forward once with inputs that require grad,
     then ``torch.autograd.grad`` of its output timed (the same autograd overhead for all), its
     gradients checked against the fp32 reference backward first. TFLOP/s count 2.5x the
-    forward's FLOPs (five GEMMs to the forward's two)."""
+    forward's FLOPs (five GEMMs to the forward's two). ``step``: a training step instead, the
+    forward and its backward timed together (3.5x the forward's FLOPs); varlen points add
+    ``fmha_new_offsets`` (a new offsets tensor every step, no host read)."""
     from fmha.masking import MaskSpec
     from fmha.reference import attention_backward_reference, attention_reference, cast_output
 
@@ -276,8 +278,11 @@ def run_point_backward(p: Point, impls: dict, torch, do_bench, rounds: int = 1) 
     dout = torch.randn(q.shape, device=q.device).to(q.dtype)
     ref = attention_backward_reference(dout, q, k, v, cast_output(out, q.dtype), lse, cu, cu, mask=mask)
     rows, timed = {}, {}
-    for name in [n for n in BACKWARD_IMPLS if n in impls]:
-        row = rows[name] = dict(point=asdict(p), impl=name, mode="backward")
+    names = [n for n in BACKWARD_IMPLS if n in impls]
+    if step and p.varlen and "fmha_new_offsets" in impls:
+        names.insert(1, "fmha_new_offsets")
+    for name in names:
+        row = rows[name] = dict(point=asdict(p), impl=name, mode="step" if step else "backward")
         try:
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
             o = impls[name](*leaves, p, cu)
@@ -287,6 +292,9 @@ def run_point_backward(p: Point, impls: dict, torch, do_bench, rounds: int = 1) 
             row["rel_l2"] = err
             if not err < BACKWARD_REL_L2_LIMIT:
                 row["error"] = f"wrong gradients (rel L2 {err:.3g})"
+            elif step:
+                timed[name] = (lambda fn=impls[name], leaves=leaves:
+                               torch.autograd.grad(fn(*leaves, p, cu), leaves, dout))
             else:
                 timed[name] = (lambda o=o, leaves=leaves: torch.autograd.grad(o, leaves, dout, retain_graph=True))
         except Exception as e:
@@ -297,7 +305,7 @@ def run_point_backward(p: Point, impls: dict, torch, do_bench, rounds: int = 1) 
     for name in timed:
         row = rows[name]
         row["ms"] = ms = sorted(row["ms_rounds"])[len(row["ms_rounds"]) // 2]
-        row["tflops"] = 2.5 * p.flops() / (ms * 1e-3) / 1e12
+        row["tflops"] = (3.5 if step else 2.5) * p.flops() / (ms * 1e-3) / 1e12
     return list(rows.values())
 
 
@@ -325,7 +333,8 @@ def write_reports(rows: list[dict], out_dir: str, meta: dict, name: str = "bench
         head += " | fmha / fa4"
     if "cudnn" in impls:
         head += " | fmha / cudnn"
-    lines = [f"# {'Backward' if name == 'bench_backward' else 'Forward'} attention, {meta['device']}", "",
+    title = {"bench_backward": "Backward", "bench_step": "Training step (forward + backward)"}.get(name, "Forward")
+    lines = [f"# {title} attention, {meta['device']}", "",
              f"{meta['date']}; command: `{meta['command']}`", "", head + " |",
              "|" + "---|" * (head.count("|"))]
     ratios = {"fa4": [], "cudnn": []}
@@ -520,6 +529,8 @@ def main(argv=None):
                     help="time each implementation this many times, interleaved, and keep the median")
     ap.add_argument("--backward", action="store_true",
                     help="time the backward (autograd of each implementation's forward) instead")
+    ap.add_argument("--step", action="store_true",
+                    help="time a training step (forward + backward) instead; varlen points with new offsets too")
     ap.add_argument("--variants", action="store_true",
                     help="also time the kernel with other compile-time choices (lab/variants.py)")
     args = ap.parse_args(argv)
@@ -551,10 +562,13 @@ def main(argv=None):
         return any(label.endswith(w[:-1]) if w.endswith("$") else w in label
                    for w in args.filter.split("|"))
 
-    if args.backward:
+    if args.backward or args.step:
         points = [p for p in points if p.dtype == "bfloat16" and p.window_left is None]
     for p in (p for p in points if wanted(p.label())):
-        new = (run_point_backward if args.backward else run_point)(p, impls, torch, do_bench, args.rounds)
+        if args.backward or args.step:
+            new = run_point_backward(p, impls, torch, do_bench, args.rounds, step=args.step)
+        else:
+            new = run_point(p, impls, torch, do_bench, args.rounds)
         rows += new
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "partial.json"), "w") as f:  # kept if the run is cut off
@@ -564,7 +578,8 @@ def main(argv=None):
     meta = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M"),
                 command="python -m lab.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                 torch=torch.__version__)
-    print(write_reports(rows, args.out, meta, "bench_backward" if args.backward else "bench"))
+    report = "bench_step" if args.step else "bench_backward" if args.backward else "bench"
+    print(write_reports(rows, args.out, meta, report))
     if os.path.exists(os.path.join(args.out, "partial.json")):
         os.remove(os.path.join(args.out, "partial.json"))
     return 0
