@@ -127,6 +127,7 @@ REFERENCE = ReferenceBackend()
 #: the kernel backends, tried in this order: (what the user reads, module, class)
 KERNEL_BACKENDS = (
     ("the Hopper kernel", "fmha.kernels.hopper.backend", "HopperBackend"),
+    ("the Blackwell kernel", "fmha.kernels.blackwell.backend", "BlackwellBackend"),
 )
 
 

@@ -1,5 +1,6 @@
 """Dispatch and the compile cache, with a fake kernel backend standing in for the GPU one."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -8,6 +9,8 @@ import torch
 import fmha
 from fmha import backends
 from fmha.masking import MaskSpec
+from fmha.problem import KernelOptions
+from fmha.validation import validate
 from fmha.reference import attention_reference
 
 
@@ -136,7 +139,34 @@ def test_load_kernel_backends_turns_import_errors_into_reasons(monkeypatch):
     finally:
         backends._load_kernel_backends.cache_clear()
     assert loaded == ()
-    assert reasons == ("the Hopper kernel could not be imported: no module for you",)
+    assert reasons == ("the Hopper kernel could not be imported: no module for you",
+                       "the Blackwell kernel could not be imported: no module for you")
+
+
+def test_each_kernel_backend_is_chosen_only_on_its_own_gpus(monkeypatch):
+    """The Hopper kernel for SM90, the Blackwell kernel for SM100/SM103 (compiled for the
+    matching arch), the reference elsewhere (consumer Blackwell, SM120, has no tcgen05) with a
+    reason that names the GPU."""
+    pytest.importorskip("cutlass")
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
+    problem = validate(q, q, q)
+    problem = dataclasses.replace(problem, device=torch.device("cuda", 0))
+    loaded, _ = backends.kernel_backends()
+    assert [b.name for b in loaded] == ["hopper", "blackwell"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    monkeypatch.setattr(backends, "_platform_reasons", lambda device: [])
+    for capability, chosen in (((9, 0), "hopper"), ((10, 0), "blackwell"), ((10, 3), "blackwell"),
+                               ((12, 0), None), ((8, 0), None)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        backend, reasons = backends.unsupported_reasons(problem, KernelOptions())
+        assert (backend.name if backend else None) == chosen, capability
+        if chosen is None:
+            assert any(f"SM{capability[0]}{capability[1]}" in r for r in reasons)
+    from fmha.kernels.blackwell.config import BlackwellForwardConfig
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 3))
+    assert BlackwellForwardConfig.from_problem(problem, KernelOptions()).arch == "sm_103a"
 
 
 def test_platform_reasons_on_cpu():
@@ -162,7 +192,7 @@ def test_hopper_backend_through_the_dispatcher(monkeypatch):
     from fmha.validation import validate
 
     loaded, reasons = backends._load_kernel_backends()
-    assert [b.name for b in loaded] == ["hopper"], reasons
+    assert [b.name for b in loaded] == ["hopper", "blackwell"], reasons
     monkeypatch.setattr(backends, "_platform_reasons", lambda device: [])
     small = validate(*qkv(s=32), causal=True)
     large = validate(*qkv(s=80), causal=True, softmax_scale=0.5)
@@ -171,7 +201,8 @@ def test_hopper_backend_through_the_dispatcher(monkeypatch):
     # sizes and scales are per call: the same compiled kernel serves both
     assert chosen.cache_key(small, KernelOptions()) == chosen.cache_key(large, KernelOptions())
     chosen, why = backends.unsupported_reasons(small, KernelOptions(tile_m=3, tile_n=5))
-    assert chosen is None and why and all(r.startswith("hopper: ") for r in why)
+    assert chosen is None and why and all(r.startswith(("hopper: ", "blackwell: ")) for r in why)
+    assert any(r.startswith("hopper: ") for r in why)
 
 
 def test_every_reason_includes_the_backends_on_a_wrong_platform(monkeypatch):
