@@ -17,8 +17,9 @@ keeps some key of the tile. Roles:
 
 Before it, a row pass (``kernels/common/backward_rows.py``) turns the LSE into log2 units (+inf
 for rows that keep nothing, so their P is 0) and computes delta = rowsum(dO * O) - dLSE; dQ is
-scaled here and converted to the input's type afterwards. The K/V tile's query range and which query tiles need the element-wise mask come
-from the same row bands as the forward's (``fmha.masking.row_key_bounds``).
+scaled here and converted to the input's type afterwards. The K/V tile's query range and which
+query tiles need the element-wise mask come from the same row bands as the forward's
+(``fmha.masking.row_key_bounds``).
 
 ``deterministic``: the dQ reduce-adds of one query tile happen in K/V tile order. A semaphore
 per (sequence, query head, query tile) holds one past the last K/V tile that added; each CTA waits
@@ -76,7 +77,8 @@ class HopperAttentionBackward:
                  mDelta: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mSeqDescriptors: Optional[cute.Tensor], mErrors: Optional[cute.Tensor],
-                 mSemaphores: Optional[cute.Tensor], max_seqlen_q: Int32, max_seqlen_k: Int32, scale_log2: Float32, out_scale: Float32, score_scale: Float32,
+                 mSemaphores: Optional[cute.Tensor], max_seqlen_q: Int32, max_seqlen_k: Int32,
+                 scale_log2: Float32, out_scale: Float32, score_scale: Float32,
                  window_left: Optional[Int32], window_right: Optional[Int32], stream: cuda.CUstream):
         """Dense tensors: q/dO (B, S_q, H_q, D), k/v/dK/dV (B, S_k, H_k, D), LSE2/delta
         (B, H_q, S_q) fp32, dQacc (B, S_q, H_q, D) fp32 (zeroed). Varlen: (T, H, D) rows,
@@ -137,8 +139,8 @@ class HopperAttentionBackward:
                 grid=[num_batches, 1, 1], block=[32, 1, 1], stream=stream)
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_tensor_q, tma_do, tma_tensor_do, tma_k, tma_tensor_k,
                     tma_v, tma_tensor_v, tma_dq, tma_tensor_dq, mLSE2, mDelta, mdK, mdV, mCuSeqlensQ, mCuSeqlensK,
-                    mSeqDescriptors, mSemaphores, max_seqlen_q, max_seqlen_k, scale_log2, out_scale, score_scale, window_left, window_right, sQ_layout,
-                    sK_layout, sdS_layout, sdQ_layout).launch(
+                    mSeqDescriptors, mSemaphores, max_seqlen_q, max_seqlen_k, scale_log2, out_scale, score_scale,
+                    window_left, window_right, sQ_layout, sK_layout, sdS_layout, sdQ_layout).launch(
             grid=[num_n_blocks, k.shape[2], num_batches], block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
 
