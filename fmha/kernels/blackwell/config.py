@@ -137,10 +137,11 @@ class BlackwellForwardConfig:
 #: registers per thread after ``setmaxnreg`` (one budget per warpgroup): the softmax warpgroups
 #: hold a row of 128 fp32 scores plus a 32-key chunk of its P and the exponentials in flight; the
 #: correction warpgroup 16 columns of O at a time; the fourth warpgroup (load, MMA, epilogue, idle
-#: warps) loop state only. 2 x 128 x 192 + 128 x 80 + 128 x 48 = 65536, the register file.
-REGISTERS_SOFTMAX = 192
+#: warps) the MMA warp's operand descriptors and pipeline states. 2 x 128 x 184 + 128 x 80 + 128 x 64
+#: = 65536, the register file.
+REGISTERS_SOFTMAX = 184
 REGISTERS_CORRECTION = 80
-REGISTERS_OTHER = 48
+REGISTERS_OTHER = 64
 
 
 def why_unsupported(problem: AttentionProblem, options: KernelOptions) -> list:

@@ -21,7 +21,7 @@ the same tiles (``fmha.kernels.common.scheduler``) and the same K/V tiles per ti
 (``kv_walk.py``).
 """
 
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -290,42 +290,30 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
                             mCuSeqlensK, scale_log2, output_scale, window_left, window_right, pipes)
             cute.arch.mbarrier_arrive(tmem_dealloc_mbar)
 
-    def make_pipelines(self, storage):
+    def make_pipelines(self, storage) -> "KernelPipelines":
         """The kernel's mbarrier pipelines, as (producer, consumer) participants."""
         cfg = self.cfg
         thread = lambda n: pipeline.CooperativeGroup(pipeline.Agent.Thread, n)  # noqa: E731
-        one_warp_issuer = thread(1)  # TMA and tcgen05 commits arrive once
+        issuer = thread(1)  # TMA transactions and tcgen05 commits arrive once
+        warpgroup = thread(WARPGROUP)
 
-        def pair(kind, stages, producer, consumer, mbar, **extra):
+        def pair(kind, stages, producer, consumer, mbar, **extra) -> Participants:
             p = kind.create(num_stages=stages, producer_group=producer, consumer_group=consumer,
                             barrier_storage=mbar.data_ptr(), defer_sync=True, **extra)
-            return p.make_participants()
+            return Participants(*p.make_participants())
 
-        class Pipes:
-            pass
-
-        pipes = Pipes()
-        pipes.q = _Pair(*pair(pipeline.PipelineTmaUmma, self.q_stages, one_warp_issuer, one_warp_issuer,
-                              storage.q_mbar, tx_count=self.q_bytes))
-        pipes.kv = _Pair(*pair(pipeline.PipelineTmaUmma, cfg.kv_stages, one_warp_issuer, one_warp_issuer,
-                               storage.kv_mbar, tx_count=self.kv_bytes))
-        # S_i computed (MMA commit) / P_i written and S_i's columns free again (softmax release)
-        pipes.s0 = _Pair(*pair(pipeline.PipelineUmmaAsync, 1, one_warp_issuer, thread(WARPGROUP), storage.s0_mbar))
-        pipes.s1 = _Pair(*pair(pipeline.PipelineUmmaAsync, 1, one_warp_issuer, thread(WARPGROUP), storage.s1_mbar))
-        # row statistics in TMEM: old/new max per step, sum/max after the last
-        pipes.stats0 = _Pair(*pair(pipeline.PipelineAsync, 1, thread(WARPGROUP), thread(WARPGROUP),
-                                   storage.stats0_mbar))
-        pipes.stats1 = _Pair(*pair(pipeline.PipelineAsync, 1, thread(WARPGROUP), thread(WARPGROUP),
-                                   storage.stats1_mbar))
-        # O0, O1 in turn: P.V accumulated (MMA commit) / rescaled (correction release)
-        pipes.o = _Pair(*pair(pipeline.PipelineUmmaAsync, 2, one_warp_issuer, thread(WARPGROUP), storage.o_mbar))
-        # O0, O1 staged in shared memory (correction) / stored (epilogue warp)
-        pipes.staged = _Pair(*pair(pipeline.PipelineAsync, self.epi_stages, thread(WARPGROUP), thread(WARP),
-                                   storage.staged_mbar))
-        # softmax 0 and 1 take turns at the exponentials (the MUFU units are shared)
-        pipes.turn = _Pair(*pair(pipeline.PipelineAsync, 1, thread(WARPGROUP), thread(WARPGROUP),
-                                 storage.turn_mbar))
-        return pipes
+        return KernelPipelines(
+            q=pair(pipeline.PipelineTmaUmma, self.q_stages, issuer, issuer, storage.q_mbar, tx_count=self.q_bytes),
+            kv=pair(pipeline.PipelineTmaUmma, cfg.kv_stages, issuer, issuer, storage.kv_mbar,
+                    tx_count=self.kv_bytes),
+            s0=pair(pipeline.PipelineUmmaAsync, 1, issuer, warpgroup, storage.s0_mbar),
+            s1=pair(pipeline.PipelineUmmaAsync, 1, issuer, warpgroup, storage.s1_mbar),
+            stats0=pair(pipeline.PipelineAsync, 1, warpgroup, warpgroup, storage.stats0_mbar),
+            stats1=pair(pipeline.PipelineAsync, 1, warpgroup, warpgroup, storage.stats1_mbar),
+            o=pair(pipeline.PipelineUmmaAsync, 2, issuer, warpgroup, storage.o_mbar),
+            staged=pair(pipeline.PipelineAsync, self.epi_stages, warpgroup, thread(WARP), storage.staged_mbar),
+            turn=pair(pipeline.PipelineAsync, 1, warpgroup, warpgroup, storage.turn_mbar),
+        )
 
     def make_scheduler(self, mTileTable, num_m_blocks, num_heads, num_batches):
         """The tile walk of this configuration (``scheduler.py``); every role walks it alike."""
@@ -511,9 +499,22 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
         return tiled_mma  # rebound by the caller: its accumulate flag is loop-carried state
 
 
-class _Pair:
+class Participants(NamedTuple):
     """A pipeline's producer and consumer participants."""
 
-    def __init__(self, producer, consumer):
-        self.producer = producer
-        self.consumer = consumer
+    producer: Any
+    consumer: Any
+
+
+class KernelPipelines(NamedTuple):
+    """The kernel's pipelines (docs/blackwell.md, "Pipelines")."""
+
+    q: Participants  # load -> MMA: Q0, Q1 loaded / free after the tile's last Q K^T
+    kv: Participants  # load -> MMA: a K or V tile loaded / its GEMMs done
+    s0: Participants  # MMA -> softmax 0: S0 computed / P0 written (S0's columns free again)
+    s1: Participants  # MMA -> softmax 1: likewise
+    stats0: Participants  # softmax 0 -> correction: (old, new) max per step, (sum, max) after the last
+    stats1: Participants  # softmax 1 -> correction: likewise
+    o: Participants  # MMA -> correction: O0, O1 in turn, P V added / O rescaled
+    staged: Participants  # correction -> epilogue warp: O0, O1 in shared memory / stored
+    turn: Participants  # softmax 0 -> softmax 1: turns at the exponentials (the MUFU units are shared)
