@@ -186,6 +186,7 @@ def test_deterministic_reaches_the_backend_choice(monkeypatch):
         return backends.REFERENCE
 
     monkeypatch.setattr(api, "select_backward_backend", spy)
+    backends.clear_cache()  # calls remembered by earlier tests would not reach the spy
     q, k, v, _ = _inputs(False, {}, dtype=torch.bfloat16, d=64)
     o, lse = fmha.attention(q, k, v, return_lse=True)
     for flag in (False, True):
@@ -253,3 +254,22 @@ def test_training_under_torch_compile_fullgraph_matches_sdpa(backend):
     torch._dynamo.reset()
     sdpa = train_losses(False)
     assert train_losses(True, backend) == pytest.approx(sdpa, rel=1e-4)
+
+
+def test_repeated_backward_calls_skip_validation_and_dispatch(monkeypatch):
+    """A training loop's backward calls repeat their metadata: the second is not validated again,
+    and gives the same gradients; a call with other metadata is."""
+    from fmha import api, backends
+
+    backends.clear_cache()
+    q, k, v, _ = _inputs(False, {"causal": True}, dtype=torch.bfloat16, d=64)
+    o, lse = fmha.attention(q, k, v, causal=True, return_lse=True)
+    calls = []
+    real = api.validate_backward
+    monkeypatch.setattr(api, "validate_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    first = fmha.attention_backward(o, q, k, v, o, lse, causal=True)
+    second = fmha.attention_backward(o, q, k, v, o, lse, causal=True)
+    assert len(calls) == 1 and all(torch.equal(a, b) for a, b in zip(first, second))
+    fmha.attention_backward(o, q, k, v, o, lse, causal=False)
+    fmha.attention_backward(o, q, k, v, o, lse, causal=True, deterministic=True)
+    assert len(calls) == 3
