@@ -26,19 +26,20 @@ import torch
 pytest.importorskip("cutlass")
 
 from fmha.kernels.blackwell import config as bc  # noqa: E402
-from fmha.kernels.blackwell.backend import compile_forward  # noqa: E402
 from lab.machine_code import find_nvdisasm  # noqa: E402
-from test_compile_blackwell import _PAIRS, KINDS, blackwell_config  # noqa: E402
+from test_compile_blackwell import _PAIRS, KINDS, blackwell_config, compiled_cubin  # noqa: E402
 
 NVDISASM = find_nvdisasm()
 pytestmark = pytest.mark.skipif(NVDISASM is None, reason="needs nvdisasm (pip install nvidia-cuda-nvdisasm)")
 FP8 = torch.float8_e4m3fn
 
+# configurations the compile test builds too (its cubins are reused)
 CONFIGS = {
-    "bf16-d128-causal": dict(dtype=torch.bfloat16, head_dim=128, mask="causal"),
-    "fp16-d64-none": dict(dtype=torch.float16, head_dim=64, mask="none"),
-    "fp8-d128-window-fp8out": dict(dtype=FP8, head_dim=128, mask="window", out_dtype=FP8),
-    "bf16-d32-varlen-compressed": dict(dtype=torch.bfloat16, head_dim=32, mask="compressed_causal", varlen=True),
+    "bf16-d128-causal": dict(dtype=torch.bfloat16, head_dim=128, mask="causal", persistent=False),
+    "fp16-d64-causal": dict(dtype=torch.float16, head_dim=64, mask="causal", persistent=False),
+    "fp8-d128-causal-fp8out": dict(dtype=FP8, head_dim=128, mask="causal", out_dtype=FP8),
+    "bf16-d128-varlen-window": dict(dtype=torch.bfloat16, head_dim=128, mask="window", varlen=True, lse=False,
+                                    out_dtype=torch.float16),
 }
 if os.environ.get("FMHA_BLACKWELL_FULL_MATRIX") == "1":
     CONFIGS = {f"{dt}-d{d}-{m}-{'varlen' if vl else 'dense'}".replace("torch.", ""):
@@ -46,19 +47,11 @@ if os.environ.get("FMHA_BLACKWELL_FULL_MATRIX") == "1":
                for (dt, d), m, vl in itertools.product(_PAIRS, KINDS, (False, True))}
 
 
-@pytest.fixture(scope="module")
-def tmp_root(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("sass_blackwell"))
-
-
 @functools.lru_cache(maxsize=None)
-def _build(name, tmp_root):
-    """(SASS text, {kernel name: ptxas register count}) of configuration ``name``."""
+def _build(name):
+    """(configuration, SASS text, {symbol index: ptxas register count}) of configuration ``name``."""
     cfg = blackwell_config(**CONFIGS[name])
-    out = os.path.join(tmp_root, name)
-    os.makedirs(out, exist_ok=True)
-    compile_forward(cfg, extra_options=f"--keep-cubin --dump-dir={out}")
-    cubin = next(os.path.join(out, f) for f in os.listdir(out) if f.endswith(".cubin"))
+    cubin = compiled_cubin(cfg)
     sass = subprocess.run([NVDISASM, "-c", cubin], capture_output=True, text=True, check=True).stdout
     return cfg, sass, _register_counts(open(cubin, "rb").read())
 
@@ -96,8 +89,8 @@ def _count(sass: str, opcode: str) -> int:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_tcgen05_tmem_and_tma_instructions(name, tmp_root):
-    cfg, sass, _ = _build(name, tmp_root)
+def test_tcgen05_tmem_and_tma_instructions(name):
+    cfg, sass, _ = _build(name)
     mma = "UTCQMMA" if cfg.dtype == FP8 else "UTCHMMA"
     other = "UTCHMMA" if cfg.dtype == FP8 else "UTCQMMA"
     assert _count(sass, mma) >= 2 and _count(sass, other) == 0  # Q K^T and P V
@@ -108,18 +101,18 @@ def test_tcgen05_tmem_and_tma_instructions(name, tmp_root):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_no_local_memory_spills(name, tmp_root):
-    _, sass, _ = _build(name, tmp_root)
+def test_no_local_memory_spills(name):
+    _, sass, _ = _build(name)
     spills = [line.strip() for line in sass.splitlines() if re.search(r"\b(LDL|STL)(\.\w+)*\b", line)]
     assert not spills, f"{len(spills)} local-memory accesses, e.g. {spills[:3]}"
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_register_budgets(name, tmp_root):
+def test_register_budgets(name):
     """The softmax warpgroups raise their budget to REGISTERS_SOFTMAX, the correction warpgroup
     and the single warps lower theirs; ptxas's count for the whole kernel is what 512 threads
     may hold (128), and no other count appears (the varlen descriptor kernel's is its own)."""
-    _, sass, regs = _build(name, tmp_root)
+    _, sass, regs = _build(name)
     alloc = {int(v, 16) for v in re.findall(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL\s+\w+,\s*(0x[0-9a-f]+)", sass)}
     dealloc = {int(v, 16) for v in re.findall(r"USETMAXREG\.DEALLOC\.CTAPOOL\s+(0x[0-9a-f]+)", sass)}
     assert alloc == {bc.REGISTERS_SOFTMAX}
