@@ -230,6 +230,9 @@ def select_backward_backend(backend: str, problem: AttentionProblem, options: Ke
     if backend == "reference":
         return REFERENCE
     platform = _platform_reasons(problem.device)
+    if platform and backend != "kernel":  # no kernel can run: do not import them (as the forward)
+        _log_fallback(platform)
+        return REFERENCE
     backends, load_reasons = kernel_backends()
     reasons = platform + list(load_reasons)
     for kernel in backends:
