@@ -3,7 +3,6 @@ sequence; every rank's output and gradients must equal the rows of single-proces
 the whole sequence (the reference backend), for each layout and mask. Bad shards raise the same
 error on every rank instead of hanging."""
 
-import math
 import os
 import socket
 
