@@ -215,13 +215,64 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, layout, left, right, so
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-class _RingAttention(torch.autograd.Function):
+def _gathered_forward(q, k, v, ring: _Ring, layout, left, right, softmax_scale):
+    """The all-gather form: every rank's K/V at once, then the same blocks as the ring's."""
+    b, s, hq, _ = q.shape
+    out = torch.zeros(b, s, hq, v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full((b, hq, s), -math.inf, dtype=torch.float32, device=q.device)
+    everyone = [torch.empty_like(_pack(k, v)) for _ in range(ring.world)]
+    dist.all_gather(everyone, _pack(k, v), group=ring.group)
+    q_segs = segments(layout, ring.rank, ring.world, s)
+    for src, kv in enumerate(everyone):
+        k_src, v_src = _unpack(kv, (k, v))
+        for (q0, qn), (k0, kn), (first_row, first_key, window) in _pairs(
+                q_segs, segments(layout, src, ring.world, s), left, right):
+            rows = slice(q0 + first_row, q0 + qn)
+            o_blk, l_blk = api.attention(q[:, rows], k_src[:, k0 + first_key:k0 + kn],
+                                         v_src[:, k0 + first_key:k0 + kn], window_size=window,
+                                         softmax_scale=softmax_scale, return_lse=True)
+            _merge(out[:, rows], lse[:, :, rows], o_blk, l_blk)
+    return out.to(q.dtype), lse
+
+
+def _gathered_backward(dout, q, k, v, out, lse, ring: _Ring, layout, left, right, softmax_scale):
+    """dQ locally; every rank's K/V gradients summed over the ranks (an all-reduce: gloo has no
+    reduce-scatter) and each rank keeps its own."""
+    s = q.shape[1]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    everyone = [torch.empty_like(_pack(k, v)) for _ in range(ring.world)]
+    dist.all_gather(everyone, _pack(k, v), group=ring.group)
+    dkv = torch.zeros(ring.world, k.numel() + v.numel(), dtype=torch.float32, device=q.device)
+    q_segs = segments(layout, ring.rank, ring.world, s)
+    for src, kv in enumerate(everyone):
+        k_src, v_src = _unpack(kv, (k, v))
+        dk_src, dv_src = _unpack(dkv[src], (k, v))
+        for (q0, qn), (k0, kn), (first_row, first_key, window) in _pairs(
+                q_segs, segments(layout, src, ring.world, s), left, right):
+            rows = slice(q0 + first_row, q0 + qn)
+            keys = slice(k0 + first_key, k0 + kn)
+            dq_b, dk_b, dv_b = api.attention_backward(
+                dout[:, rows].contiguous(), q[:, rows], k_src[:, keys], v_src[:, keys], out[:, rows].contiguous(),
+                lse[:, :, rows].contiguous(), window_size=window, softmax_scale=softmax_scale)
+            dq[:, rows] += dq_b.float()
+            dk_src[:, keys] += dk_b.float()
+            dv_src[:, keys] += dv_b.float()
+    dist.all_reduce(dkv, group=ring.group)
+    dk, dv = _unpack(dkv[ring.rank], (k, v))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+_METHODS = {"ring": (_ring_forward, _ring_backward), "all_gather": (_gathered_forward, _gathered_backward)}
+
+
+class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, layout, left, right, softmax_scale):
+    def forward(ctx, q, k, v, ring, layout, left, right, softmax_scale, method):
         with torch.no_grad():
-            out, lse = _ring_forward(q, k, v, ring, layout, left, right, softmax_scale)
+            out, lse = _METHODS[method][0](q, k, v, ring, layout, left, right, softmax_scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (ring, layout, left, right, softmax_scale)
+        ctx.method = method
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -229,8 +280,8 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.no_grad():
-            dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+            dq, dk, dv = _METHODS[ctx.method][1](dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------- checks
@@ -286,13 +337,17 @@ def _group_device(group) -> torch.device:
 
 
 def context_parallel_attention(q, k, v, *, group=None, causal=False, window_size=(None, None),
-                               layout="zigzag", softmax_scale=None, return_lse=False):
+                               layout="zigzag", softmax_scale=None, return_lse=False, method="ring"):
     """Attention over a sequence sharded across ``group`` (default: the world): each rank passes
     its shard (B, S_local, H, D) of q, k and v in ``layout`` and gets the output rows of its
     shard (and their LSE (B, H_q, S_local) with ``return_lse``). ``causal``/``window_size`` are
-    those of the full sequence. Differentiable in q, k and v."""
+    those of the full sequence. Differentiable in q, k and v. ``method``: ``"ring"`` passes the
+    K/V shards around; ``"all_gather"`` gathers every shard at once (for short K/V, e.g. GQA with
+    few K/V heads), its backward sums the K/V gradients with one all-reduce."""
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {tuple(_METHODS)}, got {method!r}")
     left, right = _check_shards(q, k, v, group, layout, causal, window_size, softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _RingAttention.apply(q, k, v, _Ring(group), layout, left, right, float(softmax_scale))
+    out, lse = _ContextParallelAttention.apply(q, k, v, _Ring(group), layout, left, right, float(softmax_scale), method)
     return (out, lse) if return_lse else out

@@ -39,9 +39,9 @@ def _worker(rank, world, port, seqlen, cases, results):
         torch.set_num_threads(1)
         q, k, v, dout = _inputs(seqlen)
         out = {}
-        for i, (layout, mask) in enumerate(cases):
+        for i, (layout, mask, method) in enumerate(cases):
             qs, ks, vs = (cp.shard(t, rank, world, layout).requires_grad_() for t in (q, k, v))
-            o, lse = cp.context_parallel_attention(qs, ks, vs, layout=layout, return_lse=True, **mask)
+            o, lse = cp.context_parallel_attention(qs, ks, vs, layout=layout, return_lse=True, method=method, **mask)
             o.backward(cp.shard(dout, rank, world, layout))
             out[i] = (o.detach(), lse, qs.grad, ks.grad, vs.grad)
         errors = []
@@ -78,10 +78,11 @@ def test_every_rank_gets_its_rows_of_the_full_attention_and_gradients(world):
     import fmha
 
     seqlen = 2 * world * 24  # zigzag chunks of 24 rows: not a multiple of any tile
-    cases = [(layout, mask) for layout in cp.LAYOUTS for mask in MASKS]
+    cases = [(layout, mask, "ring") for layout in cp.LAYOUTS for mask in MASKS]
+    cases += [("zigzag", MASKS[0], "all_gather"), ("contiguous", MASKS[3], "all_gather")]
     results = _run(world, seqlen, cases)
     q, k, v, dout = _inputs(seqlen)
-    for i, (layout, mask) in enumerate(cases):
+    for i, (layout, mask, _) in enumerate(cases):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         want_o, want_lse = fmha.attention(*leaves, return_lse=True, **mask)
         want_o.backward(dout)
