@@ -7,6 +7,10 @@ Exit status: 0 verified (or check skipped), 1 check failed, 2 bad arguments or, 
 Varlen: ``--varlen_q``/``--varlen_k`` give the per-sequence lengths; B of both shapes must equal the
 number of lengths, and the shape's S is used only for a side whose list is not given (every
 sequence then has that length).
+
+KV cache: ``--kvcache`` runs ``fmha.attention_with_kvcache``: ``--k_shape`` is the cache (every
+sequence holds S_k keys), the query rows follow it (``--is_causal`` and ``--window_size`` are
+bottom-right aligned), and ``--page_size N`` stores it in pages of N rows, in shuffled order.
 """
 
 from __future__ import annotations
@@ -77,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--varlen_q", type=_ints, default=None, metavar="L1,L2,...")
     p.add_argument("--varlen_k", type=_ints, default=None, metavar="L1,L2,...")
     p.add_argument("--lse", action="store_true", help="also compute and check the LSE")
+    p.add_argument("--kvcache", action="store_true", help="attend the query rows to a KV cache of --k_shape")
+    p.add_argument("--page_size", type=int, default=None, help="with --kvcache: a paged cache of pages this long")
     p.add_argument("--backend", choices=("auto", "kernel", "reference"), default="auto")
     p.add_argument("--warmup_iterations", type=int, default=1)
     p.add_argument("--iterations", type=int, default=3)
@@ -197,7 +203,70 @@ def _time_per_call(fn, warmup: int, iterations: int, device) -> tuple:
     return (time.perf_counter() - t0) / iterations, "perf_counter"
 
 
+def _paged(k, v, page_size: int, gen):
+    """The dense cache (B, S, H, D) as pages of ``page_size`` rows in shuffled order, and the
+    block table."""
+    b, s = k.shape[:2]
+    per_seq = -(-s // page_size)
+    order = torch.randperm(b * per_seq, generator=gen).to(k.device)
+    kp = torch.zeros((b * per_seq, page_size) + tuple(k.shape[2:]), dtype=k.dtype, device=k.device)
+    vp = torch.zeros((b * per_seq, page_size) + tuple(v.shape[2:]), dtype=v.dtype, device=v.device)
+    table = order.view(b, per_seq).to(torch.int32)
+    for i in range(b):
+        for j in range(per_seq):
+            rows = slice(j * page_size, min((j + 1) * page_size, s))
+            kp[table[i, j], : rows.stop - rows.start] = k[i, rows]
+            vp[table[i, j], : rows.stop - rows.start] = v[i, rows]
+    return kp, vp, table
+
+
+def run_kvcache(args) -> int:
+    from .kvcache import attention_with_kvcache
+    from .masking import MaskSpec
+
+    if args.varlen_q or args.varlen_k or args.compressed_causal:
+        raise ValueError("--kvcache takes dense --q_shape/--k_shape and causal or window masks")
+    if args.page_size is not None and args.page_size % 16:
+        raise ValueError(f"--page_size must be a multiple of 16, got {args.page_size}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    q, k, v, _, _, _ = _make_inputs(args, device)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    lens = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=device)
+    k_cache, v_cache, table = k, v, None
+    if args.page_size:
+        k_cache, v_cache, table = _paged(k, v, args.page_size, gen)
+    window = (None, None) if args.window_size is None else tuple(None if w == -1 else w for w in args.window_size)
+    kwargs = dict(causal=args.is_causal, window_size=window, softmax_scale=args.scale_softmax, scale_q=args.scale_q,
+                  scale_k=args.scale_k, scale_v=args.scale_v, inv_scale_o=args.inv_scale_o,
+                  out_dtype=DTYPES[args.out_dtype] if args.out_dtype else None, backend=args.backend)
+    kind = f"paged ({args.page_size} rows a page)" if table is not None else "dense"
+    print(f"fmha: KV cache, q {tuple(q.shape)}, {kind} cache of {k.shape[1]} keys x {k.shape[2]} heads per sequence")
+
+    def call():
+        return attention_with_kvcache(q, k_cache, v_cache, lens, block_table=table, return_lse=True, **kwargs)
+
+    o, lse = call()
+    seconds, clock = _time_per_call(call, args.warmup_iterations, args.iterations, device)
+    print(f"time: {seconds * 1e3:.3f} ms per call ({clock}; the PyTorch reference serves KV caches for now)")
+    if args.skip_ref_check:
+        print("reference check skipped")
+        return 0
+    mask = MaskSpec.from_args(args.is_causal, window, "bottom_right", False)
+    ref_o, ref_lse = attention_reference(q, k, v, mask=mask, softmax_scale=args.scale_softmax, scale_q=args.scale_q,
+                                         scale_k=args.scale_k, scale_v=args.scale_v, inv_scale_o=args.inv_scale_o,
+                                         compute_dtype=torch.float64)
+    tolerance = args.tolerance if args.tolerance is not None else TOLERANCE[o.dtype]
+    passed, summary = check(o, lse, ref_o, ref_lse, tolerance)
+    print(f"check vs fp64 reference over the dense keys: {summary}")
+    print("verified" if passed else "FAILED: outside tolerance")
+    return 0 if passed else 1
+
+
 def run(args) -> int:
+    if args.kvcache:
+        return run_kvcache(args)
+    if args.page_size is not None:
+        raise ValueError("--page_size needs --kvcache")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     q, k, v, cu_q, cu_k, lens = _make_inputs(args, device)
     window = (None, None)

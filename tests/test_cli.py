@@ -67,3 +67,13 @@ def test_check_flags_nan_and_lse_pattern():
     assert not ok and "1 NaN/inf mismatches" in summary
     ok, summary = check(ref_o.half(), torch.tensor([0.6, -math.inf]), ref_o, ref_lse, 1e-3)
     assert not ok and "LSE max abs err 1.000e-01" in summary
+
+
+def test_kvcache_paged_and_dense_verify():
+    for extra in (["--page_size", "32"], []):
+        r = fmha_cli("--q_shape", "2,3,4,64", "--k_shape", "2,200,2,64", "--kvcache", "--is_causal",
+                     "--in_dtype", "bfloat16", "--iterations", "1", *extra)
+        assert r.returncode == 0 and "verified" in r.stdout, r.stdout + r.stderr
+        assert ("paged (32 rows a page)" in r.stdout) == bool(extra)
+    assert fmha_cli("--q_shape", "2,3,4,64", "--page_size", "32").returncode == 2
+    assert fmha_cli("--q_shape", "2,3,4,64", "--kvcache", "--page_size", "24").returncode == 2
