@@ -175,6 +175,22 @@ def _implementations(torch, variants: bool = False) -> dict[str, Callable]:
         impls["fa4"] = fa4
     except Exception as e:  # not importable on this machine
         print(f"FlashAttention-4 not available: {e}", file=sys.stderr)
+    try:  # the .device-peers bundle (../shared/device/make-peers.sh): a second call on the warm machine
+        import fa3_fwd_interface as fa3
+
+        def fa3_forward(q, k, v, p, cu):
+            if p.window_left is not None:
+                raise NotImplementedError("the FA3 forward package has no sliding window")
+            if p.varlen:
+                m = max(p.varlen)
+                out = fa3.flash_attn_varlen_func(q, k, v, cu, cu, m, m, causal=p.causal)
+            else:
+                out = fa3.flash_attn_func(q, k, v, causal=p.causal)
+            return out[0] if isinstance(out, tuple) else out
+
+        impls["fa3"] = fa3_forward
+    except ImportError:
+        pass
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 
