@@ -135,7 +135,7 @@ class BlackwellForwardConfig:
 
 
 #: registers per thread after ``setmaxnreg`` (one budget per warpgroup): the softmax warpgroups
-#: hold a row of 128 fp32 scores plus a 32-key chunk of its P and the exponentials in flight; the
+#: hold a row of 128 fp32 scores plus a 16-key chunk of its P and the exponentials in flight; the
 #: correction warpgroup 16 columns of O at a time; the fourth warpgroup (load, MMA, epilogue, idle
 #: warps) the MMA warp's operand descriptors and pipeline states. 2 x 128 x 184 + 128 x 80 + 128 x 64
 #: = 65536, the register file.

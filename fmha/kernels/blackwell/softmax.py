@@ -25,8 +25,9 @@ from .kv_walk import step_is_masked
 from .tmem import P_COLUMN, STATS_COLUMN, TmemPlan
 
 WARPGROUP = 128
-#: keys per TMEM store of P
-KEYS_PER_STORE = 32
+#: keys per TMEM store of P (with 32, ptxas kept more exponentials in flight and spilled the
+#: left-window kernels' loop state at 184 registers)
+KEYS_PER_STORE = 16
 
 
 class SoftmaxRole:
