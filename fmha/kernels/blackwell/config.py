@@ -106,7 +106,7 @@ class BlackwellForwardConfig:
     cta_rows = Q_TILES * TILE_M
 
     #: tcgen05 MMAs read V MN-major in every input dtype, fp8 included: V is never re-laid out
-    #: (``hopper.sequence_descriptors`` reads this)
+    #: (``common.sequence_descriptors`` reads this)
     v_staged = False
 
     @property

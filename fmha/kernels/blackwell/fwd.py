@@ -35,8 +35,8 @@ from fmha.masking import num_q_tiles
 
 from ..common.scheduler import StaticTileScheduler, TileTableScheduler
 from ..common.seqinfo import SequenceInfo
-from ..hopper import sequence_descriptors as seq_desc
-from ..hopper.fwd import _bshd_to_sdhb
+from ..common import sequence_descriptors as seq_desc
+from ..common.layouts import bshd_to_sdhb
 from .config import REGISTERS_CORRECTION, REGISTERS_OTHER, REGISTERS_SOFTMAX, BlackwellForwardConfig
 from .correction import CorrectionRole
 from .kv_walk import cta_kv_walk
@@ -97,10 +97,10 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
         self.dtype = mQ.element_type
         self.out_dtype = mO.element_type
         varlen = cfg.varlen
-        q = _bshd_to_sdhb(mQ, varlen)
-        k = _bshd_to_sdhb(mK, varlen)
-        v = _bshd_to_sdhb(mV, varlen, d_first=True)  # (D, S, H, B): the MN-major B of P.V
-        o = _bshd_to_sdhb(mO, varlen)
+        q = bshd_to_sdhb(mQ, varlen)
+        k = bshd_to_sdhb(mK, varlen)
+        v = bshd_to_sdhb(mV, varlen, d_first=True)  # (D, S, H, B): the MN-major B of P.V
+        o = bshd_to_sdhb(mO, varlen)
         d = cfg.head_dim
         self.qk_tiler = (cfg.tile_m, cfg.tile_n, d)
         self.pv_tiler = (cfg.tile_m, d, cfg.tile_n)

@@ -46,15 +46,15 @@ from cutlass.tensor_utils import LayoutEnum
 
 from fmha.masking import MaskKind, row_key_bounds
 
+from ..common import sequence_descriptors as seq_desc
 from ..common.fragments import as_operand_a, as_rows_cols, store_as_16bit_pairs
+from ..common.layouts import bshd_to_sdhb
 from ..common.pipelines import release_by_one_lane
 from ..common.seqinfo import SequenceInfo
 from ..common.tma import tma_tiles
-from . import sequence_descriptors as seq_desc
 from .barriers import NamedBarrierBwd
 from .config import HopperBackwardConfig
 from .epilogue import store_o_direct
-from .fwd import _bshd_to_sdhb
 from .wgmma import WARPGROUP_THREADS as _WG
 from .wgmma import issue_gemm
 
@@ -88,8 +88,8 @@ class HopperAttentionBackward:
         varlen = cfg.varlen
         self.dtype = mQ.element_type
         d, tile_m, tile_n = cfg.head_dim, self.tile_m, self.tile_n
-        q, k, v, do = (_bshd_to_sdhb(t, varlen) for t in (mQ, mK, mV, mdO))
-        dq_acc = _bshd_to_sdhb(mdQacc, varlen)
+        q, k, v, do = (bshd_to_sdhb(t, varlen) for t in (mQ, mK, mV, mdO))
+        dq_acc = bshd_to_sdhb(mdQacc, varlen)
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         # S^T = K Q^T and dP^T = V dO^T: M = keys (64 per warpgroup), N = queries, K = head dim
         mma_sdp = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (2, 1, 1),

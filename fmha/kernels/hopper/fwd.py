@@ -33,34 +33,19 @@ from cutlass.tensor_utils import LayoutEnum
 from fmha.masking import kv_tile_schedule, num_q_tiles
 
 from ..common.device_tile_list import COST_BINS, DeviceWorkTileList, cost_bins_bytes
+from ..common import sequence_descriptors as seq_desc
 from ..common.fragments import as_rows_cols, fp8_operand_a_shape
+from ..common.layouts import bshd_to_sdhb
 from ..common.mask import FragmentMask
 from ..common.scheduler import ClaimingTileScheduler, StaticTileScheduler, TileHandOff, TileTableScheduler
 from ..common.seqinfo import SequenceInfo
 from ..common.softmax import MAX_SLACK, OnlineSoftmax
 from ..common.tma import tma_tiles
-from . import sequence_descriptors as seq_desc
 from .barriers import NamedBarrier
 from .config import HopperForwardConfig, OStore
 from .epilogue import drain_o_stores, store_lse, store_o_direct, store_o_tma, wg_slice_layout
 from .mainloop import ConsumerFragments, ConsumerMainloop
 from .wgmma import WARPGROUP_THREADS as _WG
-
-
-def _bshd_to_sdhb(t: cute.Tensor, varlen: bool, d_first: bool = False) -> cute.Tensor:
-    """(B, S, H, D) or varlen (T, H, D) -> (S, D, H, B) (or (D, S, H, B) with ``d_first``);
-    varlen gets a batch mode of extent 1: sequences are found through cu_seqlens instead."""
-    lay = t.layout
-    if const_expr(varlen):
-        s, h, d = 0, 1, 2
-        shape = (lay.shape[s], lay.shape[d], lay.shape[h], 1)
-        stride = (lay.stride[s], lay.stride[d], lay.stride[h], 0)
-        lay = cute.make_layout(shape, stride=stride)
-    else:
-        lay = cute.select(lay, mode=[1, 3, 2, 0])
-    if const_expr(d_first):
-        lay = cute.select(lay, mode=[1, 0, 2, 3])
-    return cute.make_tensor(t.iterator, lay)
 
 
 class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, DeviceWorkTileList):
@@ -100,14 +85,14 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         self.dtype = mQ.element_type
         self.out_dtype = mO.element_type
         varlen = cfg.varlen
-        q = _bshd_to_sdhb(mQ, varlen)
-        k = _bshd_to_sdhb(mK, varlen)
+        q = bshd_to_sdhb(mQ, varlen)
+        k = bshd_to_sdhb(mK, varlen)
         if const_expr(cfg.v_staged):
             # (B, H, D, S) -> (D, S, H, B), keys contiguous: the K-major B of P.V (fp8 needs it)
             v = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 3, 1, 0]))
             v_major, v_smem_major = cute.nvgpu.OperandMajorMode.K, LayoutEnum.ROW_MAJOR
         else:
-            v = _bshd_to_sdhb(mV, varlen, d_first=True)  # (D, S, H, B): the MN-major B of P.V
+            v = bshd_to_sdhb(mV, varlen, d_first=True)  # (D, S, H, B): the MN-major B of P.V
             v_major, v_smem_major = cute.nvgpu.OperandMajorMode.MN, LayoutEnum.COL_MAJOR
         d = cfg.head_dim
         tile_m, tile_n = cfg.tile_m, cfg.tile_n
@@ -138,7 +123,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         if const_expr(cfg.o_via_tma):
             o_wg_layout = wg_slice_layout(cute.select(sO_layout, mode=[0, 1]), tile_m, d)
             tma_o, tma_tensor_o = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), _bshd_to_sdhb(mO, varlen), o_wg_layout, (64, d))
+                cpasync.CopyBulkTensorTileS2GOp(), bshd_to_sdhb(mO, varlen), o_wg_layout, (64, d))
         self.q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
         self.kv_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
 

@@ -16,7 +16,7 @@ from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import TensorMapManager, TensorMapUpdateMode
 
-from ..common.seqinfo import SequenceInfo
+from .seqinfo import SequenceInfo
 
 #: which descriptor of a sequence's (forward: q, k, v; backward: q, k, v, dO, dQ accumulator)
 Q, K, V, DO, DQ = 0, 1, 2, 3, 4

@@ -1,0 +1,20 @@
+"""Views of the user's tensors in the order the kernels index them."""
+
+import cutlass.cute as cute
+from cutlass import const_expr
+
+
+def bshd_to_sdhb(t: cute.Tensor, varlen: bool, d_first: bool = False) -> cute.Tensor:
+    """(B, S, H, D) or varlen (T, H, D) -> (S, D, H, B) (or (D, S, H, B) with ``d_first``);
+    varlen gets a batch mode of extent 1: sequences are found through cu_seqlens instead."""
+    lay = t.layout
+    if const_expr(varlen):
+        s, h, d = 0, 1, 2
+        shape = (lay.shape[s], lay.shape[d], lay.shape[h], 1)
+        stride = (lay.stride[s], lay.stride[d], lay.stride[h], 0)
+        lay = cute.make_layout(shape, stride=stride)
+    else:
+        lay = cute.select(lay, mode=[1, 3, 2, 0])
+    if const_expr(d_first):
+        lay = cute.select(lay, mode=[1, 0, 2, 3])
+    return cute.make_tensor(t.iterator, lay)
