@@ -118,6 +118,31 @@ def _merge(out_acc, lse_acc, out_blk, lse_blk):
     lse_acc.copy_(new)
 
 
+def _attend_shard(q, k_src, v_src, q_segs, k_segs, left, right, softmax_scale, out, lse) -> None:
+    """Merge the attention of this rank's queries to one K/V shard into ``out``/``lse`` (fp32)."""
+    for (q0, qn), (k0, kn), (first_row, first_key, window) in _pairs(q_segs, k_segs, left, right):
+        rows = slice(q0 + first_row, q0 + qn)
+        keys = slice(k0 + first_key, k0 + kn)
+        o_blk, l_blk = api.attention(q[:, rows], k_src[:, keys], v_src[:, keys], window_size=window,
+                                     softmax_scale=softmax_scale, return_lse=True)
+        _merge(out[:, rows], lse[:, :, rows], o_blk, l_blk)  # views: merged in place
+
+
+def _grad_shard(dout, q, k_src, v_src, out, lse, q_segs, k_segs, left, right, softmax_scale, dq, dk_src,
+                dv_src) -> None:
+    """Add the gradients of this rank's queries' attention to one K/V shard into ``dq`` and that
+    shard's ``dk_src``/``dv_src`` (fp32), from the merged ``out`` and ``lse``."""
+    for (q0, qn), (k0, kn), (first_row, first_key, window) in _pairs(q_segs, k_segs, left, right):
+        rows = slice(q0 + first_row, q0 + qn)
+        keys = slice(k0 + first_key, k0 + kn)
+        dq_b, dk_b, dv_b = api.attention_backward(
+            dout[:, rows].contiguous(), q[:, rows], k_src[:, keys], v_src[:, keys], out[:, rows].contiguous(),
+            lse[:, :, rows].contiguous(), window_size=window, softmax_scale=softmax_scale)
+        dq[:, rows] += dq_b.float()
+        dk_src[:, keys] += dk_b.float()
+        dv_src[:, keys] += dv_b.float()
+
+
 # ---------------------------------------------------------------------------- the ring
 
 
@@ -168,14 +193,8 @@ def _ring_forward(q, k, v, ring: _Ring, layout, left, right, softmax_scale):
             nxt, works = ring.start(kv)
         src = (ring.rank - step) % ring.world
         k_src, v_src = _unpack(kv, (k, v))
-        for (q0, qn), (k0, kn), (first_row, first_key, window) in _pairs(
-                q_segs, segments(layout, src, ring.world, s), left, right):
-            qb = q[:, q0 + first_row:q0 + qn]
-            kb, vb = k_src[:, k0 + first_key:k0 + kn], v_src[:, k0 + first_key:k0 + kn]
-            o_blk, l_blk = api.attention(qb, kb, vb, window_size=window, softmax_scale=softmax_scale,
-                                         return_lse=True)
-            rows = slice(q0 + first_row, q0 + qn)
-            _merge(out[:, rows], lse[:, :, rows], o_blk, l_blk)  # views: merged in place
+        _attend_shard(q, k_src, v_src, q_segs, segments(layout, src, ring.world, s), left, right, softmax_scale,
+                      out, lse)
         if works is not None:
             _Ring.wait(works)
             kv = nxt
@@ -195,16 +214,8 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, layout, left, right, so
         works = None
         if step + 1 < ring.world:  # the K/V shard moves on while this rank computes on it
             nxt_kv, works = ring.start(kv)
-        for (q0, qn), (k0, kn), (first_row, first_key, window) in _pairs(
-                q_segs, segments(layout, src, ring.world, s), left, right):
-            rows = slice(q0 + first_row, q0 + qn)
-            keys = slice(k0 + first_key, k0 + kn)
-            dq_b, dk_b, dv_b = api.attention_backward(
-                dout[:, rows].contiguous(), q[:, rows], k_src[:, keys], v_src[:, keys], out[:, rows].contiguous(),
-                lse[:, :, rows].contiguous(), window_size=window, softmax_scale=softmax_scale)
-            dq[:, rows] += dq_b.float()
-            dk_src[:, keys] += dk_b.float()
-            dv_src[:, keys] += dv_b.float()
+        _grad_shard(dout, q, k_src, v_src, out, lse, q_segs, segments(layout, src, ring.world, s), left, right,
+                    softmax_scale, dq, dk_src, dv_src)
         if works is not None:
             _Ring.wait(works)
             kv = nxt_kv
@@ -225,13 +236,8 @@ def _gathered_forward(q, k, v, ring: _Ring, layout, left, right, softmax_scale):
     q_segs = segments(layout, ring.rank, ring.world, s)
     for src, kv in enumerate(everyone):
         k_src, v_src = _unpack(kv, (k, v))
-        for (q0, qn), (k0, kn), (first_row, first_key, window) in _pairs(
-                q_segs, segments(layout, src, ring.world, s), left, right):
-            rows = slice(q0 + first_row, q0 + qn)
-            o_blk, l_blk = api.attention(q[:, rows], k_src[:, k0 + first_key:k0 + kn],
-                                         v_src[:, k0 + first_key:k0 + kn], window_size=window,
-                                         softmax_scale=softmax_scale, return_lse=True)
-            _merge(out[:, rows], lse[:, :, rows], o_blk, l_blk)
+        _attend_shard(q, k_src, v_src, q_segs, segments(layout, src, ring.world, s), left, right, softmax_scale,
+                      out, lse)
     return out.to(q.dtype), lse
 
 
@@ -247,16 +253,8 @@ def _gathered_backward(dout, q, k, v, out, lse, ring: _Ring, layout, left, right
     for src, kv in enumerate(everyone):
         k_src, v_src = _unpack(kv, (k, v))
         dk_src, dv_src = _unpack(dkv[src], (k, v))
-        for (q0, qn), (k0, kn), (first_row, first_key, window) in _pairs(
-                q_segs, segments(layout, src, ring.world, s), left, right):
-            rows = slice(q0 + first_row, q0 + qn)
-            keys = slice(k0 + first_key, k0 + kn)
-            dq_b, dk_b, dv_b = api.attention_backward(
-                dout[:, rows].contiguous(), q[:, rows], k_src[:, keys], v_src[:, keys], out[:, rows].contiguous(),
-                lse[:, :, rows].contiguous(), window_size=window, softmax_scale=softmax_scale)
-            dq[:, rows] += dq_b.float()
-            dk_src[:, keys] += dk_b.float()
-            dv_src[:, keys] += dv_b.float()
+        _grad_shard(dout, q, k_src, v_src, out, lse, q_segs, segments(layout, src, ring.world, s), left, right,
+                    softmax_scale, dq, dk_src, dv_src)
     dist.all_reduce(dkv, group=ring.group)
     dk, dv = _unpack(dkv[ring.rank], (k, v))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
