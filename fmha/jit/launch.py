@@ -17,6 +17,20 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+def answered_without_launch(problem, out: torch.Tensor, lse) -> bool:
+    """Write the answer of a forward with nothing to launch and say so: no query rows (a
+    zero-size grid is not a launch), or no keys at all (a TMA descriptor needs a non-empty
+    tensor), where O = 0 and LSE = -inf."""
+    if problem.total_q == 0 or problem.num_heads_q == 0:
+        return True
+    if problem.total_k == 0:
+        out.zero_()
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return True
+    return False
+
+
 @contextlib.contextmanager
 def persistent_grid_of(num_ctas: int, device_index: int):
     """Persistent launches on ``device_index`` use ``num_ctas`` CTAs inside the block (the GPU

@@ -11,7 +11,7 @@ import torch
 from fmha import device_errors
 from fmha.jit import disk_cache
 from fmha.jit.compile import compile_for, cutlass_dtype, fake_rows, fake_vector
-from fmha.jit.launch import sm_count
+from fmha.jit.launch import answered_without_launch, sm_count
 from fmha.problem import AttentionProblem, KernelOptions
 from fmha.work_tiles import work_tile_table
 
@@ -73,14 +73,7 @@ class BlackwellRunner:
     def __call__(self, problem: AttentionProblem, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None):
         cfg = self.cfg
         m = problem.mask
-        # Nothing to launch: no query rows, or no keys at all (a TMA descriptor needs a non-empty
-        # tensor), where the answer is O = 0, LSE = -inf.
-        if problem.total_q == 0 or problem.num_heads_q == 0:
-            return
-        if problem.total_k == 0:
-            out.zero_()
-            if lse is not None:
-                lse.fill_(float("-inf"))
+        if answered_without_launch(problem, out, lse):
             return
         tiles = descriptors = None
         if cfg.varlen:
