@@ -4,7 +4,8 @@ A varlen call given both ``max_seqlen_q`` and ``max_seqlen_k`` does not read ``c
 host (that read waits for the GPU). Its offsets are checked by the kernels' descriptor pass
 instead: offsets that are out of order or out of range, or a sequence longer than its max length,
 are clamped there (so nothing is read or written out of bounds, though that call's results are
-wrong) and raise a flag on the device. After each such call the flag is copied to pinned host
+wrong) and raise a flag on the device. ``attention_with_kvcache`` on the kernel path checks its
+cache lengths and block table the same way. After each such call the flag is copied to pinned host
 memory without a sync; the next such call on the device raises the error once that copy has
 landed, and ``fmha.check_device_errors()`` waits for it and raises it at once.
 """
@@ -14,6 +15,24 @@ from __future__ import annotations
 from typing import Dict
 
 import torch
+
+#: what a kernel writes into the flag (the last writer wins where a call has several)
+BAD_OFFSETS = 1
+BAD_CACHE_LENGTH = 2
+BAD_BLOCK_TABLE = 3
+
+_MESSAGES = {
+    BAD_OFFSETS: "an earlier varlen call on this GPU had invalid cu_seqlens (checked on the device because "
+                 "max_seqlen_q and max_seqlen_k were given): offsets must start at 0, never decrease, end at "
+                 "the number of rows, and no sequence may be longer than its max_seqlen. That call's outputs "
+                 "are wrong; leave out max_seqlen_q/max_seqlen_k to have cu_seqlens checked on the host",
+    BAD_CACHE_LENGTH: "an earlier attention_with_kvcache call on this GPU had a cache_seqlens entry below 0, or "
+                      "one that with the new keys did not fit the cache (its rows, or block_table columns x "
+                      "page size). That call's outputs are wrong",
+    BAD_BLOCK_TABLE: "an earlier attention_with_kvcache call on this GPU had a block_table entry that is not a "
+                     "page of the cache (0 .. num_pages - 1) for a position below the sequence's length. That "
+                     "call's outputs are wrong",
+}
 
 
 class _DeviceFlag:
@@ -53,18 +72,17 @@ def watch(device: torch.device) -> None:
 
 def _raise_if_set(state: _DeviceFlag) -> None:
     state.watched = False
-    if int(state.host[0]):
+    code = int(state.host[0])
+    if code:
         state.host.zero_()
         state.flag.zero_()
-        raise ValueError(
-            "an earlier varlen call on this GPU had invalid cu_seqlens (checked on the device because "
-            "max_seqlen_q and max_seqlen_k were given): offsets must start at 0, never decrease, end at "
-            "the number of rows, and no sequence may be longer than its max_seqlen. That call's outputs "
-            "are wrong; leave out max_seqlen_q/max_seqlen_k to have cu_seqlens checked on the host")
+        raise ValueError(_MESSAGES.get(code, f"a kernel on this GPU reported input error {code}"))
 
 
 def raise_pending(device: torch.device) -> None:
     """Raise the error of an earlier call on ``device`` if its flag has come back (no waiting)."""
+    if torch.cuda.is_current_stream_capturing():
+        return  # an event query is not allowed while a graph is being captured
     state = _flags.get(device.index if device.index is not None else torch.cuda.current_device())
     if state is not None and state.watched and state.copied.query():
         _raise_if_set(state)

@@ -8,17 +8,23 @@ masks are bottom-right aligned. Optional ``k_new``/``v_new`` are first written i
 ``cache_seqlens[b]`` and attended to as well (``cache_seqlens`` itself is not changed, as in
 FlashAttention's ``flash_attn_with_kvcache``).
 
-No kernel serves this entry point yet: every call runs the exact reference, which reads
-``cache_seqlens`` and the block table on the host (a sync) and checks them there.
+On an SM90 GPU the Hopper forward kernel serves it in its decode configuration
+(``fmha.split_kv``: the query heads of a GQA group packed into one query tile, the keys split
+over CTAs when the tiles cannot fill the GPU, pages read through the block table). That path
+reads nothing back from the GPU: ``cache_seqlens`` and the block table are checked on the device
+(``fmha.device_errors``). Elsewhere the exact reference runs; it reads them on the host (a sync)
+and checks them there.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
+from . import device_errors
 from .masking import MaskSpec
 from .problem import INPUT_DTYPES, default_out_dtype, output_dtypes_for
 from .validation import _check_layout, _dtype_name, _require_tensor, _scale
@@ -35,6 +41,9 @@ def _check_index_tensor(name: str, t, dim: int, device: torch.device) -> None:
         raise ValueError(f"{name} is on {t.device} but q is on {device}; move it with .to(q.device)")
     if t.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous along its last dim (stride {tuple(t.stride())}); "
+                         f"call .contiguous() on {name}")
 
 
 def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out_dtype):
@@ -97,6 +106,81 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_n
     return paged, page_size, capacity, out_dtype
 
 
+@dataclass(frozen=True)
+class DecodeProblem:
+    """What a kernel needs to know of an ``attention_with_kvcache`` call (no tensor values)."""
+
+    batch: int
+    seqlen_q: int
+    heads_q: int
+    heads_k: int
+    head_dim: int
+    dtype: torch.dtype
+    out_dtype: torch.dtype
+    mask: MaskSpec  # bottom-right
+    page_size: int  # 0: dense cache
+    capacity: int  # keys a sequence can hold
+    num_pages: int  # paged: pages in the cache; dense: B
+    seqlen_new: int
+    score_scale: float
+    output_scale: float
+    return_lse: bool
+    num_splits: Optional[int] = None  # None: the kernel's heuristic
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def score_scale_log2(self) -> float:
+        return self.score_scale * math.log2(math.e)
+
+
+def _append_on_device(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, page_size, capacity) -> None:
+    """Write k_new/v_new at positions ``cache_seqlens[b] ..`` without reading anything back:
+    positions past the cache are clamped and keep their old value (the kernel flags the call)."""
+    batch, s_new = k_new.shape[:2]
+    pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=k_new.device)
+    fits = (pos >= 0) & (pos < capacity)
+    pos = pos.clamp(0, max(capacity - 1, 0))
+    if block_table is None:
+        rows, cols = torch.arange(batch, device=k_new.device)[:, None].expand(batch, s_new), pos
+    else:
+        logical = (pos // page_size).clamp(max=block_table.shape[1] - 1)
+        rows = torch.gather(block_table, 1, logical).long().clamp(0, k_cache.shape[0] - 1)
+        cols = pos % page_size
+    keep = fits[..., None, None]
+    k_cache[rows, cols] = torch.where(keep, k_new, k_cache[rows, cols])
+    v_cache[rows, cols] = torch.where(keep, v_new, v_cache[rows, cols])
+
+
+def _decode_runner(backend: str, problem: DecodeProblem):
+    """The kernel runner for ``problem``, or None where the reference runs it."""
+    from . import backends
+
+    if backend == "reference":
+        return None
+    reasons = backends._platform_reasons(problem.device)
+    if not reasons:
+        kernels, load_reasons = backends.kernel_backends()
+        reasons = list(load_reasons)
+        for kernel in kernels:
+            if not hasattr(kernel, "prepare_decode"):
+                continue
+            arch = backends._architecture_reason(kernel, problem.device)
+            why = ([arch] if arch else []) + kernel.why_unsupported_decode(problem)
+            if not why:
+                key = ("decode", kernel.name, kernel.decode_cache_key(problem))
+                runner = backends._runners.get(key)
+                if runner is None:
+                    runner = backends._runners[key] = kernel.prepare_decode(problem)
+                return runner
+            reasons += [f"{kernel.name}: {r}" for r in why]
+        if not kernels and not reasons:
+            reasons = ["no kernel serves a KV cache on this machine"]
+    if backend == "kernel":
+        raise backends.UnsupportedError(reasons)
+    backends._log_fallback(reasons)
+    return None
+
+
 def _key_positions(b: int, length: int, block_table, page_size: Optional[int], num_pages: int,
                    device: torch.device):
     """(page or batch row, row within it) of sequence b's logical keys 0 .. length - 1."""
@@ -112,21 +196,11 @@ def _key_positions(b: int, length: int, block_table, page_size: Optional[int], n
     return pages, pos % page_size
 
 
-def attention_with_kvcache(
-    q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None, v_new=None,
-    causal=True, window_size=(None, None), softmax_scale=None, scale_q=1.0, scale_k=1.0, scale_v=1.0,
-    inv_scale_o=1.0, return_lse=False, out_dtype=None, backend="auto",
-):
-    """Attention of the new query rows q (B, S_q, H_q, D) over each sequence's cached keys (and
-    ``k_new``/``v_new``, appended to the cache first). ``cache_seqlens`` (B,) int32: valid
-    cached keys per sequence. Dense cache (B, S_max, H_k, D); paged (num_pages, page_size, H_k,
-    D) with ``block_table`` (B, max_pages) int32. Masks are bottom-right aligned: with ``causal``
-    (the default) row i of S_q sees keys up to L - S_q + i, L the sequence's length including
-    the new keys. Returns O (B, S_q, H_q, D_v), or (O, LSE (B, H_q, S_q)) with ``return_lse``."""
-    from .backends import check_backend_name
-    from .reference import attention_reference, cast_output
-
-    check_backend_name(backend)
+def decode_problem(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None, v_new=None,
+                   causal=True, window_size=(None, None), softmax_scale=None, scale_q=1.0, scale_k=1.0,
+                   scale_v=1.0, inv_scale_o=1.0, return_lse=False, out_dtype=None, num_splits=None) -> tuple:
+    """Validate an ``attention_with_kvcache`` call (nothing read from the GPU): its
+    ``DecodeProblem`` and the scales as the reference takes them."""
     paged, page_size, capacity, out_dtype = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
                                                              k_new, v_new, out_dtype)
     if not isinstance(causal, bool):
@@ -135,12 +209,81 @@ def attention_with_kvcache(
     scales = dict(softmax_scale=_scale("softmax_scale", softmax_scale, allow_none=True),
                   scale_q=_scale("scale_q", scale_q), scale_k=_scale("scale_k", scale_k),
                   scale_v=_scale("scale_v", scale_v), inv_scale_o=_scale("inv_scale_o", inv_scale_o))
-    if backend == "kernel":
-        from .backends import UnsupportedError
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    if paged and k_cache.shape[0] > 1 and (k_cache.stride(0) != page_size * k_cache.stride(1)
+                                           or v_cache.stride(0) != page_size * v_cache.stride(1)):
+        raise ValueError("a paged cache's pages must follow each other in memory (stride(0) == page_size * "
+                         "stride(1)); allocate it as one (num_pages, page_size, H_k, D) tensor")
+    batch, s_q, heads_q, head_dim = q.shape
+    softmax = scales["softmax_scale"] if scales["softmax_scale"] is not None else 1.0 / math.sqrt(head_dim)
+    problem = DecodeProblem(
+        batch, s_q, heads_q, k_cache.shape[2], head_dim, q.dtype, out_dtype, mask, page_size or 0, capacity,
+        k_cache.shape[0], 0 if k_new is None else k_new.shape[1], softmax * scales["scale_q"] * scales["scale_k"],
+        scales["scale_v"] * scales["inv_scale_o"], return_lse, num_splits, q.device)
+    return problem, scales
 
-        raise UnsupportedError(["attention_with_kvcache: no kernel serves a KV cache yet; the reference runs it"])
-    batch, s_q, heads_q, _ = q.shape
-    s_new = 0 if k_new is None else k_new.shape[1]
+
+def _check_outputs(problem: DecodeProblem, out, lse) -> None:
+    want_o = (problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim)
+    want_l = (problem.batch, problem.heads_q, problem.seqlen_q)
+    for name, t, shape, dtype in (("out", out, want_o, problem.out_dtype), ("lse", lse, want_l, torch.float32)):
+        if t is None:
+            continue
+        _require_tensor(name, t)
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != problem.device:
+            raise ValueError(f"{name} must be a {shape} {_dtype_name(dtype)} tensor on {problem.device}, got "
+                             f"{tuple(t.shape)} {_dtype_name(t.dtype)} on {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if name == "out":
+            _check_layout(name, t)
+
+
+def attention_with_kvcache(
+    q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None, v_new=None,
+    causal=True, window_size=(None, None), softmax_scale=None, scale_q=1.0, scale_k=1.0, scale_v=1.0,
+    inv_scale_o=1.0, return_lse=False, out_dtype=None, out=None, lse=None, backend="auto", num_splits=None,
+):
+    """Attention of the new query rows q (B, S_q, H_q, D) over each sequence's cached keys (and
+    ``k_new``/``v_new``, appended to the cache first). ``cache_seqlens`` (B,) int32: valid
+    cached keys per sequence. Dense cache (B, S_max, H_k, D); paged (num_pages, page_size, H_k,
+    D) with ``block_table`` (B, max_pages) int32. Masks are bottom-right aligned: with ``causal``
+    (the default) row i of S_q sees keys up to L - S_q + i, L the sequence's length including
+    the new keys. Returns O (B, S_q, H_q, D_v), or (O, LSE (B, H_q, S_q)) with ``return_lse``;
+    ``out``/``lse`` preallocated (contiguous) are written in place.
+    ``num_splits``: how many CTAs share each query tile's keys (split-KV); None lets the kernel
+    choose (``fmha.split_kv.choose_num_splits``). On the kernel path ``cache_seqlens`` and the
+    block table are checked on the GPU: a bad value raises at a later call or at
+    ``fmha.check_device_errors()``."""
+    from .backends import check_backend_name
+    from .reference import attention_reference, cast_output
+
+    check_backend_name(backend)
+    problem, scales = decode_problem(
+        q, k_cache, v_cache, cache_seqlens, block_table=block_table, k_new=k_new, v_new=v_new, causal=causal,
+        window_size=window_size, softmax_scale=softmax_scale, scale_q=scale_q, scale_k=scale_k, scale_v=scale_v,
+        inv_scale_o=inv_scale_o, return_lse=return_lse, out_dtype=out_dtype, num_splits=num_splits)
+    _check_outputs(problem, out, lse)
+    batch, s_q, heads_q, s_new, page_size, capacity = (problem.batch, problem.seqlen_q, problem.heads_q,
+                                                       problem.seqlen_new, problem.page_size, problem.capacity)
+    paged, out_dtype, mask = block_table is not None, problem.out_dtype, problem.mask
+    if out is None:
+        out = torch.empty(q.shape[:-1] + (v_cache.shape[-1],), dtype=out_dtype, device=q.device)
+    runner = _decode_runner(backend, problem)
+    if runner is not None:
+        if q.is_cuda:
+            device_errors.raise_pending(q.device)
+        lengths = cache_seqlens
+        if s_new:
+            _append_on_device(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, page_size, capacity)
+            lengths = cache_seqlens + s_new
+        if lse is None and return_lse:
+            lse = torch.empty((batch, heads_q, s_q), dtype=torch.float32, device=q.device)
+        runner(problem, q, k_cache, v_cache, lengths, block_table, out, lse)
+        device_errors.watch(q.device)
+        return (out, lse) if return_lse else out
     lengths = cache_seqlens.tolist()  # host read: the reference walks each sequence
     for b, n in enumerate(lengths):
         if n < 0 or n + s_new > capacity:
@@ -155,8 +298,9 @@ def attention_with_kvcache(
         for b, (n, (rows, cols)) in enumerate(zip(lengths, positions)):
             k_cache[rows[n:], cols[n:]] = k_new[b]
             v_cache[rows[n:], cols[n:]] = v_new[b]
-    out = torch.empty(q.shape[:-1] + (v_cache.shape[-1],), dtype=out_dtype, device=q.device)
-    lse = torch.full((batch, heads_q, s_q), -math.inf, dtype=torch.float32, device=q.device)
+    if lse is None:
+        lse = torch.empty((batch, heads_q, s_q), dtype=torch.float32, device=q.device)
+    lse.fill_(-math.inf)
     for b, (rows, cols) in enumerate(positions):
         k, v = k_cache[rows, cols], v_cache[rows, cols]  # (L, H_k, D)
         o_b, lse_b = attention_reference(q[b:b + 1], k[None], v[None], mask=mask, **scales)

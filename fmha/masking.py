@@ -177,16 +177,22 @@ def kv_tile_schedule(
     bottom_right: bool = False,
     imin: Callable = _py_min,
     imax: Callable = _py_max,
+    rows_per_query: int = 1,
 ) -> KvTileSchedule:
     """Classify the K/V tiles (of ``tile_n`` keys) for query rows
     ``[m_block * tile_m, min((m_block + 1) * tile_m, seqlen_q))``; requires ``m_block * tile_m <
-    seqlen_q``. Rows past ``seqlen_q`` in a ragged last block are ignored: nobody reads them."""
+    seqlen_q``. Rows past ``seqlen_q`` in a ragged last block are ignored: nobody reads them.
+    ``rows_per_query`` > 1: the rows are query heads packed with their positions (row r is query
+    position r // rows_per_query, ``seqlen_q`` counts rows), as decode packs a GQA group."""
     first = m_block * tile_m
     last = imin(first + tile_m, seqlen_q) - 1
+    positions = seqlen_q
+    if rows_per_query > 1:
+        first, last, positions = first // rows_per_query, last // rows_per_query, seqlen_q // rows_per_query
 
     def bounds(r):
         return row_key_bounds(
-            r, seqlen_q, seqlen_k, kind, window_left, window_right, bottom_right, imin, imax
+            r, positions, seqlen_k, kind, window_left, window_right, bottom_right, imin, imax
         )
 
     first_lo, first_hi = bounds(first)
@@ -205,6 +211,22 @@ def kv_tile_schedule(
     full_start = imin(imax(full_start, start), end)
     full_end = imax(imin(full_end, end), full_start)
     return KvTileSchedule(start, full_start - start, full_end - full_start, end - full_end)
+
+
+def split_share(schedule: KvTileSchedule, split: Any, num_splits: Any, imin: Callable = _py_min,
+                imax: Callable = _py_max) -> KvTileSchedule:
+    """The part of ``schedule`` that split ``split`` of ``num_splits`` visits when the tiles are
+    shared out in equal consecutive runs (split-KV: each split's partial result is merged by LSE
+    afterwards). A split past the tiles visits nothing."""
+    per = (schedule.total + num_splits - 1) // num_splits
+    end = schedule.start + schedule.total
+    lo = imin(schedule.start + split * per, end)
+    hi = imin(lo + per, end)
+    full_lo = schedule.start + schedule.leading_masked
+    full_hi = full_lo + schedule.unmasked
+    a = imin(imax(full_lo, lo), hi)
+    b = imin(imax(full_hi, a), hi)
+    return KvTileSchedule(lo, a - lo, b - a, hi - b)
 
 
 def later_rows_cost_more(kind: MaskKind, window_left_bounded: bool) -> bool:

@@ -546,3 +546,27 @@ def run_backward_case(case: Case, torch, device="cuda", backend="kernel") -> dic
     res["ok"] = bool(all(res[f"nan_in_{n}"] == 0 for n in ("dq", "dk", "dv")) and res["o_rel_l2"] < tol
                      and res.get("repeatable", True))
     return res
+
+
+def _compile_into(cache_dir: str, cfg):
+    """Worker: compile ``cfg`` (forward or backward) into the disk cache at ``cache_dir``."""
+    import os
+    import time
+
+    os.environ["FMHA_CACHE_DIR"] = cache_dir
+    from fmha.jit import disk_cache
+    from fmha.kernels.hopper.backend import compile_backward, compile_forward
+    from fmha.kernels.hopper.config import HopperBackwardConfig
+
+    start = time.time()
+    disk_cache.load_or_compile(cfg, compile_backward if isinstance(cfg, HopperBackwardConfig) else compile_forward)
+    return time.time() - start
+
+
+def compile_all(configs, cache_dir: str, workers: int):
+    """Compile Hopper kernel configurations into the disk cache at ``cache_dir``, in parallel
+    worker processes."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(workers) as pool:
+        pool.starmap(_compile_into, [(cache_dir, cfg) for cfg in configs])

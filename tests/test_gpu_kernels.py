@@ -35,25 +35,6 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("case", cases, ids=[f"{i}:{c.name()}" for i, c in enumerate(cases)])
 
 
-def _compile_into(cache_dir: str, cfg):
-    """Worker: compile ``cfg`` (forward or backward) into the disk cache at ``cache_dir``."""
-    os.environ["FMHA_CACHE_DIR"] = cache_dir
-    from fmha.jit import disk_cache
-    from fmha.kernels.hopper.backend import compile_backward, compile_forward
-    from fmha.kernels.hopper.config import HopperBackwardConfig
-
-    start = time.time()
-    disk_cache.load_or_compile(cfg, compile_backward if isinstance(cfg, HopperBackwardConfig) else compile_forward)
-    return time.time() - start
-
-
-def _compile_all(configs, cache_dir: str, workers: int):
-    import multiprocessing as mp
-
-    with mp.get_context("spawn").Pool(workers) as pool:
-        pool.starmap(_compile_into, [(cache_dir, cfg) for cfg in configs])
-
-
 @pytest.fixture(scope="session")
 def runners(request, tmp_path_factory):
     """config -> HopperRunner for every case of the suite, compiled in parallel first."""
@@ -64,7 +45,7 @@ def runners(request, tmp_path_factory):
     configs = sorted({gpu_cases.config_of(c, torch) for c in cases}, key=repr)
     cache_dir = str(tmp_path_factory.mktemp("kernels"))
     start = time.time()
-    _compile_all(configs, cache_dir, _workers(request))
+    gpu_cases.compile_all(configs, cache_dir, _workers(request))
     os.environ["FMHA_CACHE_DIR"] = cache_dir
     built = {cfg: HopperRunner(cfg, disk_cache.load_or_compile(cfg, compile_forward)) for cfg in configs}
     META.update(device=torch.cuda.get_device_name(), configs=len(configs), compile_s=round(time.time() - start, 1))
@@ -82,7 +63,7 @@ def backward_kernels(request, tmp_path_factory):
     configs = {gpu_cases.backward_config(c, torch) for c in gpu_cases.build_backward_suite()}
     cache_dir = str(tmp_path_factory.mktemp("backward_kernels"))
     start = time.time()
-    _compile_all(sorted(configs, key=repr), cache_dir, _workers(request))
+    gpu_cases.compile_all(sorted(configs, key=repr), cache_dir, _workers(request))
     os.environ["FMHA_CACHE_DIR"] = cache_dir
     META.update(backward_configs=len(configs), backward_compile_s=round(time.time() - start, 1))
 

@@ -65,11 +65,14 @@ class FragmentMask:
     window_left: Any = None
     window_right: Any = None
     bottom_right: bool = False
+    #: rows per query position (a packed GQA group, ``kv_tile_schedule``): ``seqlen_q`` counts rows
+    rows_per_query: int = 1
 
     def key_bounds(self, row):
+        g = self.rows_per_query
         return row_key_bounds(
-            row, self.seqlen_q, self.seqlen_k, self.kind, self.window_left, self.window_right,
-            self.bottom_right, imin=cutlass.min, imax=cutlass.max,
+            row // g if g > 1 else row, self.seqlen_q // g if g > 1 else self.seqlen_q, self.seqlen_k, self.kind,
+            self.window_left, self.window_right, self.bottom_right, imin=cutlass.min, imax=cutlass.max,
         )
 
     @cute.jit

@@ -35,6 +35,13 @@ class SequenceInfo:
         return SequenceInfo(offset_q, seqlen_q, offset_k, seqlen_k)
 
 
+    @staticmethod
+    def with_cache_length(batch: Int32, seqlen_q, cache_seqlens: cute.Tensor, capacity) -> "SequenceInfo":
+        """A dense query block over a cache whose sequence ``batch`` holds ``cache_seqlens[batch]``
+        keys, clamped to ``[0, capacity]`` (what the cache can hold; the kernel flags the rest)."""
+        return SequenceInfo(Int32(0), seqlen_q, Int32(0), cutlass.min(cutlass.max(cache_seqlens[batch], 0), capacity))
+
+
 def _rows(cu_seqlens: cute.Tensor, batch: Int32, total, max_seqlen):
     """(first row, length) of sequence ``batch``, within [0, total) and at most ``max_seqlen``."""
     start = cutlass.min(cutlass.max(cu_seqlens[batch], 0), total)

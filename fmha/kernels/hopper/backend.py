@@ -4,7 +4,7 @@ tensors, per-call arguments)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -12,10 +12,12 @@ from fmha import device_errors
 from fmha.jit import disk_cache
 from fmha.jit.compile import compile_for, cutlass_dtype, fake_rows, fake_vector
 from fmha.jit.launch import answered_without_launch, sm_count
+from fmha.masking import MaskKind, MaskSpec
 from fmha.problem import AttentionProblem, KernelOptions
 from fmha.work_tiles import work_tile_table
 
-from .config import HopperBackwardConfig, HopperForwardConfig, why_unsupported, why_unsupported_backward
+from .config import (SUPPORTED_HEAD_DIMS, HopperBackwardConfig, HopperForwardConfig, allowed_tiles, decode_config,
+                     why_unsupported, why_unsupported_backward)
 from .v_staging import stage_v_fp8
 
 ARCH = "sm_90a"
@@ -41,7 +43,12 @@ def _fake_arguments(cfg: HopperForwardConfig) -> tuple:
         v = fake_rows(in_t, rank, d)
     o = fake_rows(out_t, rank, d)
     lse = fake_rows(cutlass.Float32, 2 if cfg.varlen else 3, None, align_bytes=4) if cfg.has_lse else None
-    cu_q = cu_k = tiles = count = descriptors = errors = None
+    cu_q = cu_k = tiles = count = descriptors = errors = cache_seqlens = block_table = None
+    if cfg.cache_lengths:
+        cache_seqlens, errors = fake_vector(cutlass.Int32), fake_vector(cutlass.Int32, 1)
+    if cfg.page_run:
+        block_table = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int()),
+                                                    stride=(cute.sym_int(), 1), assumed_align=4)
     if cfg.varlen:
         cu_q, cu_k = fake_vector(cutlass.Int32), fake_vector(cutlass.Int32)
         tiles = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=4)
@@ -50,7 +57,7 @@ def _fake_arguments(cfg: HopperForwardConfig) -> tuple:
                                                     assumed_align=128)
         errors = fake_vector(cutlass.Int32, 1)
     counter = fake_vector(cutlass.Int32, 1) if cfg.claims_tiles else None
-    return q, k, v, o, lse, cu_q, cu_k, tiles, count, descriptors, errors, counter
+    return q, k, v, o, lse, cu_q, cu_k, tiles, count, descriptors, errors, counter, cache_seqlens, block_table
 
 
 def compile_forward(cfg: HopperForwardConfig, extra_options: str = "", kernel_class=None):
@@ -69,6 +76,8 @@ def compile_forward(cfg: HopperForwardConfig, extra_options: str = "", kernel_cl
         Int32(0) if cfg.window_left_bounded else None,
         Int32(0) if cfg.window_right_bounded else None,
         Int32(1),  # num_ctas
+        Int32(1) if cfg.split_kv else None,  # num_splits
+        Int32(16) if cfg.page_run else None,  # page_size
         extra_options=extra_options,
     )
 
@@ -110,13 +119,106 @@ class HopperRunner:
             device_errors.flag(q.device) if cfg.varlen else None,
             # the claim counter starts at 0 in every launch (ClaimingTileScheduler)
             torch.zeros(1, dtype=torch.int32, device=q.device) if cfg.claims_tiles else None,
+            None, None,  # a KV cache's lengths and block table (``HopperDecodeRunner``)
             problem.seqlen_q,
             problem.score_scale_log2,
             problem.output_scale,
             m.window_left if cfg.window_left_bounded else None,
             m.window_right if cfg.window_right_bounded else None,
             sm_count(q.device) if cfg.persistent else 1,
+            None, None,  # num_splits, page_size (``HopperDecodeRunner``)
         )
+
+
+def why_unsupported_decode(problem) -> list:
+    """Every reason the decode configuration cannot serve an ``attention_with_kvcache`` call."""
+    reasons = []
+    if problem.dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"the Hopper decode kernel takes float16/bfloat16 caches, not {problem.dtype}")
+    if problem.head_dim not in SUPPORTED_HEAD_DIMS:
+        reasons.append(f"the Hopper decode kernel supports head dims {SUPPORTED_HEAD_DIMS}, got {problem.head_dim}")
+    if not (0 < problem.score_scale < float("inf")):
+        reasons.append("the Hopper decode kernel needs softmax_scale * scale_q * scale_k to be a positive finite "
+                       f"number, got {problem.score_scale}")
+    return reasons
+
+
+class DecodePlan(NamedTuple):
+    """How one ``attention_with_kvcache`` call runs (``HopperDecodeRunner.plan``)."""
+
+    cfg: HopperForwardConfig
+    packed: bool  # a GQA group's query heads share a query tile
+    rows: int  # query rows per (batch entry, head) as the kernel sees them
+    heads: int  # query heads as the kernel sees them
+    splits: int
+    mask: MaskSpec
+
+
+class HopperDecodeRunner:
+    """The forward kernel in its decode configurations (``config.decode_config``) for one kind of
+    ``attention_with_kvcache`` call: packs a GQA group's query heads into one query tile where the
+    tile would otherwise be mostly empty, splits the keys over CTAs where the tiles cannot fill
+    the GPU, and merges the splits (``fmha.split_kv``)."""
+
+    def __init__(self, problem):
+        self.tile_m, self.tile_n = min(allowed_tiles(problem.dtype, problem.head_dim))
+        self._compiled = {}
+
+    def plan(self, problem, num_sms: int) -> DecodePlan:
+        from fmha import split_kv
+
+        group = problem.heads_q // problem.heads_k
+        packed = group > 1 and problem.seqlen_q < self.tile_m  # else the query tiles are full without packing
+        rows, heads = (problem.seqlen_q * group, problem.heads_k) if packed else (problem.seqlen_q, problem.heads_q)
+        tiles = problem.batch * heads * -(-rows // self.tile_m)
+        splits = problem.num_splits or split_kv.choose_num_splits(tiles, num_sms, -(-problem.capacity // self.tile_n))
+        m = problem.mask
+        if problem.seqlen_q == 1 and m.kind == MaskKind.WINDOW and m.window_left is None:
+            m = MaskSpec(MaskKind.NONE)  # one bottom-right row sees every key up to the last
+        cfg = decode_config(problem.dtype, problem.out_dtype, problem.head_dim, m.kind, m.window_left is not None,
+                            m.window_right is not None, problem.return_lse, group if packed else 1, splits > 1,
+                            problem.page_size, problem.capacity)
+        return DecodePlan(cfg, packed, rows, heads, splits, m)
+
+    def __call__(self, problem, q, k_cache, v_cache, lengths, block_table, out, lse):
+        from fmha import split_kv
+
+        b, s_q, h_q, d = q.shape
+        if b == 0 or s_q == 0 or h_q == 0 or problem.capacity == 0 or problem.num_pages == 0:
+            out.zero_()
+            if lse is not None:
+                lse.fill_(float("-inf"))
+            return
+        plan = self.plan(problem, sm_count(q.device))
+        kernel = self._compiled.get(plan.cfg)
+        if kernel is None:
+            kernel = self._compiled[plan.cfg] = disk_cache.load_or_compile(plan.cfg, compile_forward)
+        q_in = split_kv.pack_gqa(q, problem.heads_k) if plan.packed else q
+        if problem.page_size:  # the kernel reads the pages as one run of rows
+            k_cache = k_cache.flatten(0, 1).unsqueeze(0)
+            v_cache = v_cache.flatten(0, 1).unsqueeze(0)
+        rows, heads, splits = plan.rows, plan.heads, plan.splits
+        if splits > 1:
+            o_k = torch.empty((splits * b, rows, heads, d), dtype=torch.float32, device=q.device)
+            lse_k = torch.empty((splits * b, heads, rows), dtype=torch.float32, device=q.device)
+        elif plan.packed:
+            o_k = torch.empty((b, rows, heads, d), dtype=out.dtype, device=q.device)
+            lse_k = torch.empty((b, heads, rows), dtype=torch.float32, device=q.device) if lse is not None else None
+        else:
+            o_k, lse_k = out, lse
+        m = plan.mask
+        kernel(q_in, k_cache, v_cache, o_k, lse_k, None, None, None, None, None, device_errors.flag(q.device), None,
+               lengths, block_table, rows, problem.score_scale_log2, problem.output_scale, m.window_left,
+               m.window_right, sm_count(q.device), splits if plan.cfg.split_kv else None,
+               problem.page_size if plan.cfg.page_run else None)
+        if splits > 1:
+            o_k, lse_k = split_kv.combine_splits(o_k, lse_k, splits)
+        if plan.packed:
+            split_kv.unpack_gqa(o_k, lse_k, s_q, out, lse)
+        elif splits > 1:
+            out.copy_(o_k)
+            if lse is not None:
+                lse.copy_(lse_k)
 
 
 def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
@@ -233,6 +335,18 @@ class HopperBackend:
     def prepare(self, problem: AttentionProblem, options: KernelOptions) -> HopperRunner:
         cfg = HopperForwardConfig.from_problem(problem, options)
         return HopperRunner(cfg, disk_cache.load_or_compile(cfg, compile_forward))
+
+    def why_unsupported_decode(self, problem) -> list:
+        return why_unsupported_decode(problem)
+
+    def decode_cache_key(self, problem):
+        """What the decode runner depends on beyond each call's sizes (its kernels compile lazily)."""
+        m = problem.mask
+        return (problem.dtype, problem.out_dtype, problem.head_dim, m.kind, m.window_left is not None,
+                m.window_right is not None, problem.return_lse, problem.page_size)
+
+    def prepare_decode(self, problem) -> HopperDecodeRunner:
+        return HopperDecodeRunner(problem)
 
     def why_unsupported_backward(self, problem: AttentionProblem, options: KernelOptions) -> list:
         return why_unsupported_backward(problem, options)

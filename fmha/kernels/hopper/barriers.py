@@ -12,6 +12,8 @@ class NamedBarrier(enum.IntEnum):
     GEMM_TURN = 1
     #: warpgroup ``wg``'s O rows are staged in shared memory for its TMA store
     O_STAGED = GEMM_TURN + MAX_CONSUMER_WARPGROUPS
+    #: warpgroup ``wg`` has zeroed the V rows past a cache's last key (``mainloop.zero_keys_past_end``)
+    KEYS_ZEROED = O_STAGED + MAX_CONSUMER_WARPGROUPS
 
 
 class NamedBarrierBwd(enum.IntEnum):

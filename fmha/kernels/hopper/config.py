@@ -11,6 +11,7 @@ docs/performance.md.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 import torch
@@ -132,6 +133,17 @@ class HopperForwardConfig:
     o_store: OStore
     #: varlen with the lengths not read on the host: the tile list is built on the GPU
     tiles_on_device: bool = False
+    # ---- decode over a KV cache (``attention_with_kvcache``; see ``decode_config``)
+    #: query heads of one K/V head packed as rows of one query tile (row r: position r // this)
+    rows_per_query: int = 1
+    #: each query tile's keys shared out over ``num_splits`` CTAs, which write fp32 partial O and
+    #: LSE for the split-combine pass
+    split_kv: bool = False
+    #: each sequence's keys are the first ``cache_seqlens[b]`` rows of its cache
+    cache_lengths: bool = False
+    #: paged K/V (key p of sequence b is row p % page_size of page block_table[b, p // page_size]):
+    #: keys per TMA load, gcd(page size, tile_n), so that a load never crosses a page; 0: dense
+    page_run: int = 0
 
     def __post_init__(self):
         if self.tile_m % 64 or self.tile_n % 16:
@@ -144,6 +156,14 @@ class HopperForwardConfig:
             raise ValueError("only varlen problems have a tile list")
         if self.o_store == OStore.TMA_Q_BUFFER and self.out_dtype != self.dtype:
             raise ValueError("O staged in the Q buffer must have the input's type")
+        if (self.cache_lengths or self.split_kv or self.rows_per_query > 1) and (
+                self.varlen or self.dtype == torch.float8_e4m3fn):
+            raise ValueError("the decode options take dense 16-bit batches")
+        if self.split_kv and (self.out_dtype != torch.float32 or not self.has_lse):
+            raise ValueError("split-KV writes fp32 partial outputs with their LSE")
+        if self.page_run and (not self.cache_lengths or self.page_run % 16 or self.tile_n % self.page_run):
+            raise ValueError("a paged cache has lengths per sequence, and loads runs of a multiple of 16 keys "
+                             "that divide the key tile")
 
     @staticmethod
     def from_problem(problem: AttentionProblem, options: KernelOptions) -> "HopperForwardConfig":
@@ -221,6 +241,32 @@ class HopperForwardConfig:
     @property
     def o_via_tma(self) -> bool:
         return self.o_store != OStore.DIRECT
+
+    @property
+    def kv_load_rows(self) -> int:
+        """Keys per TMA load of K or V: the whole tile, or a paged cache's run."""
+        return self.page_run or self.tile_n
+
+
+def decode_config(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, mask_kind: MaskKind,
+                  window_left_bounded: bool, window_right_bounded: bool, has_lse: bool, rows_per_query: int,
+                  split_kv: bool, page_size: int, capacity: int) -> HopperForwardConfig:
+    """The forward kernel's configuration for a call over a KV cache (``attention_with_kvcache``):
+    masks bottom-right, the smallest tile (decode has few query rows), a persistent walk (the next
+    tile's Q and K/V load under the current one), fp32 partials with their LSE under split-KV."""
+    tile_m, tile_n = min(allowed_tiles(dtype, head_dim))
+    q_stages = q_stages_for(Schedule.PERSISTENT, head_dim, capacity)
+    out_dtype = torch.float32 if split_kv else out_dtype
+    return HopperForwardConfig(
+        dtype=dtype, out_dtype=out_dtype, head_dim=head_dim, mask_kind=mask_kind,
+        window_left_bounded=window_left_bounded, window_right_bounded=window_right_bounded,
+        bottom_right=mask_kind == MaskKind.WINDOW, varlen=False, has_lse=has_lse or split_kv,
+        tile_m=tile_m, tile_n=tile_n, schedule=Schedule.PERSISTENT, q_stages=q_stages,
+        o_store=o_store_for(dtype, out_dtype, head_dim, False, mask_kind == MaskKind.NONE, capacity, tile_m, tile_n,
+                            q_stages),
+        rows_per_query=rows_per_query, split_kv=split_kv, cache_lengths=True,
+        page_run=math.gcd(page_size, tile_n) if page_size else 0,
+    )
 
 
 def why_unsupported(problem: AttentionProblem, options: KernelOptions) -> list:

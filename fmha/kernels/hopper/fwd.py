@@ -30,14 +30,15 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from fmha.masking import kv_tile_schedule, num_q_tiles
+from fmha.masking import kv_tile_schedule, num_q_tiles, split_share
 
 from ..common.device_tile_list import COST_BINS, DeviceWorkTileList, cost_bins_bytes
 from ..common import sequence_descriptors as seq_desc
+from ..common.kv_cache import KvCache
 from ..common.fragments import as_rows_cols, fp8_operand_a_shape
 from ..common.layouts import bshd_to_sdhb
 from ..common.mask import FragmentMask
-from ..common.scheduler import ClaimingTileScheduler, StaticTileScheduler, TileHandOff, TileTableScheduler
+from ..common.scheduler import ClaimingTileScheduler, StaticTileScheduler, TileHandOff, TileTableScheduler, WorkTile
 from ..common.seqinfo import SequenceInfo
 from ..common.softmax import MAX_SLACK, OnlineSoftmax
 from ..common.tma import tma_tiles
@@ -73,12 +74,16 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         mSeqDescriptors: Optional[cute.Tensor],
         mErrors: Optional[cute.Tensor],
         mTileCounter: Optional[cute.Tensor],
+        mCacheSeqlens: Optional[cute.Tensor],
+        mBlockTable: Optional[cute.Tensor],
         max_seqlen_q: Int32,
         scale_log2: Float32,
         output_scale: Float32,
         window_left: Optional[Int32],
         window_right: Optional[Int32],
         num_ctas: Int32,
+        num_splits: Optional[Int32],
+        page_size: Optional[Int32],
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -113,10 +118,15 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(
             load_op, q, cute.select(sQ_layout, mode=[0, 1]), (tile_m, d))
-        tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(
-            load_op, k, cute.select(sK_layout, mode=[0, 1]), (tile_n, d))
-        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(
-            load_op, v, cute.select(sV_layout, mode=[0, 1]), (d, tile_n))
+        # A paged cache loads each K/V tile in runs of ``kv_load_rows`` keys (``load_kv_paged``).
+        kv_rows = cfg.kv_load_rows
+        sK_box = cute.select(sK_layout, mode=[0, 1])
+        sV_box = cute.select(sV_layout, mode=[0, 1])
+        if const_expr(kv_rows != tile_n):
+            sK_box = cute.composition(sK_box, cute.make_layout((kv_rows, d), stride=(1, tile_n)))
+            sV_box = cute.composition(sV_box, cute.make_layout((d, kv_rows), stride=(1, d)))
+        tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load_op, k, sK_box, (kv_rows, d))
+        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load_op, v, sV_box, (d, kv_rows))
         # O as staged for the TMA store: the Q tile's layout, in the output type.
         sO_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d), self.out_dtype, 1)
         tma_o = tma_tensor_o = None
@@ -147,10 +157,12 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         num_batches = mCuSeqlensQ.shape[0] - 1 if const_expr(varlen) else q.shape[3]
         seqlen_q = max_seqlen_q if const_expr(varlen) else q.shape[0]
         num_m_blocks = num_q_tiles(seqlen_q, tile_m)
+        # split-KV: split s of batch entry b works as entry s * B + b (``split_of``)
+        work_batches = num_batches * num_splits if const_expr(cfg.split_kv) else num_batches
         if const_expr(varlen):
             num_tiles = mTileTable.shape[0] * q.shape[2]  # only the query tiles that hold rows
         else:
-            num_tiles = num_m_blocks * q.shape[2] * num_batches
+            num_tiles = num_m_blocks * q.shape[2] * work_batches
         grid_x = num_tiles
         if const_expr(cfg.persistent):
             grid_x = cutlass.min(num_tiles, num_ctas)
@@ -167,8 +179,11 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
             tiled_mma_qk, tiled_mma_pv,
             tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_o, tma_tensor_o,
             q, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mTileTable, mTileCount, mSeqDescriptors, mTileCounter,
+            mCacheSeqlens, mBlockTable, mErrors if const_expr(cfg.cache_lengths) else None,
             num_m_blocks,
             num_batches,
+            num_splits,
+            page_size,
             scale_log2, output_scale, window_left, window_right,
             sQ_layout, sK_layout, sV_layout, sO_layout,
         ).launch(
@@ -202,8 +217,13 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         mTileCount: Optional[cute.Tensor],
         mSeqDescriptors: Optional[cute.Tensor],
         mTileCounter: Optional[cute.Tensor],
+        mCacheSeqlens: Optional[cute.Tensor],
+        mBlockTable: Optional[cute.Tensor],
+        mErrors: Optional[cute.Tensor],
         num_m_blocks: Int32,
         num_batches: Int32,
+        num_splits: Optional[Int32],
+        page_size: Optional[Int32],
         scale_log2: Float32,
         output_scale: Float32,
         window_left: Optional[Int32],
@@ -252,21 +272,23 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         if const_expr(cfg.o_store == OStore.TMA_OWN_BUFFER):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)[None, None, 0]
 
+        work_batches = num_batches * num_splits if const_expr(cfg.split_kv) else num_batches
         scheduler = self.make_scheduler(mTileTable, mTileCount, mTileCounter, hand_off, num_m_blocks,
-                                        mQ_sdhb.shape[2], num_batches)
+                                        mQ_sdhb.shape[2], work_batches)
+        cache = KvCache(mCacheSeqlens, mBlockTable, mErrors, num_batches, num_splits, page_size, cfg.page_run > 0)
         pipeline.pipeline_init_wait()
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.register_budgets[0])
             if warp_idx == 0:
                 self.producer(
-                    scheduler, mQ_tma, mK_tma, mV_tma, mQ_sdhb, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors,
+                    scheduler, cache, mQ_tma, mK_tma, mV_tma, mQ_sdhb, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors,
                     window_left, window_right, tma_q, tma_k, tma_v, sQ, sK, sV, q_producer, kv_producer,
                 )
         else:
             cute.arch.setmaxregister_increase(cfg.register_budgets[1])
             self.consumer(
-                scheduler, tiled_mma_qk, tiled_mma_pv, mQ_sdhb, mK_tma, mO, mLSE, tma_o, mO_tma,
+                scheduler, cache, tiled_mma_qk, tiled_mma_pv, mQ_sdhb, mK_tma, mO, mLSE, tma_o, mO_tma,
                 mCuSeqlensQ, mCuSeqlensK, scale_log2, output_scale, window_left, window_right,
                 sQ, sK, sV, sO, q_consumer, kv_consumer, tidx - _WG,
             )
@@ -281,18 +303,36 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
                                                 mTileCounter, hand_off)
         return StaticTileScheduler.create(num_m_blocks, num_heads, num_batches, cfg.longest_first, cfg.persistent)
 
-    def kv_tile_schedule(self, m_block, seq: SequenceInfo, window_left, window_right):
-        """The K/V tiles this query tile visits (``fmha.masking.kv_tile_schedule``)."""
+    def kv_tile_schedule(self, m_block, seq: SequenceInfo, window_left, window_right, split=None, num_splits=None):
+        """The K/V tiles this query tile visits (``fmha.masking.kv_tile_schedule``), or with
+        split-KV its split's share of them (``fmha.masking.split_share``)."""
         cfg = self.cfg
-        return kv_tile_schedule(
+        tiles = kv_tile_schedule(
             m_block, cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k, cfg.mask_kind,
             window_left, window_right, cfg.bottom_right, imin=cutlass.min, imax=cutlass.max,
+            rows_per_query=cfg.rows_per_query,
         )
+        if const_expr(cfg.split_kv):
+            tiles = split_share(tiles, split, num_splits, imin=cutlass.min, imax=cutlass.max)
+        return tiles
+
+    def work_of(self, tile: WorkTile, cache: "KvCache", mQ_sdhb, mK_tma, mCuSeqlensQ, mCuSeqlensK):
+        """(batch entry, split, its SequenceInfo) of a work tile: the schedulers count split s of
+        entry b as entry s * B + b; a cache gives each sequence its own key count."""
+        cfg = self.cfg
+        batch, split = tile.batch, None
+        if const_expr(cfg.split_kv):
+            batch, split = tile.batch % cache.num_batches, tile.batch // cache.num_batches
+        if const_expr(cfg.cache_lengths):
+            seq = SequenceInfo.with_cache_length(batch, mQ_sdhb.shape[0], cache.seqlens, cache.capacity(mK_tma))
+        else:
+            seq = SequenceInfo.create(batch, mQ_sdhb.shape[0], mK_tma.shape[0], mCuSeqlensQ, mCuSeqlensK)
+        return batch, split, seq
 
     # ------------------------------------------------------------------ producer warp
     @cute.jit
     def producer(
-        self, scheduler, mQ_tma, mK_tma, mV_tma, mQ_sdhb,
+        self, scheduler, cache: "KvCache", mQ_tma, mK_tma, mV_tma, mQ_sdhb,
         mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, window_left, window_right,
         tma_q, tma_k, tma_v, sQ, sK, sV,
         q_producer: pipeline.PipelineProducer, kv_producer: pipeline.PipelineProducer,
@@ -304,36 +344,45 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         num_tiles = scheduler.num_tiles
         while tile_idx < num_tiles:
             tile = scheduler.decode(tile_idx)
-            seq = SequenceInfo.create(tile.batch, mQ_sdhb.shape[0], mK_tma.shape[0], mCuSeqlensQ, mCuSeqlensK)
+            batch, split, seq = self.work_of(tile, cache, mQ_sdhb, mK_tma, mCuSeqlensQ, mCuSeqlensK)
+            if const_expr(cfg.cache_lengths):
+                cache.flag_bad_length(batch, mK_tma)
             if tile.m_block * cfg.tile_m < seq.seqlen_q:
                 head_kv = tile.head // (mQ_tma.shape[2] // mK_tma.shape[2])
                 desc_q = desc_k = desc_v = None  # None: the descriptor built into the TMA atom
                 if const_expr(cfg.varlen):
                     # This sequence's own descriptors: coordinates are relative to its first row
                     # and TMA stops at its last.
-                    desc_q = seq_desc.acquire_descriptor(mSeqDescriptors, tile.batch, seq_desc.Q)
-                    desc_k = seq_desc.acquire_descriptor(mSeqDescriptors, tile.batch, seq_desc.K)
+                    desc_q = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.Q)
+                    desc_k = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.K)
                     if const_expr(not cfg.v_staged):
-                        desc_v = seq_desc.acquire_descriptor(mSeqDescriptors, tile.batch, seq_desc.V)
-                # varlen tensors have one batch row, the packed tokens; staged V has one per sequence
-                row_batch = Int32(0) if const_expr(cfg.varlen) else tile.batch
+                        desc_v = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.V)
+                # varlen tensors have one batch row, the packed tokens; staged V has one per
+                # sequence; a paged cache is one run of pages
+                row_batch = Int32(0) if const_expr(cfg.varlen) else batch
+                kv_batch = Int32(0) if const_expr(cfg.page_run) else row_batch
                 mQ_cur = mQ_tma[None, None, tile.head, row_batch]
-                mK_cur = mK_tma[None, None, head_kv, row_batch]
-                mV_cur = mV_tma[None, None, head_kv, tile.batch if const_expr(cfg.v_staged) else row_batch]
+                mK_cur = mK_tma[None, None, head_kv, kv_batch]
+                mV_cur = mV_tma[None, None, head_kv, batch if const_expr(cfg.v_staged) else kv_batch]
                 gQ = cute.local_tile(mQ_cur, (cfg.tile_m, cfg.head_dim), (tile.m_block, 0))
-                gK = cute.local_tile(mK_cur, (cfg.tile_n, cfg.head_dim), (None, 0))
-                gV = cute.local_tile(mV_cur, (cfg.head_dim, cfg.tile_n), (0, None))
                 tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
-                tKsK, tKgK = tma_tiles(tma_k, sK, gK)
-                tVsV, tVgV = tma_tiles(tma_v, sV, gV)
 
                 q_handle = q_producer.acquire_and_advance()
                 cute.copy(tma_q, tQgQ, tQsQ[None, q_handle.index], tma_bar_ptr=q_handle.barrier,
                           tma_desc_ptr=desc_q)
 
-                kv_tiles = self.kv_tile_schedule(tile.m_block, seq, window_left, window_right)
-                kv_producer = self.load_kv(kv_tiles, (tma_k, tKgK, tKsK, desc_k), (tma_v, tVgV, tVsV, desc_v),
-                                           kv_producer)
+                kv_tiles = self.kv_tile_schedule(tile.m_block, seq, window_left, window_right, split,
+                                                 cache.num_splits)
+                if const_expr(cfg.page_run):
+                    kv_producer = self.load_kv_paged(kv_tiles, cache, batch, seq, mK_cur, mV_cur, tma_k, tma_v,
+                                                     sK, sV, kv_producer)
+                else:
+                    gK = cute.local_tile(mK_cur, (cfg.tile_n, cfg.head_dim), (None, 0))
+                    gV = cute.local_tile(mV_cur, (cfg.head_dim, cfg.tile_n), (0, None))
+                    tKsK, tKgK = tma_tiles(tma_k, sK, gK)
+                    tVsV, tVgV = tma_tiles(tma_v, sV, gV)
+                    kv_producer = self.load_kv(kv_tiles, (tma_k, tKgK, tKsK, desc_k), (tma_v, tVgV, tVsV, desc_v),
+                                               kv_producer)
             # Claimed tiles are claimed once this tile's loads are issued: the consumers get the
             # claim well before they finish the tile, and the claim order stays the start order.
             tile_idx, cursor = scheduler.producer_next(tile_idx, cursor)
@@ -362,10 +411,48 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         cute.copy(tma, src, dst_stages[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc)
         return kv_producer
 
+    @cute.jit
+    def load_kv_paged(self, kv_tiles, cache: "KvCache", batch: Int32, seq: SequenceInfo, mK_cur: cute.Tensor,
+                      mV_cur: cute.Tensor, tma_k, tma_v, sK, sV, kv_producer: pipeline.PipelineProducer):
+        """``load_kv`` from a paged cache: each K or V tile in runs of ``kv_load_rows`` keys, each
+        run from the page the block table names (every run lies within one page)."""
+        if kv_tiles.total > 0:
+            first = kv_tiles.start
+            kv_producer = self.load_stage_paged(kv_producer, cache, batch, seq, first, mK_cur, tma_k, sK, True)
+            for i in cutlass.range(1, kv_tiles.total, unroll=1):
+                n_block = first + i
+                kv_producer = self.load_stage_paged(kv_producer, cache, batch, seq, n_block, mK_cur, tma_k, sK, True)
+                kv_producer = self.load_stage_paged(kv_producer, cache, batch, seq, n_block - 1, mV_cur, tma_v, sV,
+                                                    False)
+            kv_producer = self.load_stage_paged(kv_producer, cache, batch, seq, first + kv_tiles.total - 1, mV_cur,
+                                                tma_v, sV, False)
+        return kv_producer
+
+    @cute.jit
+    def load_stage_paged(self, kv_producer: pipeline.PipelineProducer, cache: "KvCache", batch: Int32,
+                         seq: SequenceInfo, n_block: Int32, m_cur: cute.Tensor, tma, s_stages, is_k: cutlass.Constexpr):
+        """One K (``is_k``) or V tile of keys ``n_block * tile_n ..`` into the ring's next stage."""
+        cfg = self.cfg
+        rows = cfg.kv_load_rows
+        handle = kv_producer.acquire_and_advance()
+        for run in cutlass.range_constexpr(cfg.tile_n // rows):
+            key = n_block * cfg.tile_n + run * rows
+            row = cache.physical_row(batch, key, seq.seqlen_k, m_cur.shape[0 if is_k else 1])
+            stage = s_stages[None, None, handle.index]
+            if const_expr(is_k):
+                dst = cute.local_tile(stage, (rows, cfg.head_dim), (run, 0))
+                src = cute.local_tile(m_cur, (rows, cfg.head_dim), (row // rows, 0))
+            else:
+                dst = cute.local_tile(stage, (cfg.head_dim, rows), (0, run))
+                src = cute.local_tile(m_cur, (cfg.head_dim, rows), (0, row // rows))
+            t_s, t_g = tma_tiles(tma, dst, src)
+            cute.copy(tma, t_g, t_s, tma_bar_ptr=handle.barrier)
+        return kv_producer
+
     # ------------------------------------------------------------------ consumer warpgroups
     @cute.jit
     def consumer(
-        self, scheduler, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        self, scheduler, cache: "KvCache", tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
         mQ_sdhb, mK_tma, mO, mLSE, tma_o, mO_tma, mCuSeqlensQ, mCuSeqlensK,
         scale_log2: Float32, output_scale: Float32, window_left, window_right,
         sQ, sK, sV, sO: Optional[cute.Tensor], q_consumer: pipeline.PipelineConsumer,
@@ -410,17 +497,18 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         num_tiles = scheduler.num_tiles
         while tile_idx < num_tiles:
             tile = scheduler.decode(tile_idx)
-            seq = SequenceInfo.create(tile.batch, mQ_sdhb.shape[0], mK_tma.shape[0], mCuSeqlensQ, mCuSeqlensK)
+            _, split, seq = self.work_of(tile, cache, mQ_sdhb, mK_tma, mCuSeqlensQ, mCuSeqlensK)
             if tile.m_block * cfg.tile_m < seq.seqlen_q:
                 mask = FragmentMask(cfg.mask_kind, seq.seqlen_q, seq.seqlen_k, window_left, window_right,
-                                    cfg.bottom_right)
-                kv_tiles = self.kv_tile_schedule(tile.m_block, seq, window_left, window_right)
+                                    cfg.bottom_right, cfg.rows_per_query)
+                kv_tiles = self.kv_tile_schedule(tile.m_block, seq, window_left, window_right, split,
+                                                 cache.num_splits)
                 row_base = tile.m_block * cfg.tile_m
                 softmax.reset()
                 acc_o.fill(0.0)
                 q_handle = q_consumer.wait_and_advance()
                 frags = ConsumerFragments(tiled_mma_qk, tiled_mma_pv, tSrQ[None, None, None, q_handle.index], tSrK,
-                                          tOrV, tScS, s_shape, p, acc_o, row_scale)
+                                          tOrV, tScS, s_shape, p, acc_o, row_scale, sV)
                 kv_consumer = self.mainloop(kv_tiles, row_base, mask, softmax, frags, kv_consumer, wg)
                 if const_expr(cfg.o_store != OStore.TMA_Q_BUFFER):
                     q_handle.release()  # else once the O staged in it has been stored

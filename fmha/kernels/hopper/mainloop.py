@@ -39,6 +39,7 @@ class ConsumerFragments:
     p: cute.Tensor  # P of the tile whose P.V is pending, in the input dtype
     acc_o: cute.Tensor
     row_scale: cute.Tensor  # the running max's correction of each row, for O
+    v_stages: cute.Tensor  # the ring's stages as (D, keys) V tiles in shared memory
 
 
 class ConsumerMainloop:
@@ -77,11 +78,28 @@ class ConsumerMainloop:
                 remaining -= 1
             # The last P.V.
             v_handle = kv_consumer.wait_and_advance()
+            if const_expr(self.cfg.cache_lengths):
+                last = kv_tiles.start + kv_tiles.total - 1
+                self.zero_keys_past_end(frags.v_stages[None, None, v_handle.index],
+                                        mask.seqlen_k - last * self.cfg.tile_n, wg)
             issue_gemm(frags.mma_pv, frags.acc_o, self.operand_p(frags.p), frags.v[None, None, None, v_handle.index],
                        False)
             warpgroup.wait_group(0)
             release_by_one_lane(v_handle)
         return kv_consumer
+
+    @cute.jit
+    def zero_keys_past_end(self, v_stage: cute.Tensor, valid: Int32, wg: Int32):
+        """Zero the V rows of keys past a cache's length (``valid`` keys of this tile exist): they
+        hold whatever the cache held there, NaN included, and a probability of 0 does not cancel
+        a NaN in P.V. Both warpgroups write the same zeros, each before its own GEMM reads them."""
+        tile_n, d = self.cfg.tile_n, self.cfg.head_dim
+        if valid < tile_n:
+            lane = cute.arch.thread_idx()[0] % WARPGROUP_THREADS
+            for i in cutlass.range(lane, (tile_n - valid) * d, WARPGROUP_THREADS, unroll=1):
+                v_stage[i % d, valid + i // d] = self.dtype(0.0)
+            cute.arch.fence_view_async_shared()  # the generic-proxy writes, before wgmma reads them
+            cute.arch.barrier(barrier_id=NamedBarrier.KEYS_ZEROED + wg, number_of_threads=WARPGROUP_THREADS)
 
     @cute.jit
     def first_tile(self, kv_tiles, row_base: Int32, mask: FragmentMask, softmax: OnlineSoftmax,

@@ -1,0 +1,73 @@
+"""Host side of decode over a KV cache: how a call is laid out for the kernels and put back.
+
+* **GQA packing**: the ``g`` query heads that share a K/V head become ``g`` rows of one query
+  tile (row ``s * g + j`` is query position s of head ``h_k * g + j``), so each K/V tile is read
+  once per group instead of once per query head. ``pack_gqa``/``unpack_gqa`` move q, O and the
+  LSE between the two layouts (copies of the query rows only: small in decode).
+* **Split-KV** (flash-decoding): when the query tiles of a call cannot fill the GPU, each tile's
+  keys are shared out over ``num_splits`` CTAs (``fmha.masking.split_share``), which write fp32
+  partial outputs with their LSE; ``combine_splits`` merges them exactly (docs/semantics.md,
+  "Merging partial results"). ``choose_num_splits`` picks the count.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+#: at most this many splits (the partials grow with it; beyond it the combine costs more than
+#: the extra SMs give)
+MAX_SPLITS = 64
+#: a split should get at least this many K/V tiles: fewer cost more in start-up than they spread
+MIN_TILES_PER_SPLIT = 2
+
+
+def choose_num_splits(num_tiles: int, num_sms: int, kv_tiles: int) -> int:
+    """Splits per query tile for ``num_tiles`` (query tile, head, batch) tiles of up to
+    ``kv_tiles`` K/V tiles each on ``num_sms`` SMs: none when the tiles nearly fill the GPU, else
+    the fewest whose waves come within 85% of the best wave efficiency (the rule
+    FlashAttention's decode heuristic also follows)."""
+    if num_tiles <= 0 or num_tiles >= 0.8 * num_sms:
+        return 1
+    limit = max(1, min(MAX_SPLITS, kv_tiles // MIN_TILES_PER_SPLIT, num_sms))
+    efficiency = []
+    for n in range(1, limit + 1):
+        waves = num_tiles * n / num_sms
+        efficiency.append(waves / math.ceil(waves))
+    best = max(efficiency)
+    return next(n for n, e in enumerate(efficiency, 1) if e >= 0.85 * best)
+
+
+def pack_gqa(q: torch.Tensor, heads_k: int) -> torch.Tensor:
+    """(B, S_q, H_q, D) -> (B, S_q * g, H_k, D), g = H_q / H_k: row s * g + j of K/V head h is
+    query position s of query head h * g + j."""
+    b, s, hq, d = q.shape
+    g = hq // heads_k
+    return q.view(b, s, heads_k, g, d).transpose(2, 3).reshape(b, s * g, heads_k, d)
+
+
+def unpack_gqa(o: torch.Tensor, lse: Optional[torch.Tensor], seqlen_q: int, out: torch.Tensor,
+               lse_out: Optional[torch.Tensor]) -> None:
+    """Write packed O (B, S_q * g, H_k, D) and LSE (B, H_k, S_q * g) into ``out`` (B, S_q, H_q, D)
+    and ``lse_out`` (B, H_q, S_q)."""
+    b, rows, hk, d = o.shape
+    g = rows // max(seqlen_q, 1)
+    out.copy_(o.view(b, seqlen_q, g, hk, d).transpose(2, 3).reshape(b, seqlen_q, hk * g, d))
+    if lse_out is not None:
+        lse_out.copy_(lse.view(b, hk, seqlen_q, g).transpose(2, 3).reshape(b, hk * g, seqlen_q))
+
+
+def combine_splits(o_parts: torch.Tensor, lse_parts: torch.Tensor, num_splits: int):
+    """Merge ``num_splits`` partial results: ``o_parts`` (n * B, S, H, D) fp32, each split's O
+    normalized over its own keys, ``lse_parts`` (n * B, H, S) their LSE (-inf: the split kept no
+    key). Returns (O (B, S, H, D) fp32, LSE (B, H, S)); a row no split kept is O = 0, LSE = -inf."""
+    nb, s, h, d = o_parts.shape
+    o_parts = o_parts.view(num_splits, nb // num_splits, s, h, d)
+    lse_parts = lse_parts.view(num_splits, nb // num_splits, h, s)
+    lse = torch.logsumexp(lse_parts, dim=0)
+    finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    weights = torch.exp(lse_parts - finite)  # a split that kept nothing weighs 0
+    o = torch.einsum("nbhs,nbshd->bshd", weights, o_parts)
+    return o, lse

@@ -1,0 +1,200 @@
+"""Decode over a KV cache on a Hopper GPU (marked ``gpu``): ``attention_with_kvcache`` through the
+kernel against the fp32 reference on the same inputs, for dense and paged caches (pages shuffled,
+page sizes 16..256, lengths that are not multiples of the page or the tile, empty caches), GQA
+packing, split-KV with the heuristic's and given split counts, appended keys, causal and window
+masks, and rows past each cache's length poisoned with NaN (a kernel that read them into P.V
+would return NaN). Outputs are NaN-poisoned before the call so unwritten elements show. Bad
+lengths and block tables raise through ``fmha.check_device_errors``; a decode call replays from
+a CUDA graph."""
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+
+import fmha
+import gpu_cases
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)), reason="needs a Hopper (SM90) GPU")]
+
+O_TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3}  # relative L2 against the fp32 reference
+LSE_TOL = 1e-3
+
+
+@dataclass(frozen=True)
+class DecodeCase:
+    seqlen_q: int
+    heads_q: int
+    heads_k: int
+    head_dim: int
+    lengths: tuple  # cached keys per sequence (before any appended ones)
+    capacity: int  # keys a sequence can hold
+    page_size: int = 0  # 0: dense cache
+    seqlen_new: int = 0
+    causal: bool = True
+    window: tuple = (None, None)
+    num_splits: Optional[int] = None
+    dtype: torch.dtype = torch.bfloat16
+
+    def name(self) -> str:
+        cache = f"paged{self.page_size}" if self.page_size else "dense"
+        mask = "causal" if self.causal else f"win{self.window}" if self.window != (None, None) else "none"
+        return (f"{cache}-q{self.seqlen_q}-h{self.heads_q}/{self.heads_k}-d{self.head_dim}-L{list(self.lengths)}"
+                f"-new{self.seqlen_new}-{mask}-splits{self.num_splits}-{str(self.dtype)[6:]}")
+
+
+CASES = [
+    DecodeCase(1, 32, 8, 128, (0, 1, 513, 1000), 1000),  # the heuristic splits 32 tiles
+    DecodeCase(1, 32, 8, 128, (0, 1, 513, 1000), 1000, num_splits=1),  # packed, not split
+    DecodeCase(4, 8, 8, 64, (777, 300, 5), 777, num_splits=3),  # not packed, split, causal rows
+    DecodeCase(16, 64, 8, 128, (1999, 17), 2000, causal=False, window=(100, 0)),  # 128 packed rows
+    DecodeCase(20, 16, 2, 128, (640, 31), 700, num_splits=2),  # 160 packed rows: two query tiles
+    DecodeCase(5, 4, 2, 64, (91, 200), 256, causal=False),  # no mask
+    DecodeCase(1, 16, 2, 256, (333, 1000), 1000),
+    DecodeCase(1, 4, 4, 32, (70, 0, 33), 96, page_size=32),
+    DecodeCase(1, 32, 8, 128, (0, 15, 16, 17, 700), 704, page_size=16),
+    DecodeCase(3, 8, 2, 64, (48 * 5 + 7, 1), 48 * 8, page_size=48, num_splits=1),
+    DecodeCase(1, 32, 4, 128, (4000, 256, 257), 4096, page_size=256),
+    DecodeCase(2, 32, 8, 128, (129, 0, 300), 512, page_size=128, seqlen_new=2),
+    DecodeCase(3, 8, 8, 64, (10, 0), 64, seqlen_new=3),
+    DecodeCase(1, 32, 8, 128, (65000,), 65536),  # one long sequence: many splits
+    DecodeCase(1, 32, 8, 128, (0, 0, 0), 512, page_size=64),  # every cache empty
+    DecodeCase(2, 16, 4, 128, (300, 45), 320, page_size=80, causal=False, window=(20, 3), dtype=torch.float16),
+]
+
+
+def _inputs(case: DecodeCase, seed: int):
+    """q, the caches (rows past each length NaN, unused pages NaN), cache_seqlens, block table
+    (pages shuffled, unused entries -1), k_new/v_new."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    batch, dev, dt = len(case.lengths), "cuda", case.dtype
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device=dev).to(dt)
+
+    q = rand(batch, case.seqlen_q, case.heads_q, case.head_dim)
+    dense_k = rand(batch, case.capacity, case.heads_k, case.head_dim)
+    dense_v = rand(batch, case.capacity, case.heads_k, case.head_dim)
+    for b, n in enumerate(case.lengths):
+        dense_k[b, n:] = float("nan")
+        dense_v[b, n:] = float("nan")
+    seqlens = torch.tensor(case.lengths, dtype=torch.int32, device=dev)
+    table = None
+    k_cache, v_cache = dense_k, dense_v
+    if case.page_size:
+        per_seq = case.capacity // case.page_size
+        spare = 3
+        order = torch.randperm(batch * per_seq + spare, generator=torch.Generator().manual_seed(seed))
+        k_cache = torch.full((batch * per_seq + spare, case.page_size, case.heads_k, case.head_dim), float("nan"),
+                             dtype=dt, device=dev)
+        v_cache = torch.full_like(k_cache, float("nan"))
+        table = torch.full((batch, per_seq + 1), -1, dtype=torch.int32, device=dev)
+        for b in range(batch):
+            for i in range(per_seq):
+                page = int(order[b * per_seq + i])
+                table[b, i] = page
+                k_cache[page] = dense_k[b, i * case.page_size:(i + 1) * case.page_size]
+                v_cache[page] = dense_v[b, i * case.page_size:(i + 1) * case.page_size]
+    k_new = v_new = None
+    if case.seqlen_new:
+        k_new = rand(batch, case.seqlen_new, case.heads_k, case.head_dim)
+        v_new = rand(batch, case.seqlen_new, case.heads_k, case.head_dim)
+    return q, k_cache, v_cache, seqlens, table, k_new, v_new
+
+
+def _kwargs(case: DecodeCase) -> dict:
+    return dict(causal=case.causal, window_size=case.window)
+
+
+@pytest.fixture(scope="session")
+def decode_kernels(request, tmp_path_factory):
+    """Every kernel the cases use, compiled in parallel into a fresh disk cache first."""
+    from fmha.jit.launch import sm_count
+    from fmha.kernels.hopper.backend import HopperDecodeRunner
+    from fmha.kvcache import decode_problem
+
+    cache_dir = str(tmp_path_factory.mktemp("decode_kernels"))
+    os.environ["FMHA_CACHE_DIR"] = cache_dir
+    configs = set()
+    for i, case in enumerate(CASES):
+        q, k, v, seqlens, table, k_new, v_new = _inputs(case, i)
+        problem, _ = decode_problem(q, k, v, seqlens, block_table=table, k_new=k_new, v_new=v_new, return_lse=True,
+                                    num_splits=case.num_splits, **_kwargs(case))
+        configs.add(HopperDecodeRunner(problem).plan(problem, sm_count(q.device)).cfg)
+    workers = request.config.getoption("--gpu-workers") or max(1, (os.cpu_count() or 2) - 1)
+    gpu_cases.compile_all(sorted(configs, key=repr), cache_dir, workers)
+    return configs
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c.name() for c in CASES])
+def test_decode_matches_the_reference(index, decode_kernels):
+    case = CASES[index]
+    q, k, v, seqlens, table, k_new, v_new = _inputs(case, index)
+    k_ref, v_ref = k.clone(), v.clone()
+    out = torch.full(q.shape, float("nan"), dtype=case.dtype, device="cuda")
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device="cuda")
+    fmha.attention_with_kvcache(q, k, v, seqlens, block_table=table, k_new=k_new, v_new=v_new, return_lse=True,
+                                out=out, lse=lse, num_splits=case.num_splits, backend="kernel", **_kwargs(case))
+    fmha.check_device_errors()  # a valid call raises no flag
+    want_o, want_lse = fmha.attention_with_kvcache(
+        q, k_ref, v_ref, seqlens, block_table=table, k_new=k_new, v_new=v_new, return_lse=True,
+        out_dtype=torch.float32, backend="reference", **_kwargs(case))
+    assert not out.isnan().any() and not lse.isnan().any()
+    empty = torch.isneginf(want_lse)
+    assert torch.equal(torch.isneginf(lse), empty)
+    assert torch.all(out.transpose(1, 2)[empty] == 0)
+    finite = ~empty
+    if finite.any():
+        assert (lse[finite] - want_lse[finite]).abs().max().item() < LSE_TOL
+        err = (out.float() - want_o).norm().item() / want_o.norm().item()
+        assert err < O_TOL[case.dtype], err
+    if case.seqlen_new:  # the appended keys landed where the reference put them, and only there
+        assert torch.equal(k.nan_to_num(7.0), k_ref.nan_to_num(7.0))
+        assert torch.equal(v.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+
+
+def test_bad_lengths_and_block_tables_raise_through_the_device_flag(decode_kernels):
+    case = CASES[8]  # paged, 16-key pages
+    q, k, v, seqlens, table, _, _ = _inputs(case, 8)
+    too_long = seqlens.clone()
+    too_long[1] = case.capacity + 1
+    fmha.attention_with_kvcache(q, k, v, too_long, block_table=table, backend="kernel")
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        fmha.check_device_errors()
+    bad_table = table.clone()
+    bad_table[4, 3] = k.shape[0] + 5  # a page that does not exist, below sequence 4's length
+    fmha.attention_with_kvcache(q, k, v, seqlens, block_table=bad_table, backend="kernel")
+    with pytest.raises(ValueError, match="block_table"):
+        fmha.check_device_errors()
+    fmha.attention_with_kvcache(q, k, v, seqlens, block_table=table, backend="kernel")
+    fmha.check_device_errors()  # the flag was cleared
+
+
+def test_a_decode_step_replays_from_a_cuda_graph(decode_kernels):
+    case = CASES[0]
+    q, k, v, seqlens, table, _, _ = _inputs(case, 0)
+    out = torch.empty_like(q)
+
+    def step():
+        fmha.attention_with_kvcache(q, k, v, seqlens, block_table=table, out=out, backend="kernel")
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    eager = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    q.copy_(torch.randn_like(q))  # a new query row replays with the new values
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(out, eager) and not out.isnan().any()

@@ -1,0 +1,106 @@
+"""The host side of decode (``fmha.split_kv``) and the tile arithmetic the decode kernel shares
+with the host (``fmha.masking``), on the CPU: a GQA group packed into rows and back is the
+identity, the split combine merges partial results into exactly the attention over all keys,
+the split share of a tile schedule covers each visited tile once with its masking class, and
+packed rows get the K/V tiles of their query positions."""
+
+import math
+
+import pytest
+import torch
+
+from fmha import split_kv
+from fmha.masking import KvTileSchedule, MaskKind, kv_tile_schedule, row_key_bounds, split_share
+
+
+def test_pack_then_unpack_is_the_identity():
+    b, s, hk, g, d = 2, 3, 2, 4, 8
+    q = torch.randn(b, s, hk * g, d)
+    packed = split_kv.pack_gqa(q, hk)
+    assert packed.shape == (b, s * g, hk, d)
+    # row s * g + j of K/V head h is query position s of head h * g + j
+    assert torch.equal(packed[1, 2 * g + 3, 1], q[1, 2, 1 * g + 3])
+    lse = torch.randn(b, hk, s * g)
+    out, lse_out = torch.empty_like(q), torch.empty(b, hk * g, s)
+    split_kv.unpack_gqa(packed, lse, s, out, lse_out)
+    assert torch.equal(out, q)
+    assert lse_out[1, 1 * g + 3, 2] == lse[1, 1, 2 * g + 3]
+
+
+def _attend(q, k, v, keep):
+    """Softmax attention of rows q (S, D) over keys k, v with a (S, L) keep mask: (O, LSE)."""
+    scores = (q @ k.T).masked_fill(~keep, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse)[:, None])
+    return probs @ v, lse
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_combining_splits_is_attention_over_all_keys(num_splits):
+    torch.manual_seed(0)
+    s, length, d = 6, 23, 8
+    q, k, v = torch.randn(s, d, dtype=torch.float64), torch.randn(length, d, dtype=torch.float64), \
+        torch.randn(length, d, dtype=torch.float64)
+    keep = torch.ones(s, length, dtype=torch.bool)
+    keep[0] = False  # a row that keeps nothing: O = 0, LSE = -inf
+    keep[1, 10:] = False  # a row whose keys all lie in the first splits
+    want_o, want_lse = _attend(q, k, v, keep)
+    bounds = torch.linspace(0, length, num_splits + 1).round().long().tolist()
+    o_parts = torch.empty(num_splits, s, 1, d, dtype=torch.float64)  # (n * B, S, H, D) with B = H = 1
+    lse_parts = torch.empty(num_splits, 1, s, dtype=torch.float64)
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        o, lse = _attend(q, k[lo:hi], v[lo:hi], keep[:, lo:hi])
+        o_parts[i, :, 0], lse_parts[i, 0] = o, lse
+    o, lse = split_kv.combine_splits(o_parts, lse_parts, num_splits)
+    assert torch.allclose(o[0, :, 0], want_o, atol=1e-12)
+    assert torch.equal(torch.isneginf(lse[0, 0]), torch.isneginf(want_lse))
+    finite = ~torch.isneginf(want_lse)
+    assert torch.allclose(lse[0, 0][finite], want_lse[finite], atol=1e-12)
+    assert torch.all(o[0, 0] == 0)
+
+
+def test_num_splits_fill_the_gpu_only_when_the_tiles_do_not():
+    assert split_kv.choose_num_splits(num_tiles=512, num_sms=132, kv_tiles=64) == 1
+    n = split_kv.choose_num_splits(num_tiles=8, num_sms=132, kv_tiles=1024)  # B=1, 8 K/V heads, 131k keys
+    assert 8 <= n <= split_kv.MAX_SPLITS and 8 * n <= 132 * 1.2
+    assert split_kv.choose_num_splits(num_tiles=8, num_sms=132, kv_tiles=3) == 1  # too few tiles to share
+    assert split_kv.choose_num_splits(num_tiles=0, num_sms=132, kv_tiles=10) == 1
+
+
+@pytest.mark.parametrize("start,lead,full,trail", [(0, 1, 10, 1), (3, 2, 0, 0), (0, 0, 7, 1), (5, 0, 0, 0)])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 8, 20])
+def test_split_shares_cover_each_tile_once_with_its_class(start, lead, full, trail, num_splits):
+    whole = KvTileSchedule(start, lead, full, trail)
+    classes = {}
+    for t in range(start, start + whole.total):
+        classes[t] = t < start + lead or t >= start + lead + full  # masked?
+    seen = {}
+    for split in range(num_splits):
+        part = split_share(whole, split, num_splits)
+        assert part.total >= 0 and min(part.leading_masked, part.unmasked, part.trailing_masked) >= 0
+        for i in range(part.total):
+            t = part.start + i
+            masked = i < part.leading_masked or i >= part.leading_masked + part.unmasked
+            assert t not in seen and classes[t] == masked
+            seen[t] = split
+    assert sorted(seen) == list(classes)
+
+
+@pytest.mark.parametrize("rows_per_query", [1, 4, 8])
+@pytest.mark.parametrize("window", [(None, 0), (5, 0), (None, None), (17, 3)])
+def test_packed_rows_visit_the_tiles_of_their_positions(rows_per_query, window):
+    tile_m, tile_n = 16, 8
+    positions, seqlen_k = 9, 61
+    rows = positions * rows_per_query
+    left, right = window
+    kind = MaskKind.NONE if window == (None, None) else MaskKind.WINDOW
+    for m_block in range(-(-rows // tile_m)):
+        sched = kv_tile_schedule(m_block, tile_m, tile_n, rows, seqlen_k, kind, left, right, True,
+                                 rows_per_query=rows_per_query)
+        first, last = m_block * tile_m, min((m_block + 1) * tile_m, rows) - 1
+        kept = set()
+        for r in range(first, last + 1):
+            lo, hi = row_key_bounds(r // rows_per_query, positions, seqlen_k, kind, left, right, True)
+            kept |= {key // tile_n for key in range(lo, hi)}
+        visited = set(range(sched.start, sched.start + sched.total))
+        assert kept == visited
