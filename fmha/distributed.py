@@ -230,8 +230,8 @@ class _Shards:
     (``calls(src)``), the sequence dim of q/out (1 dense, 0 packed; the LSE's is the last), the
     index tensors named by selections, and the local function pair to call."""
 
-    def __init__(self, rank: int, world: int, rows: int, varlen: bool, planner, index=None):
-        self.rank, self.world, self.rows, self.varlen = rank, world, rows, varlen
+    def __init__(self, rank: int, world: int, rows: int, varlen: bool, planner, index=None, backend="auto"):
+        self.rank, self.world, self.rows, self.varlen, self.backend = rank, world, rows, varlen, backend
         self.dim = 0 if varlen else 1
         self.index: Dict[str, torch.Tensor] = index or {}
         self._planner = planner
@@ -249,18 +249,20 @@ class _Shards:
 
     def forward(self, q, k, v, call: _Call, softmax_scale):
         fn = api.attention_varlen if self.varlen else api.attention
-        return fn(q, k, v, softmax_scale=softmax_scale, return_lse=True, **call.kw)
+        return fn(q, k, v, softmax_scale=softmax_scale, return_lse=True, backend=self.backend, **call.kw)
 
-    @staticmethod
-    def backward(dout, q, k, v, out, lse, call: _Call, softmax_scale):
-        return api.attention_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, **call.kw)
-
-
-def _dense_shards(layout, rank, world, s, left, right) -> _Shards:
-    return _Shards(rank, world, s, False, lambda src: _dense_calls(layout, rank, src, world, s, left, right))
+    def backward(self, dout, q, k, v, out, lse, call: _Call, softmax_scale):
+        return api.attention_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, backend=self.backend,
+                                      **call.kw)
 
 
-def _varlen_shards(layout, rank, world, offsets: List[int], cu: torch.Tensor, causal: bool) -> _Shards:
+def _dense_shards(layout, rank, world, s, left, right, backend="auto") -> _Shards:
+    return _Shards(rank, world, s, False, lambda src: _dense_calls(layout, rank, src, world, s, left, right),
+                   backend=backend)
+
+
+def _varlen_shards(layout, rank, world, offsets: List[int], cu: torch.Tensor, causal: bool,
+                   backend="auto") -> _Shards:
     """Packed documents, each cut like a whole sequence: every call is one varlen call over all
     documents. Causal zigzag, per source rank src: src == rank, causal over the whole shard;
     src < rank, every query row against the first chunk of every document, unmasked; src > rank,
@@ -302,7 +304,7 @@ def _varlen_shards(layout, rank, world, offsets: List[int], cu: torch.Tensor, ca
             return [_Call(every, "first", tuple(dict(against_first, causal=False).items()))]
         return [_Call("second", every, tuple(dict(second_against_all, causal=False).items()))]
 
-    return _Shards(rank, world, t_local, True, plan, index)
+    return _Shards(rank, world, t_local, True, plan, index, backend)
 
 
 # ---------------------------------------------------------------------------- merging
@@ -660,12 +662,14 @@ def _check_method(method) -> None:
         raise ValueError(f"method must be one of {tuple(_METHODS)}, got {method!r}")
 
 
-def _check_shards(q, k, v, group, layout, causal, window_size, softmax_scale) -> Tuple[Optional[int], Optional[int]]:
+def _check_shards(q, k, v, group, layout, causal, window_size, softmax_scale,
+                  backend="auto") -> Tuple[Optional[int], Optional[int]]:
     """The mask's (left, right). Local problems become an error code that every rank sees in the
     exchange of metadata, so all ranks raise together."""
     problem = ""
     try:
         _check_layout_name(layout)
+        api.check_backend_name(backend)
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise ValueError(f"{name} must be a 4-D (B, S_local, H, D) tensor")
@@ -684,7 +688,7 @@ def _check_shards(q, k, v, group, layout, causal, window_size, softmax_scale) ->
     except (TypeError, ValueError) as e:
         problem, left, right = f"{type(e).__name__}: {e}", None, None
     meta = [layout, bool(causal), tuple(window_size) if isinstance(window_size, (tuple, list)) else None,
-            softmax_scale] + ([tuple(t.shape) for t in (q, k, v)] + [str(q.dtype)] if not problem else [])
+            softmax_scale, backend] + ([tuple(t.shape) for t in (q, k, v)] + [str(q.dtype)] if not problem else [])
     _agree(group, "context_parallel_attention", problem, meta, "shards, layouts or masks")
     return left, right
 
@@ -697,29 +701,32 @@ def _group_device(group) -> torch.device:
 
 
 def context_parallel_attention(q, k, v, *, group=None, causal=False, window_size=(None, None),
-                               layout="zigzag", softmax_scale=None, return_lse=False, method="ring"):
+                               layout="zigzag", softmax_scale=None, return_lse=False, method="ring", backend="auto"):
     """Attention over a sequence sharded across ``group`` (default: the world): each rank passes
     its shard (B, S_local, H, D) of q, k and v in ``layout`` and gets the output rows of its
     shard (and their LSE (B, H_q, S_local) with ``return_lse``). ``causal``/``window_size`` are
     those of the full sequence. Differentiable in q, k and v. ``method``: ``"ring"`` passes the
     K/V shards around; ``"all_gather"`` gathers every shard at once (for short K/V, e.g. GQA with
-    few K/V heads), its backward sums the K/V gradients with one reduce-scatter."""
+    few K/V heads), its backward sums the K/V gradients with one reduce-scatter. ``backend`` is
+    passed to every local call (``"kernel"``: raise rather than fall back to the reference)."""
     _check_method(method)
-    left, right = _check_shards(q, k, v, group, layout, causal, window_size, softmax_scale)
+    left, right = _check_shards(q, k, v, group, layout, causal, window_size, softmax_scale, backend)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     ring = _Ring(group)
-    shards = _dense_shards(layout, ring.rank, ring.world, q.shape[1], left, right)
+    shards = _dense_shards(layout, ring.rank, ring.world, q.shape[1], left, right, backend)
     out, lse = _ContextParallelAttention.apply(q, k, v, ring, shards, float(softmax_scale), method)
     return (out, lse) if return_lse else out
 
 
-def _check_varlen_shards(q, k, v, cu_seqlens, group, layout, causal, window_size, softmax_scale) -> List[int]:
+def _check_varlen_shards(q, k, v, cu_seqlens, group, layout, causal, window_size, softmax_scale,
+                         backend="auto") -> List[int]:
     """The global offsets, read on the host (one sync per call). As ``_check_shards``, and the
     ranks' offsets must be equal."""
     problem, offsets = "", None
     try:
         _check_layout_name(layout)
+        api.check_backend_name(backend)
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 3:
                 raise ValueError(f"{name} must be a 3-D (T_local, H, D) tensor of packed documents")
@@ -748,14 +755,15 @@ def _check_varlen_shards(q, k, v, cu_seqlens, group, layout, causal, window_size
                              f"{q.shape[0] * world}")
     except (TypeError, ValueError) as e:
         problem = f"{type(e).__name__}: {e}"
-    meta = [layout, bool(causal), softmax_scale] + (
+    meta = [layout, bool(causal), softmax_scale, backend] + (
         [tuple(t.shape) for t in (q, k, v)] + [str(q.dtype), offsets] if not problem else [])
     _agree(group, "context_parallel_attention_varlen", problem, meta, "shards, layouts, masks or cu_seqlens")
     return offsets
 
 
 def context_parallel_attention_varlen(q, k, v, cu_seqlens, *, group=None, causal=False, window_size=(None, None),
-                                      layout="zigzag", softmax_scale=None, return_lse=False, method="ring"):
+                                      layout="zigzag", softmax_scale=None, return_lse=False, method="ring",
+                                      backend="auto"):
     """Attention over packed documents sharded across ``group``: ``cu_seqlens`` are the GLOBAL
     document offsets (int32, on q's device, the same on every rank), each document cut like a
     whole sequence (``shard_varlen``), so each rank's shard (T_local, H, D) is the concatenation
@@ -764,12 +772,12 @@ def context_parallel_attention_varlen(q, k, v, cu_seqlens, *, group=None, causal
     ``causal`` applies per document; sliding windows are refused. ``cu_seqlens`` is read on the
     host once per call (the check that every rank has the same); the local calls are given their
     max lengths, so they read nothing back. Differentiable in q, k and v; ``method`` as for
-    :func:`context_parallel_attention`."""
+    :func:`context_parallel_attention`, and ``backend``."""
     _check_method(method)
-    offsets = _check_varlen_shards(q, k, v, cu_seqlens, group, layout, causal, window_size, softmax_scale)
+    offsets = _check_varlen_shards(q, k, v, cu_seqlens, group, layout, causal, window_size, softmax_scale, backend)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     ring = _Ring(group)
-    shards = _varlen_shards(layout, ring.rank, ring.world, offsets, cu_seqlens, bool(causal))
+    shards = _varlen_shards(layout, ring.rank, ring.world, offsets, cu_seqlens, bool(causal), backend)
     out, lse = _ContextParallelAttention.apply(q, k, v, ring, shards, float(softmax_scale), method)
     return (out, lse) if return_lse else out
