@@ -16,10 +16,10 @@ from typing import Dict
 
 import torch
 
-#: what a kernel writes into the flag (the last writer wins where a call has several)
+#: the bits a kernel ORs into the flag (``kernels/common/errors.flag_error``)
 BAD_OFFSETS = 1
 BAD_CACHE_LENGTH = 2
-BAD_BLOCK_TABLE = 3
+BAD_BLOCK_TABLE = 4
 
 _MESSAGES = {
     BAD_OFFSETS: "an earlier varlen call on this GPU had invalid cu_seqlens (checked on the device because "
@@ -76,7 +76,8 @@ def _raise_if_set(state: _DeviceFlag) -> None:
     if code:
         state.host.zero_()
         state.flag.zero_()
-        raise ValueError(_MESSAGES.get(code, f"a kernel on this GPU reported input error {code}"))
+        found = [text for bit, text in _MESSAGES.items() if code & bit]
+        raise ValueError("; and ".join(found) or f"a kernel on this GPU reported input error {code}")
 
 
 def raise_pending(device: torch.device) -> None:

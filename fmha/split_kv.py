@@ -6,8 +6,8 @@
   LSE between the two layouts (copies of the query rows only: small in decode).
 * **Split-KV** (flash-decoding): when the query tiles of a call cannot fill the GPU, each tile's
   keys are shared out over ``num_splits`` CTAs (``fmha.masking.split_share``), which write fp32
-  partial outputs with their LSE; ``combine_splits`` merges them exactly (docs/semantics.md,
-  "Merging partial results"). ``choose_num_splits`` picks the count.
+  partial outputs with their LSE; the combine pass (``kernels/common/split_combine.py``) merges
+  them exactly and unpacks the rows. ``choose_num_splits`` picks the count.
 """
 
 from __future__ import annotations
@@ -57,17 +57,3 @@ def unpack_gqa(o: torch.Tensor, lse: Optional[torch.Tensor], seqlen_q: int, out:
     out.copy_(o.view(b, seqlen_q, g, hk, d).transpose(2, 3).reshape(b, seqlen_q, hk * g, d))
     if lse_out is not None:
         lse_out.copy_(lse.view(b, hk, seqlen_q, g).transpose(2, 3).reshape(b, hk * g, seqlen_q))
-
-
-def combine_splits(o_parts: torch.Tensor, lse_parts: torch.Tensor, num_splits: int):
-    """Merge ``num_splits`` partial results: ``o_parts`` (n * B, S, H, D) fp32, each split's O
-    normalized over its own keys, ``lse_parts`` (n * B, H, S) their LSE (-inf: the split kept no
-    key). Returns (O (B, S, H, D) fp32, LSE (B, H, S)); a row no split kept is O = 0, LSE = -inf."""
-    nb, s, h, d = o_parts.shape
-    o_parts = o_parts.view(num_splits, nb // num_splits, s, h, d)
-    lse_parts = lse_parts.view(num_splits, nb // num_splits, h, s)
-    lse = torch.logsumexp(lse_parts, dim=0)
-    finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    weights = torch.exp(lse_parts - finite)  # a split that kept nothing weighs 0
-    o = torch.einsum("nbhs,nbshd->bshd", weights, o_parts)
-    return o, lse

@@ -1,10 +1,7 @@
 """The host side of decode (``fmha.split_kv``) and the tile arithmetic the decode kernel shares
 with the host (``fmha.masking``), on the CPU: a GQA group packed into rows and back is the
-identity, the split combine merges partial results into exactly the attention over all keys,
-the split share of a tile schedule covers each visited tile once with its masking class, and
+identity, the split share of a tile schedule covers each visited tile once with its masking class, and
 packed rows get the K/V tiles of their query positions."""
-
-import math
 
 import pytest
 import torch
@@ -25,38 +22,6 @@ def test_pack_then_unpack_is_the_identity():
     split_kv.unpack_gqa(packed, lse, s, out, lse_out)
     assert torch.equal(out, q)
     assert lse_out[1, 1 * g + 3, 2] == lse[1, 1, 2 * g + 3]
-
-
-def _attend(q, k, v, keep):
-    """Softmax attention of rows q (S, D) over keys k, v with a (S, L) keep mask: (O, LSE)."""
-    scores = (q @ k.T).masked_fill(~keep, -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse)[:, None])
-    return probs @ v, lse
-
-
-@pytest.mark.parametrize("num_splits", [1, 2, 5])
-def test_combining_splits_is_attention_over_all_keys(num_splits):
-    torch.manual_seed(0)
-    s, length, d = 6, 23, 8
-    q, k, v = torch.randn(s, d, dtype=torch.float64), torch.randn(length, d, dtype=torch.float64), \
-        torch.randn(length, d, dtype=torch.float64)
-    keep = torch.ones(s, length, dtype=torch.bool)
-    keep[0] = False  # a row that keeps nothing: O = 0, LSE = -inf
-    keep[1, 10:] = False  # a row whose keys all lie in the first splits
-    want_o, want_lse = _attend(q, k, v, keep)
-    bounds = torch.linspace(0, length, num_splits + 1).round().long().tolist()
-    o_parts = torch.empty(num_splits, s, 1, d, dtype=torch.float64)  # (n * B, S, H, D) with B = H = 1
-    lse_parts = torch.empty(num_splits, 1, s, dtype=torch.float64)
-    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-        o, lse = _attend(q, k[lo:hi], v[lo:hi], keep[:, lo:hi])
-        o_parts[i, :, 0], lse_parts[i, 0] = o, lse
-    o, lse = split_kv.combine_splits(o_parts, lse_parts, num_splits)
-    assert torch.allclose(o[0, :, 0], want_o, atol=1e-12)
-    assert torch.equal(torch.isneginf(lse[0, 0]), torch.isneginf(want_lse))
-    finite = ~torch.isneginf(want_lse)
-    assert torch.allclose(lse[0, 0][finite], want_lse[finite], atol=1e-12)
-    assert torch.all(o[0, 0] == 0)
 
 
 def test_num_splits_fill_the_gpu_only_when_the_tiles_do_not():

@@ -15,6 +15,8 @@ from cutlass import Int32
 
 from fmha.device_errors import BAD_BLOCK_TABLE, BAD_CACHE_LENGTH
 
+from .errors import flag_error
+
 
 # Frozen: the DSL treats it as read-only inside dynamic loops.
 @dataclass(frozen=True)
@@ -37,17 +39,20 @@ class KvCache:
     def flag_bad_length(self, batch: Int32, mK_tma: cute.Tensor):
         length = self.seqlens[batch]
         if length < 0 or length > self.capacity(mK_tma):
-            self.errors[0] = Int32(BAD_CACHE_LENGTH)
+            flag_error(self.errors, BAD_CACHE_LENGTH)
+
+    def page_of(self, batch: Int32, key: Int32) -> Int32:
+        """The block-table entry of sequence ``batch``'s key ``key`` (the table's last column
+        for keys past it), unchecked: ``physical_row`` checks it."""
+        return self.block_table[batch, cutlass.min(key // self.page_size, self.block_table.shape[1] - 1)]
 
     @cute.jit
-    def physical_row(self, batch: Int32, key: Int32, seqlen_k: Int32, num_rows: Int32) -> Int32:
-        """The cache row of sequence ``batch``'s key ``key``. Keys past the sequence (the rest of
+    def physical_row(self, page: Int32, key: Int32, seqlen_k: Int32, num_rows: Int32) -> Int32:
+        """The cache row of a key in ``page`` (``page_of``). Keys past the sequence (the rest of
         its last tile) read a clamped page: the kernel masks them and zeroes their V rows."""
         ps = self.page_size
-        logical = cutlass.min(key // ps, self.block_table.shape[1] - 1)
-        page = self.block_table[batch, logical]
         num_pages = num_rows // ps
         if (page < 0 or page >= num_pages) and key < seqlen_k:
-            self.errors[0] = Int32(BAD_BLOCK_TABLE)
+            flag_error(self.errors, BAD_BLOCK_TABLE)
         page = cutlass.min(cutlass.max(page, 0), num_pages - 1)
         return page * ps + key % ps

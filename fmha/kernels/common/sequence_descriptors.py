@@ -16,6 +16,9 @@ from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import TensorMapManager, TensorMapUpdateMode
 
+from fmha.device_errors import BAD_OFFSETS
+
+from .errors import flag_error
 from .seqinfo import SequenceInfo
 
 #: which descriptor of a sequence's (forward: q, k, v; backward: q, k, v, dO, dQ accumulator)
@@ -82,7 +85,7 @@ def flag_bad_offsets(mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, batch, 
     if batch == num_batches - 1:
         bad = bad or mCuSeqlensQ[num_batches] != total_q or mCuSeqlensK[num_batches] != total_k
     if bad:
-        mErrors[0] = Int32(1)
+        flag_error(mErrors, BAD_OFFSETS)
 
 
 class SequenceDescriptors:

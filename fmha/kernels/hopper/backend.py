@@ -130,6 +130,21 @@ class HopperRunner:
         )
 
 
+def compile_split_combine(cfg, extra_options: str = ""):
+    """Compile the split-KV combine pass (``kernels/common/split_combine.py``) for sm_90a."""
+    import cutlass
+    from cutlass import Int32
+
+    from ..common.split_combine import SplitCombine
+
+    o_parts = fake_rows(cutlass.Float32, 4, cfg.head_dim)
+    lse_parts = fake_rows(cutlass.Float32, 3, None, align_bytes=4)
+    o = fake_rows(cutlass_dtype(cfg.out_dtype), 4, cfg.head_dim)
+    lse = fake_rows(cutlass.Float32, 3, None, align_bytes=4) if cfg.has_lse else None
+    return compile_for(ARCH, SplitCombine(cfg), o_parts, lse_parts, o, lse, Int32(1), Int32(1),
+                       extra_options=extra_options)
+
+
 def why_unsupported_decode(problem) -> list:
     """Every reason the decode configuration cannot serve an ``attention_with_kvcache`` call."""
     reasons = []
@@ -190,9 +205,7 @@ class HopperDecodeRunner:
                 lse.fill_(float("-inf"))
             return
         plan = self.plan(problem, sm_count(q.device))
-        kernel = self._compiled.get(plan.cfg)
-        if kernel is None:
-            kernel = self._compiled[plan.cfg] = disk_cache.load_or_compile(plan.cfg, compile_forward)
+        kernel = self.load(plan.cfg, compile_forward)
         q_in = split_kv.pack_gqa(q, problem.heads_k) if plan.packed else q
         if problem.page_size:  # the kernel reads the pages as one run of rows
             k_cache = k_cache.flatten(0, 1).unsqueeze(0)
@@ -211,14 +224,19 @@ class HopperDecodeRunner:
                lengths, block_table, rows, problem.score_scale_log2, problem.output_scale, m.window_left,
                m.window_right, sm_count(q.device), splits if plan.cfg.split_kv else None,
                problem.page_size if plan.cfg.page_run else None)
-        if splits > 1:
-            o_k, lse_k = split_kv.combine_splits(o_k, lse_k, splits)
-        if plan.packed:
+        if splits > 1:  # merged, and unpacked on the way
+            from ..common.split_combine import SplitCombineConfig
+
+            combine = self.load(SplitCombineConfig(out.dtype, d, lse is not None), compile_split_combine)
+            combine(o_k, lse_k, out, lse, splits, h_q // heads)
+        elif plan.packed:
             split_kv.unpack_gqa(o_k, lse_k, s_q, out, lse)
-        elif splits > 1:
-            out.copy_(o_k)
-            if lse is not None:
-                lse.copy_(lse_k)
+
+    def load(self, cfg, compile_fn) -> Callable:
+        kernel = self._compiled.get(cfg)
+        if kernel is None:
+            kernel = self._compiled[cfg] = disk_cache.load_or_compile(cfg, compile_fn)
+        return kernel
 
 
 def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
