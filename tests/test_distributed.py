@@ -351,3 +351,19 @@ def test_each_varlen_ring_step_keeps_what_the_document_mask_keeps_exactly_once(w
                 block = torch.zeros_like(want)
                 block[q_pos[:, None], k_pos[None, :]] = want[q_pos[:, None], k_pos[None, :]]
                 assert torch.equal(got, block), (layout, causal, rank, src)
+
+
+def test_the_two_gpu_benchmark_runs_on_the_cpu(tmp_path):
+    """``lab.bench_context_parallel --smoke``: the same measurements with gloo at tiny sizes."""
+    import json
+
+    from lab import bench_context_parallel as bench
+
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "context_parallel.json").read_text())
+    assert len(report["rows"]) == 3 and (tmp_path / "context_parallel.md").exists()
+    for row in report["rows"]:
+        assert row["rel_l2_vs_one"] < 2e-2  # the two-rank output and gradients are the one-rank ones
+        for key in ("one_fwd", "two_step", "compute_step", "comm_step", "kv_exchange", "merge", "ratio_step"):
+            assert row[key] > 0, key
+    assert report["rows"][0]["extrapolated_8"]["gpus"] == 8
