@@ -162,7 +162,7 @@ def test_bad_lengths_and_block_tables_raise_through_the_device_flag(decode_kerne
     case = CASES[8]  # paged, 16-key pages
     q, k, v, seqlens, table, _, _ = _inputs(case, 8)
     too_long = seqlens.clone()
-    too_long[1] = case.capacity + 1
+    too_long[1] = table.shape[1] * case.page_size + 1  # past what the block table can hold
     fmha.attention_with_kvcache(q, k, v, too_long, block_table=table, backend="kernel")
     with pytest.raises(ValueError, match="cache_seqlens"):
         fmha.check_device_errors()

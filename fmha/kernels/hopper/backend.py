@@ -178,6 +178,7 @@ class HopperDecodeRunner:
     def __init__(self, problem):
         self.tile_m, self.tile_n = min(allowed_tiles(problem.dtype, problem.head_dim))
         self._compiled = {}
+        self._plans = {}  # a decode loop repeats its problem: plan it once
 
     def plan(self, problem, num_sms: int) -> DecodePlan:
         from fmha import split_kv
@@ -204,7 +205,11 @@ class HopperDecodeRunner:
             if lse is not None:
                 lse.fill_(float("-inf"))
             return
-        plan = self.plan(problem, sm_count(q.device))
+        plan = self._plans.get(problem)
+        if plan is None:
+            if len(self._plans) > 1024:
+                self._plans.clear()
+            plan = self._plans[problem] = self.plan(problem, sm_count(q.device))
         kernel = self.load(plan.cfg, compile_forward)
         q_in = split_kv.pack_gqa(q, problem.heads_k) if plan.packed else q
         if problem.page_size:  # the kernel reads the pages as one run of rows
