@@ -448,6 +448,13 @@ t0 = time.perf_counter()
 if sys.argv[1] == "fmha":
     import fmha
     o = fmha.attention(q, k, v, causal=True, backend="kernel")
+elif sys.argv[1] == "fmha_decode":  # one decode step over a paged cache (pages of 64, GQA 8:2)
+    import fmha
+    o = fmha.attention_with_kvcache(q[:, -1:], k.view(2, 64, 8, 128)[:, :, :2].contiguous(),
+                                    v.view(2, 64, 8, 128)[:, :, :2].contiguous(),
+                                    torch.tensor([128], dtype=torch.int32, device="cuda"),
+                                    block_table=torch.tensor([[1, 0]], dtype=torch.int32, device="cuda"),
+                                    backend="kernel")
 else:
     from flash_attn.cute import flash_attn_func
     o = flash_attn_func(q, k, v, causal=True)
@@ -456,7 +463,12 @@ torch.cuda.synchronize()
 elapsed = time.perf_counter() - t0
 from fmha.masking import MaskSpec
 from fmha.reference import attention_reference
-ref, _ = attention_reference(q, k, v, mask=MaskSpec.from_args(causal=True))
+if sys.argv[1] == "fmha_decode":
+    kk = torch.cat([k.view(2, 64, 8, 128)[1:, :, :2], k.view(2, 64, 8, 128)[:1, :, :2]], 1).reshape(1, 128, 2, 128)
+    vv = torch.cat([v.view(2, 64, 8, 128)[1:, :, :2], v.view(2, 64, 8, 128)[:1, :, :2]], 1).reshape(1, 128, 2, 128)
+    ref, _ = attention_reference(q[:, -1:], kk, vv, mask=MaskSpec.from_args(causal=False))
+else:
+    ref, _ = attention_reference(q, k, v, mask=MaskSpec.from_args(causal=True))
 err = ((o.float() - ref).norm() / ref.norm()).item()
 print(json.dumps({"first_call_s": elapsed, "rel_l2": err}))
 """
@@ -474,7 +486,7 @@ def measure_startup(impls: dict, torch) -> list[dict]:
     import tempfile
 
     rows = []
-    for impl in [i for i in ("fmha", "fa4") if i in impls]:
+    for impl in [i for i in ("fmha", "fmha_decode", "fa4") if i in impls or i == "fmha_decode" and "fmha" in impls]:
         with tempfile.TemporaryDirectory() as cache:
             env = dict(os.environ, CUTE_DSL_CACHE_DIR=cache, FMHA_CACHE_DIR=os.path.join(cache, "fmha"))
             for run in ("cold", "warm"):
@@ -524,6 +536,10 @@ def startup_table(rows: list[dict]) -> str:
         a, b = get("first_call", "fmha", "first_call_s", run), get("first_call", "fa4", "first_call_s", run)
         lines.append(f"| first call in a fresh process, {run} cache (s) | {a if a is None else f'{a:.2f}'} | "
                      f"{b if b is None else f'{b:.2f}'} | - | {f'{a / b:.2f}' if a and b else '-'} |")
+    for run in ("cold", "warm"):
+        a = get("first_call", "fmha_decode", "first_call_s", run)
+        if a is not None:
+            lines.append(f"| first decode step (paged cache) in a fresh process, {run} cache (s) | {a:.2f} | - | - | - |")
     a, b, c = (get("small_call", i, "us_per_call") for i in ("fmha", "fa4", "cudnn"))
     fmt = lambda x: "-" if x is None else f"{x:.1f}"
     lines.append(f"| B=1 H=8 S=128 D=128, whole call (us) | {fmt(a)} | {fmt(b)} | {fmt(c)} | "

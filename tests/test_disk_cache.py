@@ -47,3 +47,36 @@ def test_disabled_cache_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("FMHA_DISK_CACHE", "0")
     disk_cache.load_or_compile(CFG, compile_kernel)
     assert not list(tmp_path.iterdir())
+
+
+_FRESH_PROCESS = r"""
+import sys
+from fmha.jit import disk_cache
+from kernel_configs import library_config
+import torch
+
+def refuse(cfg):
+    raise AssertionError("compiled instead of loaded")
+
+kernel = disk_cache.load_or_compile(library_config(torch.bfloat16, 64, "none", lse=False), refuse)
+print(callable(kernel), "cutlass" in sys.modules)
+"""
+
+
+@pytest.mark.skipif(not disk_cache.c_compiler(), reason="no C compiler to link the shared library")
+def test_a_fresh_process_loads_the_shared_library_without_the_dsl(tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("FMHA_CACHE_DIR", str(tmp_path))
+    disk_cache.load_or_compile(CFG, compile_kernel)
+    assert len(list(tmp_path.glob("*.so"))) == 1
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__)] + sys.path))
+    res = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.stdout.split() == ["True", "False"], res.stderr[-2000:]  # loaded, and the DSL never imported
+    (tmp_path / f"{disk_cache.entry_name(CFG)}.so").write_bytes(b"not a library")
+    res = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.stdout.split()[0] == "True", res.stderr[-2000:]  # the object file, through the DSL

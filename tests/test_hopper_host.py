@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("cutlass")
 
 from fmha.jit import launch  # noqa: E402
-from fmha.kernels.common.fragments import FP8_KEY_ORDER  # noqa: E402
+from fmha.kernels.common.fp8_order import FP8_KEY_ORDER  # noqa: E402
 from fmha.kernels.hopper import config as hc  # noqa: E402
 from fmha.kernels.hopper.backend import HopperRunner  # noqa: E402
 from fmha.kernels.hopper.config import HopperForwardConfig, OStore, Schedule  # noqa: E402

@@ -434,15 +434,14 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         """One K (``is_k``) or V tile of keys ``n_block * tile_n ..`` into the ring's next stage."""
         cfg = self.cfg
         rows = cfg.kv_load_rows
-        # Every run's block-table entry is loaded first, so the loads overlap instead of each
-        # waiting behind the previous run's check and TMA issue.
-        keys = [n_block * cfg.tile_n + run * rows for run in range(cfg.tile_n // rows)]
-        pages = [cache.page_of(batch, key) for key in keys]
-        cache_rows = [cache.physical_row(page, key, seq.seqlen_k, m_cur.shape[0 if is_k else 1])
-                      for page, key in zip(pages, keys)]
+        runs = cfg.tile_n // rows
+        # Lane i of the producer warp looks up run i's page: one block-table round trip per tile
+        # instead of one per run, which bounded 16-key pages by the loads' latency.
+        key = n_block * cfg.tile_n + cutlass.min(cute.arch.lane_idx(), runs - 1) * rows
+        lane_row = cache.physical_row(cache.page_of(batch, key), key, seq.seqlen_k, m_cur.shape[0 if is_k else 1])
         handle = kv_producer.acquire_and_advance()
-        for run in cutlass.range_constexpr(cfg.tile_n // rows):
-            row = cache_rows[run]
+        for run in cutlass.range_constexpr(runs):
+            row = cute.arch.shuffle_sync(lane_row, run)
             stage = s_stages[None, None, handle.index]
             if const_expr(is_k):
                 dst = cute.local_tile(stage, (rows, cfg.head_dim), (run, 0))

@@ -27,7 +27,7 @@ import torch
 
 from fmha.jit import disk_cache
 
-from ..common.fragments import FP8_KEY_BLOCK as KEY_BLOCK
+from ..common.fp8_order import FP8_KEY_BLOCK as KEY_BLOCK
 
 
 @functools.lru_cache(maxsize=16)

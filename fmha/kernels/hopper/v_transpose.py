@@ -18,8 +18,8 @@ from cutlass import Int32, const_expr
 
 from fmha.jit.compile import compile_for
 
-from ..common.fragments import FP8_KEY_BLOCK as KEY_BLOCK
-from ..common.fragments import FP8_KEY_ORDER
+from ..common.fp8_order import FP8_KEY_BLOCK as KEY_BLOCK
+from ..common.fp8_order import FP8_KEY_ORDER
 _THREADS = 128
 
 # Slots 4w .. 4w + 3 of a block hold the keys base, base + 1, base + 8, base + 9 (base =
