@@ -1,7 +1,8 @@
 """Decode over a KV cache on a Hopper GPU (marked ``gpu``): ``attention_with_kvcache`` through the
 kernel against the fp32 reference on the same inputs, for dense and paged caches (pages shuffled,
 page sizes 16..256, lengths that are not multiples of the page or the tile, empty caches), GQA
-packing, split-KV with the heuristic's and given split counts, appended keys, causal and window
+packing, split-KV with the heuristic's and given split counts, chunked prefill (hundreds of query
+rows against a paged cache), appended keys, causal and window
 masks, and rows past each cache's length poisoned with NaN (a kernel that read them into P.V
 would return NaN). Outputs are NaN-poisoned before the call so unwritten elements show. Bad
 lengths and block tables raise through ``fmha.check_device_errors``; a decode call replays from
@@ -63,6 +64,8 @@ CASES = [
     DecodeCase(1, 32, 8, 128, (65000,), 65536),  # one long sequence: many splits
     DecodeCase(1, 32, 8, 128, (0, 0, 0), 512, page_size=64),  # every cache empty
     DecodeCase(2, 16, 4, 128, (300, 45), 320, page_size=80, causal=False, window=(20, 3), dtype=torch.float16),
+    DecodeCase(300, 16, 4, 128, (1000, 301), 1024, page_size=64),  # chunked prefill: full query tiles
+    DecodeCase(100, 8, 2, 64, (500, 100), 512, page_size=32, num_splits=2),  # 400 packed rows, split
 ]
 
 

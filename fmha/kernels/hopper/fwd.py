@@ -415,33 +415,39 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
     def load_kv_paged(self, kv_tiles, cache: "KvCache", batch: Int32, seq: SequenceInfo, mK_cur: cute.Tensor,
                       mV_cur: cute.Tensor, tma_k, tma_v, sK, sV, kv_producer: pipeline.PipelineProducer):
         """``load_kv`` from a paged cache: each K or V tile in runs of ``kv_load_rows`` keys, each
-        run from the page the block table names (every run lies within one page)."""
+        run from the page the block table names (every run lies within one page). A tile's pages
+        are looked up once, for its K, and kept for its V one step later."""
         if kv_tiles.total > 0:
             first = kv_tiles.start
-            kv_producer = self.load_stage_paged(kv_producer, cache, batch, seq, first, mK_cur, tma_k, sK, True)
+            rows = self.page_rows(cache, batch, seq, first, mK_cur.shape[0])
+            kv_producer = self.load_stage_paged(kv_producer, rows, mK_cur, tma_k, sK, True)
             for i in cutlass.range(1, kv_tiles.total, unroll=1):
-                n_block = first + i
-                kv_producer = self.load_stage_paged(kv_producer, cache, batch, seq, n_block, mK_cur, tma_k, sK, True)
-                kv_producer = self.load_stage_paged(kv_producer, cache, batch, seq, n_block - 1, mV_cur, tma_v, sV,
-                                                    False)
-            kv_producer = self.load_stage_paged(kv_producer, cache, batch, seq, first + kv_tiles.total - 1, mV_cur,
-                                                tma_v, sV, False)
+                next_rows = self.page_rows(cache, batch, seq, first + i, mK_cur.shape[0])
+                kv_producer = self.load_stage_paged(kv_producer, next_rows, mK_cur, tma_k, sK, True)
+                kv_producer = self.load_stage_paged(kv_producer, rows, mV_cur, tma_v, sV, False)
+                rows = next_rows
+            kv_producer = self.load_stage_paged(kv_producer, rows, mV_cur, tma_v, sV, False)
         return kv_producer
 
     @cute.jit
-    def load_stage_paged(self, kv_producer: pipeline.PipelineProducer, cache: "KvCache", batch: Int32,
-                         seq: SequenceInfo, n_block: Int32, m_cur: cute.Tensor, tma, s_stages, is_k: cutlass.Constexpr):
-        """One K (``is_k``) or V tile of keys ``n_block * tile_n ..`` into the ring's next stage."""
+    def page_rows(self, cache: "KvCache", batch: Int32, seq: SequenceInfo, n_block: Int32, num_rows: Int32) -> Int32:
+        """Lane i of the producer warp: the cache row where run i of K/V tile ``n_block`` starts
+        (one block-table round trip for the whole tile)."""
+        cfg = self.cfg
+        runs = cfg.tile_n // cfg.kv_load_rows
+        key = n_block * cfg.tile_n + cutlass.min(cute.arch.lane_idx(), runs - 1) * cfg.kv_load_rows
+        return cache.physical_row(cache.page_of(batch, key), key, seq.seqlen_k, num_rows)
+
+    @cute.jit
+    def load_stage_paged(self, kv_producer: pipeline.PipelineProducer, lane_rows: Int32, m_cur: cute.Tensor, tma,
+                         s_stages, is_k: cutlass.Constexpr):
+        """One K (``is_k``) or V tile into the ring's next stage, run i from the cache row lane i
+        holds (``page_rows``)."""
         cfg = self.cfg
         rows = cfg.kv_load_rows
-        runs = cfg.tile_n // rows
-        # Lane i of the producer warp looks up run i's page: one block-table round trip per tile
-        # instead of one per run, which bounded 16-key pages by the loads' latency.
-        key = n_block * cfg.tile_n + cutlass.min(cute.arch.lane_idx(), runs - 1) * rows
-        lane_row = cache.physical_row(cache.page_of(batch, key), key, seq.seqlen_k, m_cur.shape[0 if is_k else 1])
         handle = kv_producer.acquire_and_advance()
-        for run in cutlass.range_constexpr(runs):
-            row = cute.arch.shuffle_sync(lane_row, run)
+        for run in cutlass.range_constexpr(cfg.tile_n // rows):
+            row = cute.arch.shuffle_sync(lane_rows, run)
             stage = s_stages[None, None, handle.index]
             if const_expr(is_k):
                 dst = cute.local_tile(stage, (rows, cfg.head_dim), (run, 0))
