@@ -80,7 +80,13 @@ def _implementations(torch, page_sizes) -> dict:
                                                        backend="kernel")
         return setup
 
-    impls = {"fmha": ours}
+    def ours_dense_api(point, q, k, v):
+        """fmha.attention on the full cache (bottom-right causal): dense calls with few query
+        rows take the same decode configuration."""
+        out = torch.empty_like(q)
+        return lambda: fmha.attention(q, k, v, causal=True, mask_align="bottom_right", out=out, backend="kernel")
+
+    impls = {"fmha": ours, "fmha_attention": ours_dense_api}
     for ps in page_sizes:
         impls[f"fmha_paged{ps}"] = ours_paged(ps)
     try:

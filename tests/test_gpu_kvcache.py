@@ -127,6 +127,9 @@ def decode_kernels(request, tmp_path_factory):
         problem, _ = decode_problem(q, k, v, seqlens, block_table=table, k_new=k_new, v_new=v_new, return_lse=True,
                                     num_splits=case.num_splits, **_kwargs(case))
         configs.add(HopperDecodeRunner(problem).plan(problem, sm_count(q.device)).cfg)
+    for spec in DENSE_DECODE:  # as HopperDenseDecodeRunner builds its problem
+        problem = _dense_decode_problem(spec)
+        configs.add(HopperDecodeRunner(problem).plan(problem, sm_count(problem.device)).cfg)
     workers = request.config.getoption("--gpu-workers") or max(1, (os.cpu_count() or 2) - 1)
     gpu_cases.compile_all(sorted(configs, key=repr), cache_dir, workers)
     return configs
@@ -203,3 +206,47 @@ def test_a_decode_step_replays_from_a_cuda_graph(decode_kernels):
     graph.replay()
     torch.cuda.synchronize()
     assert not torch.equal(out, eager) and not out.isnan().any()
+
+
+DENSE_DECODE = [  # fmha.attention calls with few query rows: served by the decode configuration
+    dict(b=2, sq=1, hq=32, hk=8, d=128, sk=1000, causal=True, mask_align="bottom_right"),
+    dict(b=2, sq=1, hq=32, hk=8, d=128, sk=1000, causal=True),  # top-left: the row sees key 0 only
+    dict(b=1, sq=3, hq=8, hk=8, d=64, sk=20000, causal=False),  # 8 tiles: the keys are split
+    dict(b=3, sq=5, hq=16, hk=2, d=128, sk=777, window_size=(64, 0), mask_align="bottom_right"),
+    dict(b=1, sq=40, hq=16, hk=4, d=128, sk=3000, causal=True, mask_align="bottom_right"),
+]
+
+
+def _dense_decode_problem(spec):
+    from fmha.kvcache import DecodeProblem
+    from fmha.masking import MaskSpec
+
+    mask = MaskSpec.from_args(spec.get("causal", False), spec.get("window_size", (None, None)),
+                              spec.get("mask_align", "top_left"), False)
+    return DecodeProblem(spec["b"], spec["sq"], spec["hq"], spec["hk"], spec["d"], torch.bfloat16, torch.bfloat16,
+                         mask, 0, spec["sk"], spec["b"], 0, spec["d"] ** -0.5, 1.0, True, None,
+                         torch.device("cuda", torch.cuda.current_device()))
+
+
+@pytest.mark.parametrize("spec", DENSE_DECODE, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+def test_dense_calls_with_few_query_rows_run_as_decode(spec, decode_kernels):
+    from fmha import backends
+    from fmha.kernels.hopper.backend import HopperDenseDecodeRunner
+
+    spec = dict(spec)
+    b, sq, hq, hk, d, sk = (spec.pop(k) for k in ("b", "sq", "hq", "hk", "d", "sk"))
+    g = torch.Generator(device="cuda").manual_seed(sk)
+    q = torch.randn(b, sq, hq, d, generator=g, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(b, sk, hk, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+    backends.clear_cache()
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((b, hq, sq), float("nan"), device="cuda")
+    fmha.attention(q, k, v, out=out, lse=lse, backend="kernel", **spec)
+    assert any(isinstance(r, HopperDenseDecodeRunner) for r in backends._runners.values())
+    want_o, want_lse = fmha.attention(q, k, v, return_lse=True, backend="reference", **spec)
+    empty = torch.isneginf(want_lse)
+    assert not out.isnan().any() and torch.equal(torch.isneginf(lse), empty)
+    finite = ~empty
+    assert (lse[finite] - want_lse[finite]).abs().max().item() < LSE_TOL
+    err = (out.float() - want_o.float()).norm().item() / want_o.float().norm().item()
+    assert err < O_TOL[torch.bfloat16], err

@@ -189,11 +189,11 @@ class HopperDecodeRunner:
         tiles = problem.batch * heads * -(-rows // self.tile_m)
         splits = problem.num_splits or split_kv.choose_num_splits(tiles, num_sms, -(-problem.capacity // self.tile_n))
         m = problem.mask
-        if problem.seqlen_q == 1 and m.kind == MaskKind.WINDOW and m.window_left is None:
+        if problem.seqlen_q == 1 and m.kind == MaskKind.WINDOW and m.bottom_right and m.window_left is None:
             m = MaskSpec(MaskKind.NONE)  # one bottom-right row sees every key up to the last
         cfg = decode_config(problem.dtype, problem.out_dtype, problem.head_dim, m.kind, m.window_left is not None,
-                            m.window_right is not None, problem.return_lse, group if packed else 1, splits > 1,
-                            problem.page_size, problem.capacity)
+                            m.window_right is not None, m.bottom_right, problem.return_lse, group if packed else 1,
+                            splits > 1, problem.page_size, problem.capacity)
         return DecodePlan(cfg, packed, rows, heads, splits, m)
 
     def __call__(self, problem, q, k_cache, v_cache, lengths, block_table, out, lse):
@@ -242,6 +242,52 @@ class HopperDecodeRunner:
         if kernel is None:
             kernel = self._compiled[cfg] = disk_cache.load_or_compile(cfg, compile_fn)
         return kernel
+
+
+def served_as_decode(problem: AttentionProblem, options: KernelOptions) -> bool:
+    """Whether a dense forward goes through the decode configuration: few query rows per head
+    (the query tiles would be mostly empty) and either query heads to pack (GQA) or too few tiles
+    to fill the GPU without splitting the keys. Pinned kernel options keep the prefill one."""
+    from fmha.masking import MaskKind
+
+    if (problem.varlen or problem.dtype not in (torch.float16, torch.bfloat16) or options.tile_m or options.tile_n
+            or options.persistent is not None or options.claim_tiles is not None
+            or problem.mask.kind not in (MaskKind.NONE, MaskKind.WINDOW) or problem.seqlen_k == 0):
+        return False
+    tile_m = min(allowed_tiles(problem.dtype, problem.head_dim))[0]
+    if problem.seqlen_q >= tile_m:
+        return False
+    group = problem.num_heads_q // problem.num_heads_k
+    tiles = problem.batch * (problem.num_heads_k if group > 1 else problem.num_heads_q)
+    return group > 1 or tiles < 0.8 * sm_count(problem.device)
+
+
+class HopperDenseDecodeRunner:
+    """A dense ``fmha.attention`` call with few query rows, run as decode over a full cache."""
+
+    def __init__(self, problem: AttentionProblem):
+        self.decode = HopperDecodeRunner(problem)
+        self._lengths = {}
+
+    def lengths(self, batch: int, seqlen_k: int, device) -> torch.Tensor:
+        key = (batch, seqlen_k, device)
+        lengths = self._lengths.get(key)
+        if lengths is None:
+            lengths = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
+            if not torch.cuda.is_current_stream_capturing():  # filled by the graph's replay only
+                self._lengths[key] = lengths
+        return lengths
+
+    def __call__(self, problem: AttentionProblem, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None):
+        from fmha.kvcache import DecodeProblem
+
+        if answered_without_launch(problem, out, lse):
+            return
+        decode = DecodeProblem(
+            problem.batch, problem.seqlen_q, problem.num_heads_q, problem.num_heads_k, problem.head_dim,
+            problem.dtype, problem.out_dtype, problem.mask, 0, problem.seqlen_k, problem.batch, 0,
+            problem.score_scale, problem.output_scale, lse is not None, None, q.device)
+        self.decode(decode, q, k, v, self.lengths(problem.batch, problem.seqlen_k, q.device), None, out, lse)
 
 
 def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
@@ -353,9 +399,13 @@ class HopperBackend:
         return why_unsupported(problem, options)
 
     def cache_key(self, problem: AttentionProblem, options: KernelOptions):
+        if served_as_decode(problem, options):
+            return ("decode",) + self.decode_cache_key(problem)
         return HopperForwardConfig.from_problem(problem, options)
 
-    def prepare(self, problem: AttentionProblem, options: KernelOptions) -> HopperRunner:
+    def prepare(self, problem: AttentionProblem, options: KernelOptions) -> Callable:
+        if served_as_decode(problem, options):
+            return HopperDenseDecodeRunner(problem)
         cfg = HopperForwardConfig.from_problem(problem, options)
         return HopperRunner(cfg, disk_cache.load_or_compile(cfg, compile_forward))
 
@@ -363,10 +413,9 @@ class HopperBackend:
         return why_unsupported_decode(problem)
 
     def decode_cache_key(self, problem):
-        """What the decode runner depends on beyond each call's sizes (its kernels compile lazily)."""
-        m = problem.mask
-        return (problem.dtype, problem.out_dtype, problem.head_dim, m.kind, m.window_left is not None,
-                m.window_right is not None, problem.return_lse, problem.page_size)
+        """What the decode runner depends on beyond each call's sizes (its kernels compile lazily,
+        and it plans each problem itself)."""
+        return (problem.dtype, problem.head_dim)
 
     def prepare_decode(self, problem) -> HopperDecodeRunner:
         return HopperDecodeRunner(problem)

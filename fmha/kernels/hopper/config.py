@@ -249,18 +249,19 @@ class HopperForwardConfig:
 
 
 def decode_config(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, mask_kind: MaskKind,
-                  window_left_bounded: bool, window_right_bounded: bool, has_lse: bool, rows_per_query: int,
-                  split_kv: bool, page_size: int, capacity: int) -> HopperForwardConfig:
-    """The forward kernel's configuration for a call over a KV cache (``attention_with_kvcache``):
-    masks bottom-right, the smallest tile (decode has few query rows), a persistent walk (the next
-    tile's Q and K/V load under the current one), fp32 partials with their LSE under split-KV."""
+                  window_left_bounded: bool, window_right_bounded: bool, bottom_right: bool, has_lse: bool,
+                  rows_per_query: int, split_kv: bool, page_size: int, capacity: int) -> HopperForwardConfig:
+    """The forward kernel's configuration for decode (``attention_with_kvcache``, whose masks are
+    bottom-right, and dense calls with few query rows): the smallest tile, a persistent walk (the
+    next tile's Q and K/V load under the current one), fp32 partials with their LSE under
+    split-KV."""
     tile_m, tile_n = min(allowed_tiles(dtype, head_dim))
     q_stages = q_stages_for(Schedule.PERSISTENT, head_dim, capacity)
     out_dtype = torch.float32 if split_kv else out_dtype
     return HopperForwardConfig(
         dtype=dtype, out_dtype=out_dtype, head_dim=head_dim, mask_kind=mask_kind,
         window_left_bounded=window_left_bounded, window_right_bounded=window_right_bounded,
-        bottom_right=mask_kind == MaskKind.WINDOW, varlen=False, has_lse=has_lse or split_kv,
+        bottom_right=bottom_right and mask_kind == MaskKind.WINDOW, varlen=False, has_lse=has_lse or split_kv,
         tile_m=tile_m, tile_n=tile_n, schedule=Schedule.PERSISTENT, q_stages=q_stages,
         o_store=o_store_for(dtype, out_dtype, head_dim, False, mask_kind == MaskKind.NONE, capacity, tile_m, tile_n,
                             q_stages),
