@@ -16,10 +16,7 @@ from typing import Dict
 
 import torch
 
-#: the bits a kernel ORs into the flag (``kernels/common/errors.flag_error``)
-BAD_OFFSETS = 1
-BAD_CACHE_LENGTH = 2
-BAD_BLOCK_TABLE = 4
+from .kernels.common.error_bits import BAD_BLOCK_TABLE, BAD_CACHE_LENGTH, BAD_OFFSETS
 
 _MESSAGES = {
     BAD_OFFSETS: "an earlier varlen call on this GPU had invalid cu_seqlens (checked on the device because "

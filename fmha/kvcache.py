@@ -115,6 +115,7 @@ class DecodeProblem:
     heads_q: int
     heads_k: int
     head_dim: int
+    head_dim_v: int
     dtype: torch.dtype
     out_dtype: torch.dtype
     mask: MaskSpec  # bottom-right
@@ -134,21 +135,31 @@ class DecodeProblem:
 
 
 def _append_on_device(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, page_size, capacity) -> None:
-    """Write k_new/v_new at positions ``cache_seqlens[b] ..`` without reading anything back:
-    positions past the cache are clamped and keep their old value (the kernel flags the call)."""
+    """Write k_new/v_new at positions ``cache_seqlens[b] ..`` without reading anything back.
+    A position past the cache or on a page that does not exist (the kernel flags the call) writes
+    nothing: it repeats the first valid write of the call (or, if none, rewrites one row's old
+    value), so that duplicate indices in the scatter all carry one value and no other row
+    changes."""
     batch, s_new = k_new.shape[:2]
-    pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=k_new.device)
-    fits = (pos >= 0) & (pos < capacity)
-    pos = pos.clamp(0, max(capacity - 1, 0))
+    dev = k_new.device
+    pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=dev)
+    valid = (pos >= 0) & (pos < capacity)
+    pos = pos.clamp(0, capacity - 1)
     if block_table is None:
-        rows, cols = torch.arange(batch, device=k_new.device)[:, None].expand(batch, s_new), pos
+        rows, cols = torch.arange(batch, device=dev)[:, None].expand(batch, s_new), pos
     else:
         logical = (pos // page_size).clamp(max=block_table.shape[1] - 1)
-        rows = torch.gather(block_table, 1, logical).long().clamp(0, k_cache.shape[0] - 1)
-        cols = pos % page_size
-    keep = fits[..., None, None]
-    k_cache[rows, cols] = torch.where(keep, k_new, k_cache[rows, cols])
-    v_cache[rows, cols] = torch.where(keep, v_new, v_cache[rows, cols])
+        pages = torch.gather(block_table, 1, logical).long()
+        valid &= (pages >= 0) & (pages < k_cache.shape[0])
+        rows, cols = pages.clamp(0, k_cache.shape[0] - 1), pos % page_size
+    valid, rows, cols = valid.flatten(), rows.flatten(), cols.flatten()
+    first = torch.argmax(valid.int())  # the first valid write, or entry 0 if there is none
+    rows = torch.where(valid, rows, rows[first])
+    cols = torch.where(valid, cols, cols[first])
+    for cache, new in ((k_cache, k_new), (v_cache, v_new)):
+        new = new.flatten(0, 1)
+        stand_in = torch.where(valid[first], new[first], cache[rows[first], cols[first]])
+        cache[rows, cols] = torch.where(valid[:, None, None], new, stand_in)
 
 
 def _decode_runner(backend: str, problem: DecodeProblem):
@@ -217,16 +228,23 @@ def decode_problem(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_ne
         raise ValueError("a paged cache's pages must follow each other in memory (stride(0) == page_size * "
                          "stride(1)); allocate it as one (num_pages, page_size, H_k, D) tensor")
     batch, s_q, heads_q, head_dim = q.shape
+    s_new = 0 if k_new is None else k_new.shape[1]
+    if s_new > capacity:
+        raise ValueError(f"{s_new} new keys do not fit a cache of {capacity} positions per sequence"
+                         + (" (block_table columns x page size)" if paged else ""))
     softmax = scales["softmax_scale"] if scales["softmax_scale"] is not None else 1.0 / math.sqrt(head_dim)
     problem = DecodeProblem(
-        batch, s_q, heads_q, k_cache.shape[2], head_dim, q.dtype, out_dtype, mask, page_size or 0, capacity,
-        k_cache.shape[0], 0 if k_new is None else k_new.shape[1], softmax * scales["scale_q"] * scales["scale_k"],
-        scales["scale_v"] * scales["inv_scale_o"], return_lse, num_splits, q.device)
+        batch=batch, seqlen_q=s_q, heads_q=heads_q, heads_k=k_cache.shape[2], head_dim=head_dim,
+        head_dim_v=v_cache.shape[-1], dtype=q.dtype, out_dtype=out_dtype, mask=mask, page_size=page_size or 0,
+        capacity=capacity, num_pages=k_cache.shape[0], seqlen_new=s_new,
+        score_scale=softmax * scales["scale_q"] * scales["scale_k"],
+        output_scale=scales["scale_v"] * scales["inv_scale_o"], return_lse=return_lse, num_splits=num_splits,
+        device=q.device)
     return problem, scales
 
 
 def _check_outputs(problem: DecodeProblem, out, lse) -> None:
-    want_o = (problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim)
+    want_o = (problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim_v)
     want_l = (problem.batch, problem.heads_q, problem.seqlen_q)
     for name, t, shape, dtype in (("out", out, want_o, problem.out_dtype), ("lse", lse, want_l, torch.float32)):
         if t is None:
@@ -261,10 +279,13 @@ def attention_with_kvcache(
     from .reference import attention_reference, cast_output
 
     check_backend_name(backend)
+    if out_dtype is None and isinstance(out, torch.Tensor):
+        out_dtype = out.dtype
     problem, scales = decode_problem(
         q, k_cache, v_cache, cache_seqlens, block_table=block_table, k_new=k_new, v_new=v_new, causal=causal,
         window_size=window_size, softmax_scale=softmax_scale, scale_q=scale_q, scale_k=scale_k, scale_v=scale_v,
-        inv_scale_o=inv_scale_o, return_lse=return_lse, out_dtype=out_dtype, num_splits=num_splits)
+        inv_scale_o=inv_scale_o, return_lse=return_lse or lse is not None, out_dtype=out_dtype,
+        num_splits=num_splits)
     _check_outputs(problem, out, lse)
     batch, s_q, heads_q, s_new, page_size, capacity = (problem.batch, problem.seqlen_q, problem.heads_q,
                                                        problem.seqlen_new, problem.page_size, problem.capacity)
@@ -273,8 +294,7 @@ def attention_with_kvcache(
         out = torch.empty(q.shape[:-1] + (v_cache.shape[-1],), dtype=out_dtype, device=q.device)
     runner = _decode_runner(backend, problem)
     if runner is not None:
-        if q.is_cuda:
-            device_errors.raise_pending(q.device)
+        device_errors.raise_pending(q.device)
         lengths = cache_seqlens
         if s_new:
             _append_on_device(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, page_size, capacity)

@@ -54,6 +54,14 @@ def unpack_gqa(o: torch.Tensor, lse: Optional[torch.Tensor], seqlen_q: int, out:
     and ``lse_out`` (B, H_q, S_q)."""
     b, rows, hk, d = o.shape
     g = rows // max(seqlen_q, 1)
-    out.copy_(o.view(b, seqlen_q, g, hk, d).transpose(2, 3).reshape(b, seqlen_q, hk * g, d))
+    _copy_split(out, (b, seqlen_q, hk, g, d), o.view(b, seqlen_q, g, hk, d).transpose(2, 3))
     if lse_out is not None:
-        lse_out.copy_(lse.view(b, hk, seqlen_q, g).transpose(2, 3).reshape(b, hk * g, seqlen_q))
+        _copy_split(lse_out, (b, hk, g, seqlen_q), lse.view(b, hk, seqlen_q, g).transpose(2, 3))
+
+
+def _copy_split(dst: torch.Tensor, shape: tuple, src: torch.Tensor) -> None:
+    """``dst`` = ``src`` viewed as ``dst``'s shape, in one copy where ``dst`` can be viewed so."""
+    if dst.is_contiguous():
+        dst.view(shape).copy_(src)
+    else:
+        dst.copy_(src.reshape(dst.shape))

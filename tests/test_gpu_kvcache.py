@@ -223,9 +223,11 @@ def _dense_decode_problem(spec):
 
     mask = MaskSpec.from_args(spec.get("causal", False), spec.get("window_size", (None, None)),
                               spec.get("mask_align", "top_left"), False)
-    return DecodeProblem(spec["b"], spec["sq"], spec["hq"], spec["hk"], spec["d"], torch.bfloat16, torch.bfloat16,
-                         mask, 0, spec["sk"], spec["b"], 0, spec["d"] ** -0.5, 1.0, True, None,
-                         torch.device("cuda", torch.cuda.current_device()))
+    return DecodeProblem(batch=spec["b"], seqlen_q=spec["sq"], heads_q=spec["hq"], heads_k=spec["hk"],
+                         head_dim=spec["d"], head_dim_v=spec["d"], dtype=torch.bfloat16, out_dtype=torch.bfloat16,
+                         mask=mask, page_size=0, capacity=spec["sk"], num_pages=spec["b"], seqlen_new=0,
+                         score_scale=spec["d"] ** -0.5, output_scale=1.0, return_lse=True,
+                         device=torch.device("cuda", torch.cuda.current_device()))
 
 
 @pytest.mark.parametrize("spec", DENSE_DECODE, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))

@@ -138,9 +138,12 @@ def load_or_compile(cfg, compile_fn: Callable) -> Callable:
         import cutlass.cute as cute
 
         try:
-            return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), name)
+            kernel = getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), name)
         except Exception as e:  # a truncated or foreign file: rebuild it
             _log.warning("fmha: ignoring unreadable cached kernel %s (%s)", path, e)
+        else:
+            _try_link(path, lib)  # the next process then loads it without the DSL again
+            return kernel
     compiled = compile_fn(cfg)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -151,8 +154,12 @@ def load_or_compile(cfg, compile_fn: Callable) -> Callable:
     except Exception as e:  # a read-only home, a full disk: run uncached
         _log.warning("fmha: could not write the kernel cache in %s (%s)", path.parent, e)
         return compiled
+    _try_link(path, lib)
+    return compiled
+
+
+def _try_link(path: Path, lib: Path) -> None:
     try:
         _link_shared(path, lib)
     except Exception as e:  # no compiler: the next process loads the object file with the DSL
         _log.info("fmha: no shared library for cached kernel %s (%s)", path, e)
-    return compiled

@@ -48,8 +48,6 @@ def as_operand_a(frag: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(frag.iterator, _operand_a_layout(frag.layout))
 
 
-
-
 def fp8_operand_a_shape(acc_shape) -> tuple:
     """Register shape of the fp8 P fragment for an accumulator of shape ``((2, 2, V), M, N)``:
     ``(((2, 2), 2, 2), M, (V / 4, N))``; mode 2 enumerates the 32-key blocks."""

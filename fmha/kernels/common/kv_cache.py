@@ -13,8 +13,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from fmha.device_errors import BAD_BLOCK_TABLE, BAD_CACHE_LENGTH
-
+from .error_bits import BAD_BLOCK_TABLE, BAD_CACHE_LENGTH
 from .errors import flag_error
 
 

@@ -16,8 +16,7 @@ from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import TensorMapManager, TensorMapUpdateMode
 
-from fmha.device_errors import BAD_OFFSETS
-
+from .error_bits import BAD_OFFSETS
 from .errors import flag_error
 from .seqinfo import SequenceInfo
 

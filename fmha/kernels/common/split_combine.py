@@ -59,7 +59,7 @@ class SplitCombine:
             acc += w * mOParts[s * batch + b, row, head, col]
         out = Float32(0.0)
         lse = Float32(-math.inf)
-        if total > Float32(0.0):
+        if top != Float32(-math.inf):  # a NaN from the inputs stays NaN, as without a split
             out = acc / total
             lse = finite_top + cute.math.log2(total, fastmath=True) / log2e
         position = row // rows_per_query

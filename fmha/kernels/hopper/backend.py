@@ -16,8 +16,8 @@ from fmha.masking import MaskKind, MaskSpec
 from fmha.problem import AttentionProblem, KernelOptions
 from fmha.work_tiles import work_tile_table
 
-from .config import (SUPPORTED_HEAD_DIMS, HopperBackwardConfig, HopperForwardConfig, allowed_tiles, decode_config,
-                     why_unsupported, why_unsupported_backward)
+from .config import (HopperBackwardConfig, HopperForwardConfig, decode_config, decode_tile, why_unsupported,
+                     why_unsupported_backward, why_unsupported_decode)
 from .v_staging import stage_v_fp8
 
 ARCH = "sm_90a"
@@ -145,19 +145,6 @@ def compile_split_combine(cfg, extra_options: str = ""):
                        extra_options=extra_options)
 
 
-def why_unsupported_decode(problem) -> list:
-    """Every reason the decode configuration cannot serve an ``attention_with_kvcache`` call."""
-    reasons = []
-    if problem.dtype not in (torch.float16, torch.bfloat16):
-        reasons.append(f"the Hopper decode kernel takes float16/bfloat16 caches, not {problem.dtype}")
-    if problem.head_dim not in SUPPORTED_HEAD_DIMS:
-        reasons.append(f"the Hopper decode kernel supports head dims {SUPPORTED_HEAD_DIMS}, got {problem.head_dim}")
-    if not (0 < problem.score_scale < float("inf")):
-        reasons.append("the Hopper decode kernel needs softmax_scale * scale_q * scale_k to be a positive finite "
-                       f"number, got {problem.score_scale}")
-    return reasons
-
-
 class DecodePlan(NamedTuple):
     """How one ``attention_with_kvcache`` call runs (``HopperDecodeRunner.plan``)."""
 
@@ -176,7 +163,7 @@ class HopperDecodeRunner:
     the GPU, and merges the splits (``fmha.split_kv``)."""
 
     def __init__(self, problem):
-        self.tile_m, self.tile_n = min(allowed_tiles(problem.dtype, problem.head_dim))
+        self.tile_m, self.tile_n = decode_tile(problem.dtype, problem.head_dim)
         self._compiled = {}
         self._plans = {}  # a decode loop repeats its problem: plan it once
 
@@ -187,8 +174,13 @@ class HopperDecodeRunner:
         packed = group > 1 and problem.seqlen_q < self.tile_m  # else the query tiles are full without packing
         rows, heads = (problem.seqlen_q * group, problem.heads_k) if packed else (problem.seqlen_q, problem.heads_q)
         tiles = problem.batch * heads * -(-rows // self.tile_m)
-        splits = problem.num_splits or split_kv.choose_num_splits(tiles, num_sms, -(-problem.capacity // self.tile_n))
         m = problem.mask
+        span = problem.capacity  # the most keys a query tile visits: the cache, or what the mask leaves of it
+        if m.window_left is not None:
+            span = min(span, m.window_left + problem.seqlen_q + (m.window_right or 0))
+        elif m.kind == MaskKind.WINDOW and not m.bottom_right:
+            span = min(span, problem.seqlen_q + m.window_right)
+        splits = problem.num_splits or split_kv.choose_num_splits(tiles, num_sms, -(-span // self.tile_n))
         if problem.seqlen_q == 1 and m.kind == MaskKind.WINDOW and m.bottom_right and m.window_left is None:
             m = MaskSpec(MaskKind.NONE)  # one bottom-right row sees every key up to the last
         cfg = decode_config(problem.dtype, problem.out_dtype, problem.head_dim, m.kind, m.window_left is not None,
@@ -204,6 +196,10 @@ class HopperDecodeRunner:
             out.zero_()
             if lse is not None:
                 lse.fill_(float("-inf"))
+            if b and (problem.capacity == 0 or problem.num_pages == 0):  # any length > 0 cannot be held
+                from fmha.kernels.common.error_bits import BAD_CACHE_LENGTH
+
+                device_errors.flag(q.device).bitwise_or_((lengths > 0).any().int() * BAD_CACHE_LENGTH)
             return
         plan = self._plans.get(problem)
         if plan is None:
@@ -225,8 +221,8 @@ class HopperDecodeRunner:
         else:
             o_k, lse_k = out, lse
         m = plan.mask
-        kernel(q_in, k_cache, v_cache, o_k, lse_k, None, None, None, None, None, device_errors.flag(q.device), None,
-               lengths, block_table, rows, problem.score_scale_log2, problem.output_scale, m.window_left,
+        kernel(q_in, k_cache, v_cache, o_k, lse_k if plan.cfg.has_lse else None, None, None, None, None, None,
+               device_errors.flag(q.device), None, lengths, block_table, rows, problem.score_scale_log2, problem.output_scale, m.window_left,
                m.window_right, sm_count(q.device), splits if plan.cfg.split_kv else None,
                problem.page_size if plan.cfg.page_run else None)
         if splits > 1:  # merged, and unpacked on the way
@@ -248,14 +244,11 @@ def served_as_decode(problem: AttentionProblem, options: KernelOptions) -> bool:
     """Whether a dense forward goes through the decode configuration: few query rows per head
     (the query tiles would be mostly empty) and either query heads to pack (GQA) or too few tiles
     to fill the GPU without splitting the keys. Pinned kernel options keep the prefill one."""
-    from fmha.masking import MaskKind
-
     if (problem.varlen or problem.dtype not in (torch.float16, torch.bfloat16) or options.tile_m or options.tile_n
             or options.persistent is not None or options.claim_tiles is not None
             or problem.mask.kind not in (MaskKind.NONE, MaskKind.WINDOW) or problem.seqlen_k == 0):
         return False
-    tile_m = min(allowed_tiles(problem.dtype, problem.head_dim))[0]
-    if problem.seqlen_q >= tile_m:
+    if problem.head_dim_v != problem.head_dim or problem.seqlen_q >= decode_tile(problem.dtype, problem.head_dim)[0]:
         return False
     group = problem.num_heads_q // problem.num_heads_k
     tiles = problem.batch * (problem.num_heads_k if group > 1 else problem.num_heads_q)
@@ -275,6 +268,8 @@ class HopperDenseDecodeRunner:
         if lengths is None:
             lengths = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
             if not torch.cuda.is_current_stream_capturing():  # filled by the graph's replay only
+                if len(self._lengths) >= 64:  # a decode loop's length grows every step
+                    self._lengths.clear()
                 self._lengths[key] = lengths
         return lengths
 
@@ -284,9 +279,11 @@ class HopperDenseDecodeRunner:
         if answered_without_launch(problem, out, lse):
             return
         decode = DecodeProblem(
-            problem.batch, problem.seqlen_q, problem.num_heads_q, problem.num_heads_k, problem.head_dim,
-            problem.dtype, problem.out_dtype, problem.mask, 0, problem.seqlen_k, problem.batch, 0,
-            problem.score_scale, problem.output_scale, lse is not None, None, q.device)
+            batch=problem.batch, seqlen_q=problem.seqlen_q, heads_q=problem.num_heads_q, heads_k=problem.num_heads_k,
+            head_dim=problem.head_dim, head_dim_v=problem.head_dim_v, dtype=problem.dtype,
+            out_dtype=problem.out_dtype, mask=problem.mask, page_size=0, capacity=problem.seqlen_k,
+            num_pages=problem.batch, seqlen_new=0, score_scale=problem.score_scale,
+            output_scale=problem.output_scale, return_lse=lse is not None, device=q.device)
         self.decode(decode, q, k, v, self.lengths(problem.batch, problem.seqlen_k, q.device), None, out, lse)
 
 

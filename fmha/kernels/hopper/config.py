@@ -248,6 +248,30 @@ class HopperForwardConfig:
         return self.page_run or self.tile_n
 
 
+def decode_tile(dtype: torch.dtype, head_dim: int) -> tuple:
+    """Decode's (tile_m, tile_n): the fewest query rows the kernel is built for."""
+    return min(allowed_tiles(dtype, head_dim))
+
+
+def why_unsupported_decode(problem) -> list:
+    """Every reason the decode configuration cannot serve a ``fmha.kvcache.DecodeProblem``."""
+    reasons = []
+    if problem.dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"the Hopper decode kernel takes float16/bfloat16 caches, not {problem.dtype}")
+    if problem.head_dim not in SUPPORTED_HEAD_DIMS or problem.head_dim_v != problem.head_dim:
+        reasons.append(f"the Hopper decode kernel supports head dims {SUPPORTED_HEAD_DIMS} with V's equal to "
+                       f"Q's, got {problem.head_dim} and {problem.head_dim_v}")
+    elif problem.page_size and problem.page_size % decode_tile(problem.dtype, problem.head_dim)[1] \
+            and problem.head_dim == 256:
+        # runs shorter than the 80-key tile are not verified on hardware at D=256
+        reasons.append("the Hopper decode kernel reads D=256 pages whose size is a multiple of 80 keys, "
+                       f"not {problem.page_size}")
+    if not (0 < problem.score_scale < float("inf")):
+        reasons.append("the Hopper decode kernel needs softmax_scale * scale_q * scale_k to be a positive finite "
+                       f"number, got {problem.score_scale}")
+    return reasons
+
+
 def decode_config(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, mask_kind: MaskKind,
                   window_left_bounded: bool, window_right_bounded: bool, bottom_right: bool, has_lse: bool,
                   rows_per_query: int, split_kv: bool, page_size: int, capacity: int) -> HopperForwardConfig:
@@ -255,7 +279,7 @@ def decode_config(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, mas
     bottom-right, and dense calls with few query rows): the smallest tile, a persistent walk (the
     next tile's Q and K/V load under the current one), fp32 partials with their LSE under
     split-KV."""
-    tile_m, tile_n = min(allowed_tiles(dtype, head_dim))
+    tile_m, tile_n = decode_tile(dtype, head_dim)
     q_stages = q_stages_for(Schedule.PERSISTENT, head_dim, capacity)
     out_dtype = torch.float32 if split_kv else out_dtype
     return HopperForwardConfig(
