@@ -46,8 +46,14 @@ class SplitCombine:
         col, _, _ = cute.arch.thread_idx()
         batch = mO.shape[0]
         top = Float32(-math.inf)
+        nan_seen = Int32(0)
         for s in cutlass.range(num_splits, unroll=1):
-            top = cute.arch.fmax(top, mLseParts[s * batch + b, head, row])
+            part = mLseParts[s * batch + b, head, row]
+            top = cute.arch.fmax(top, part)
+            if part != part:
+                nan_seen = Int32(1)
+        if nan_seen != 0:  # fmax skips NaN: a NaN from the inputs stays NaN, as without a split
+            top = Float32(math.nan)
         finite_top = top if top != Float32(-math.inf) else Float32(0.0)
         log2e = Float32(math.log2(math.e))
         total = Float32(0.0)
@@ -59,7 +65,7 @@ class SplitCombine:
             acc += w * mOParts[s * batch + b, row, head, col]
         out = Float32(0.0)
         lse = Float32(-math.inf)
-        if top != Float32(-math.inf):  # a NaN from the inputs stays NaN, as without a split
+        if top != Float32(-math.inf):
             out = acc / total
             lse = finite_top + cute.math.log2(total, fastmath=True) / log2e
         position = row // rows_per_query
