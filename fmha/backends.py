@@ -307,5 +307,8 @@ def remember_dispatch(key: Hashable, problem: AttentionProblem, runner: Runner) 
 
 def clear_cache() -> None:
     """Forget every prepared runner (the next call of each configuration compiles again)."""
+    from . import kvcache
+
     _runners.clear()
     _dispatch_memo.clear()
+    kvcache._dispatch_memo.clear()
