@@ -191,6 +191,12 @@ def _implementations(torch, variants: bool = False) -> dict[str, Callable]:
         impls["fa3"] = fa3_forward
     except ImportError:
         pass
+    try:  # the cuDNN frontend from the same peers bundle: its fp8 SDPA graph (Hopper writes fp8 O)
+        import cudnn
+
+        impls["cudnn_fp8"] = _cudnn_fp8_peer(cudnn, torch)
+    except ImportError:
+        pass
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 
@@ -208,6 +214,56 @@ def _implementations(torch, variants: bool = False) -> dict[str, Callable]:
     impls["cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
     impls["sdpa_flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
     return impls
+
+
+def _cudnn_fp8_peer(cudnn, torch) -> Callable:
+    """cuDNN's fp8 SDPA forward (the frontend graph's ``sdpa_fp8``) on BSHD e4m3 tensors, unit
+    descales, fp8 output (what Hopper offers); one graph per point, built on first use."""
+    built = {}
+    fp8, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+
+    def build(p: Point, q, k, v):
+        handle = cudnn.create_handle()
+        graph = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=fp32, compute_data_type=fp32, handle=handle)
+
+        def bhsd(name, t):  # a BSHD tensor described as (B, H, S, D)
+            return graph.tensor(name=name, dim=[t.shape[0], t.shape[2], t.shape[1], t.shape[3]],
+                                stride=[t.stride(0), t.stride(2), t.stride(1), t.stride(3)], data_type=fp8)
+
+        tq, tk, tv = bhsd("q", q), bhsd("k", k), bhsd("v", v)
+        scalars = [graph.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=fp32)
+                   for n in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")]
+        to, _, amax_s, amax_o = graph.sdpa_fp8(q=tq, k=tk, v=tv, descale_q=scalars[0], descale_k=scalars[1],
+                                               descale_v=scalars[2], descale_s=scalars[3], scale_s=scalars[4],
+                                               scale_o=scalars[5], is_inference=True,
+                                               attn_scale=1.0 / p.head_dim ** 0.5, use_causal_mask=p.causal)
+        out = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
+        to.set_output(True).set_dim([out.shape[0], out.shape[2], out.shape[1], out.shape[3]]).set_stride(
+            [out.stride(0), out.stride(2), out.stride(1), out.stride(3)]).set_data_type(fp8)
+        amaxes = [torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device) for _ in range(2)]
+        for t in (amax_s, amax_o):
+            t.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(fp32)
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+        ones = torch.ones(1, 1, 1, 1, dtype=torch.float32, device=q.device)
+        pack = {t: ones for t in scalars}
+        pack.update({to: out, amax_s: amaxes[0], amax_o: amaxes[1]})
+        workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=q.device)
+        return graph, handle, (tq, tk, tv), pack, workspace, out
+
+    def cudnn_fp8(q, k, v, p, cu):
+        if p.dtype != "float8_e4m3fn" or p.varlen or p.window_left is not None:
+            raise NotImplementedError("cuDNN's fp8 SDPA is timed on dense fp8 points")
+        if p not in built:
+            built[p] = build(p, q, k, v)
+        graph, handle, (tq, tk, tv), pack, workspace, out = built[p]
+        graph.execute({**pack, tq: q, tk: k, tv: v}, workspace, handle=handle)
+        return out
+
+    return cudnn_fp8
 
 
 def _inputs(p: Point, torch):
