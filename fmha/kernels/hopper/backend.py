@@ -244,7 +244,8 @@ def served_as_decode(problem: AttentionProblem, options: KernelOptions) -> bool:
     """Whether a dense forward goes through the decode configuration: few query rows per head
     (the query tiles would be mostly empty) and either query heads to pack (GQA) or too few tiles
     to fill the GPU without splitting the keys. Pinned kernel options keep the prefill one."""
-    if (problem.varlen or problem.dtype not in (torch.float16, torch.bfloat16) or options.tile_m or options.tile_n
+    if (problem.device.type != "cuda" or problem.varlen or problem.dtype not in (torch.float16, torch.bfloat16)
+            or options.tile_m or options.tile_n
             or options.persistent is not None or options.claim_tiles is not None
             or problem.mask.kind not in (MaskKind.NONE, MaskKind.WINDOW) or problem.seqlen_k == 0):
         return False
