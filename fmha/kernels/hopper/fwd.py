@@ -15,7 +15,10 @@ stages, K and V tiles in turn) and, for claimed tiles, the tile hand-off (``sche
 Named barriers among the consumers: ``barriers.NamedBarrier``.
 
 K/V tiles the mask leaves empty are never loaded; only boundary tiles pay for element-wise
-masking (``fmha.masking.kv_tile_schedule``, shared with the host and the tests). Varlen loads go
+masking (``fmha.masking.kv_tile_schedule``, shared with the host and the tests). Decode over a KV
+cache switches on compile-time options (``config.decode_config``): a GQA group's query heads as
+the rows of one tile, key counts per sequence, a query tile's keys split over CTAs (fp32 partials
+for ``common/split_combine.py``), paged K/V read through the block table (``load_kv_paged``). Varlen loads go
 through per-sequence TMA descriptors (``sequence_descriptors.py``). fp8: V arrives key-major
 from ``v_staging`` and P is fed to the P.V product in the fp8 A-operand order.
 """
@@ -157,7 +160,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         num_batches = mCuSeqlensQ.shape[0] - 1 if const_expr(varlen) else q.shape[3]
         seqlen_q = max_seqlen_q if const_expr(varlen) else q.shape[0]
         num_m_blocks = num_q_tiles(seqlen_q, tile_m)
-        # split-KV: split s of batch entry b works as entry s * B + b (``split_of``)
+        # split-KV: split s of batch entry b works as entry s * B + b (``work_of``)
         work_batches = num_batches * num_splits if const_expr(cfg.split_kv) else num_batches
         if const_expr(varlen):
             num_tiles = mTileTable.shape[0] * q.shape[2]  # only the query tiles that hold rows
@@ -316,7 +319,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
             tiles = split_share(tiles, split, num_splits, imin=cutlass.min, imax=cutlass.max)
         return tiles
 
-    def work_of(self, tile: WorkTile, cache: "KvCache", mQ_sdhb, mK_tma, mCuSeqlensQ, mCuSeqlensK):
+    def work_of(self, tile: WorkTile, cache: KvCache, mQ_sdhb, mK_tma, mCuSeqlensQ, mCuSeqlensK):
         """(batch entry, split, its SequenceInfo) of a work tile: the schedulers count split s of
         entry b as entry s * B + b; a cache gives each sequence its own key count."""
         cfg = self.cfg
@@ -332,7 +335,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
     # ------------------------------------------------------------------ producer warp
     @cute.jit
     def producer(
-        self, scheduler, cache: "KvCache", mQ_tma, mK_tma, mV_tma, mQ_sdhb,
+        self, scheduler, cache: KvCache, mQ_tma, mK_tma, mV_tma, mQ_sdhb,
         mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, window_left, window_right,
         tma_q, tma_k, tma_v, sQ, sK, sV,
         q_producer: pipeline.PipelineProducer, kv_producer: pipeline.PipelineProducer,
@@ -412,7 +415,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         return kv_producer
 
     @cute.jit
-    def load_kv_paged(self, kv_tiles, cache: "KvCache", batch: Int32, seq: SequenceInfo, mK_cur: cute.Tensor,
+    def load_kv_paged(self, kv_tiles, cache: KvCache, batch: Int32, seq: SequenceInfo, mK_cur: cute.Tensor,
                       mV_cur: cute.Tensor, tma_k, tma_v, sK, sV, kv_producer: pipeline.PipelineProducer):
         """``load_kv`` from a paged cache: each K or V tile in runs of ``kv_load_rows`` keys, each
         run from the page the block table names (every run lies within one page). A tile's pages
@@ -430,7 +433,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         return kv_producer
 
     @cute.jit
-    def page_rows(self, cache: "KvCache", batch: Int32, seq: SequenceInfo, n_block: Int32, num_rows: Int32) -> Int32:
+    def page_rows(self, cache: KvCache, batch: Int32, seq: SequenceInfo, n_block: Int32, num_rows: Int32) -> Int32:
         """Lane i of the producer warp: the cache row where run i of K/V tile ``n_block`` starts
         (one block-table round trip for the whole tile)."""
         cfg = self.cfg
@@ -462,7 +465,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
     # ------------------------------------------------------------------ consumer warpgroups
     @cute.jit
     def consumer(
-        self, scheduler, cache: "KvCache", tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        self, scheduler, cache: KvCache, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
         mQ_sdhb, mK_tma, mO, mLSE, tma_o, mO_tma, mCuSeqlensQ, mCuSeqlensK,
         scale_log2: Float32, output_scale: Float32, window_left, window_right,
         sQ, sK, sV, sO: Optional[cute.Tensor], q_consumer: pipeline.PipelineConsumer,
