@@ -109,3 +109,38 @@ def test_decode_problems_the_kernel_cannot_serve_say_why():
     assert any("multiple of 80" in r for r in why_unsupported_decode(problem))
     problem, _ = decode_problem(q, k, k, lengths)
     assert why_unsupported_decode(problem) == []
+
+
+def test_a_repeated_kernel_call_reuses_its_validation(monkeypatch):
+    """attention_with_kvcache's dispatch memo: the same shapes, strides, dtypes and arguments skip
+    validation and dispatch; a new shape or argument takes the full path again."""
+    from fmha import kvcache
+
+    calls = {"validate": 0, "run": 0}
+    real = kvcache.decode_problem
+
+    def counting(*args, **kwargs):
+        calls["validate"] += 1
+        return real(*args, **kwargs)
+
+    def runner(problem, q, k, v, lengths, table, out, lse):
+        calls["run"] += 1
+        out.zero_()
+
+    monkeypatch.setattr(kvcache, "decode_problem", counting)
+    monkeypatch.setattr(kvcache, "_decode_runner", lambda backend, problem: runner)
+    monkeypatch.setattr(kvcache.device_errors, "raise_pending", lambda device: None)
+    monkeypatch.setattr(kvcache.device_errors, "watch", lambda device: None)
+    kvcache._dispatch_memo.clear()
+    q = torch.zeros(2, 1, 8, 64, dtype=torch.bfloat16)
+    k = torch.zeros(2, 32, 2, 64, dtype=torch.bfloat16)
+    lengths = torch.tensor([3, 7], dtype=torch.int32)
+    for _ in range(3):
+        kvcache.attention_with_kvcache(q, k, k, lengths)
+    assert calls == {"validate": 1, "run": 3}
+    kvcache.attention_with_kvcache(q, k, k, lengths, causal=False)  # another argument
+    kvcache.attention_with_kvcache(torch.zeros(2, 2, 8, 64, dtype=torch.bfloat16), k, k, lengths)  # another shape
+    assert calls == {"validate": 3, "run": 5}
+    with pytest.raises(TypeError):  # a bad call is never memoized: it fails every time
+        kvcache.attention_with_kvcache(q.float(), k, k, lengths)
+    kvcache._dispatch_memo.clear()
