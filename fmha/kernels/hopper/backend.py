@@ -222,9 +222,9 @@ class HopperDecodeRunner:
             o_k, lse_k = out, lse
         m = plan.mask
         kernel(q_in, k_cache, v_cache, o_k, lse_k if plan.cfg.has_lse else None, None, None, None, None, None,
-               device_errors.flag(q.device), None, lengths, block_table, rows, problem.score_scale_log2, problem.output_scale, m.window_left,
-               m.window_right, sm_count(q.device), splits if plan.cfg.split_kv else None,
-               problem.page_size if plan.cfg.page_run else None)
+               device_errors.flag(q.device), None, lengths, block_table, rows, problem.score_scale_log2,
+               problem.output_scale, m.window_left, m.window_right, sm_count(q.device),
+               splits if plan.cfg.split_kv else None, problem.page_size if plan.cfg.page_run else None)
         if splits > 1:  # merged, and unpacked on the way
             from ..common.split_combine import SplitCombineConfig
 
