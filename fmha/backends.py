@@ -285,8 +285,8 @@ def _self_checked(runner: Runner, kind: str, backend_obj, cfg, problem: Attentio
     return self_check.SelfCheckedRunner(runner, kind, backend_obj.name, cfg, fallback)
 
 
-# Dense calls repeat: a training or decoding loop calls with the same shapes, strides, dtypes and
-# arguments every step. What validation, backend selection and the runner lookup decide depends
+# Dense and KV-cache calls repeat: a training or decoding loop calls with the same shapes, strides,
+# dtypes and arguments every step. What validation, backend selection and the runner lookup decide depends
 # on nothing else (data pointers aside, which the caller checks per call), so the API keys a
 # call that passed on exactly that and reuses the outcome; validation is most of the host cost
 # of a small call. Varlen calls are not memoized: they read cu_seqlens on the host.
@@ -307,8 +307,5 @@ def remember_dispatch(key: Hashable, problem: AttentionProblem, runner: Runner) 
 
 def clear_cache() -> None:
     """Forget every prepared runner (the next call of each configuration compiles again)."""
-    from . import kvcache
-
     _runners.clear()
     _dispatch_memo.clear()
-    kvcache._dispatch_memo.clear()

@@ -162,10 +162,6 @@ def _append_on_device(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table
         cache[rows, cols] = torch.where(valid[:, None, None], new, stand_in)
 
 
-# call key (shapes, strides, dtypes, devices, arguments) -> (DecodeProblem, runner) of kernel calls
-_dispatch_memo: dict = {}
-
-
 def _decode_runner(backend: str, problem: DecodeProblem):
     """The kernel runner for ``problem``, or None where the reference runs it."""
     from . import backends
@@ -280,16 +276,16 @@ def attention_with_kvcache(
     block table are checked on the GPU: a bad value raises at a later call or at
     ``fmha.check_device_errors()``."""
     from .api import _memo_key, _pointers_aligned
-    from .backends import check_backend_name
+    from .backends import check_backend_name, recall_dispatch, remember_dispatch
     from .reference import attention_reference, cast_output
 
     tensors = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, lse)
     key = None
     if all(t is None or isinstance(t, torch.Tensor) for t in tensors):
         # a decode loop repeats its call: what validation and dispatch decided is reused
-        key = _memo_key(tensors, (causal, window_size, softmax_scale, scale_q, scale_k, scale_v, inv_scale_o,
-                                  return_lse, out_dtype, backend, num_splits))
-    hit = _dispatch_memo.get(key) if key is not None else None
+        key = _memo_key(tensors, ("kvcache", causal, window_size, softmax_scale, scale_q, scale_k, scale_v,
+                                  inv_scale_o, return_lse, out_dtype, backend, num_splits))
+    hit = recall_dispatch(key) if key is not None else None
     if hit is not None and _pointers_aligned(tensors):
         problem, runner = hit
     else:
@@ -304,9 +300,7 @@ def attention_with_kvcache(
         _check_outputs(problem, out, lse)
         runner = _decode_runner(backend, problem)
         if key is not None and runner is not None:  # the reference reads the values every call anyway
-            if len(_dispatch_memo) >= 1024:
-                _dispatch_memo.clear()
-            _dispatch_memo[key] = (problem, runner)
+            remember_dispatch(key, problem, runner)
     batch, s_q, heads_q, s_new, page_size, capacity = (problem.batch, problem.seqlen_q, problem.heads_q,
                                                        problem.seqlen_new, problem.page_size, problem.capacity)
     paged, out_dtype, mask = block_table is not None, problem.out_dtype, problem.mask

@@ -114,7 +114,7 @@ def test_decode_problems_the_kernel_cannot_serve_say_why():
 def test_a_repeated_kernel_call_reuses_its_validation(monkeypatch):
     """attention_with_kvcache's dispatch memo: the same shapes, strides, dtypes and arguments skip
     validation and dispatch; a new shape or argument takes the full path again."""
-    from fmha import kvcache
+    from fmha import backends, kvcache
 
     calls = {"validate": 0, "run": 0}
     real = kvcache.decode_problem
@@ -131,7 +131,7 @@ def test_a_repeated_kernel_call_reuses_its_validation(monkeypatch):
     monkeypatch.setattr(kvcache, "_decode_runner", lambda backend, problem: runner)
     monkeypatch.setattr(kvcache.device_errors, "raise_pending", lambda device: None)
     monkeypatch.setattr(kvcache.device_errors, "watch", lambda device: None)
-    kvcache._dispatch_memo.clear()
+    backends.clear_cache()
     q = torch.zeros(2, 1, 8, 64, dtype=torch.bfloat16)
     k = torch.zeros(2, 32, 2, 64, dtype=torch.bfloat16)
     lengths = torch.tensor([3, 7], dtype=torch.int32)
@@ -143,4 +143,4 @@ def test_a_repeated_kernel_call_reuses_its_validation(monkeypatch):
     assert calls == {"validate": 3, "run": 5}
     with pytest.raises(TypeError):  # a bad call is never memoized: it fails every time
         kvcache.attention_with_kvcache(q.float(), k, k, lengths)
-    kvcache._dispatch_memo.clear()
+    backends.clear_cache()
