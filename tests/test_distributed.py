@@ -50,6 +50,18 @@ def _count_local_calls():
     return counts
 
 
+def _errors_of(calls) -> list:
+    """(name, the ValueError's message or None) of each (name, call)."""
+    errors = []
+    for name, call in calls:
+        try:
+            call()
+            errors.append((name, None))
+        except ValueError as e:
+            errors.append((name, str(e)))
+    return errors
+
+
 def _worker(rank, world, port, seqlen, cases, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -64,22 +76,16 @@ def _worker(rank, world, port, seqlen, cases, results):
             o, lse = cp.context_parallel_attention(qs, ks, vs, layout=layout, return_lse=True, method=method, **mask)
             o.backward(cp.shard(dout, rank, world, layout))
             out[i] = (o.detach(), lse, qs.grad, ks.grad, vs.grad, {n: counts[n] - before[n] for n in counts})
-        errors = []
         bad_len = _inputs(seqlen + (2 * world if rank == 0 else 0))[:3]  # rank 0's shard is longer
-        for name, call in (
-                ("lengths", lambda: cp.context_parallel_attention(*(cp.shard(t, rank, world, "contiguous")
-                                                                     for t in bad_len), layout="contiguous")),
-                ("layout", lambda: cp.context_parallel_attention(
-                    *(cp.shard(t, rank, world, "zigzag") for t in (q, k, v)),
-                    layout="zigzag" if rank else "contiguous")),
-                ("dtype", lambda: cp.context_parallel_attention(
-                    *(cp.shard(t, rank, world).float() if rank == world - 1 else cp.shard(t, rank, world)
-                      for t in (q, k, v))))):
-            try:
-                call()
-                errors.append((name, None))
-            except ValueError as e:
-                errors.append((name, str(e)))
+        errors = _errors_of((
+            ("lengths", lambda: cp.context_parallel_attention(*(cp.shard(t, rank, world, "contiguous")
+                                                                 for t in bad_len), layout="contiguous")),
+            ("layout", lambda: cp.context_parallel_attention(
+                *(cp.shard(t, rank, world, "zigzag") for t in (q, k, v)),
+                layout="zigzag" if rank else "contiguous")),
+            ("dtype", lambda: cp.context_parallel_attention(
+                *(cp.shard(t, rank, world).float() if rank == world - 1 else cp.shard(t, rank, world)
+                  for t in (q, k, v))))))
         results[rank] = (out, errors)
     finally:
         dist.destroy_process_group()
@@ -200,16 +206,10 @@ def _varlen_worker(rank, world, port, _seqlen, cases, results):
         odd = cu.clone()
         odd[1] += 1  # the first two documents no longer cut into equal chunks
         swapped = torch.tensor([0, *itertools.accumulate(reversed(cu.diff().tolist()))], dtype=torch.int32)
-        errors = []
-        for name, call in (
-                ("odd", lambda: cp.context_parallel_attention_varlen(*mine, odd, causal=True)),
-                ("differ", lambda: cp.context_parallel_attention_varlen(*mine, swapped if rank == 0 else cu)),
-                ("window", lambda: cp.context_parallel_attention_varlen(*mine, cu, window_size=(8, 0)))):
-            try:
-                call()
-                errors.append((name, None))
-            except ValueError as e:
-                errors.append((name, str(e)))
+        errors = _errors_of((
+            ("odd", lambda: cp.context_parallel_attention_varlen(*mine, odd, causal=True)),
+            ("differ", lambda: cp.context_parallel_attention_varlen(*mine, swapped if rank == 0 else cu)),
+            ("window", lambda: cp.context_parallel_attention_varlen(*mine, cu, window_size=(8, 0)))))
         results[rank] = (out, errors)
     finally:
         dist.destroy_process_group()

@@ -218,16 +218,15 @@ DENSE_DECODE = [  # fmha.attention calls with few query rows: served by the deco
 
 
 def _dense_decode_problem(spec):
-    from fmha.kvcache import DecodeProblem
-    from fmha.masking import MaskSpec
+    """The DecodeProblem a DENSE_DECODE call becomes (``HopperDenseDecodeRunner``)."""
+    from fmha.kernels.hopper.backend import dense_decode_problem
+    from fmha.validation import validate
 
-    mask = MaskSpec.from_args(spec.get("causal", False), spec.get("window_size", (None, None)),
-                              spec.get("mask_align", "top_left"), False)
-    return DecodeProblem(batch=spec["b"], seqlen_q=spec["sq"], heads_q=spec["hq"], heads_k=spec["hk"],
-                         head_dim=spec["d"], head_dim_v=spec["d"], dtype=torch.bfloat16, out_dtype=torch.bfloat16,
-                         mask=mask, page_size=0, capacity=spec["sk"], num_pages=spec["b"], seqlen_new=0,
-                         score_scale=spec["d"] ** -0.5, output_scale=1.0, return_lse=True,
-                         device=torch.device("cuda", torch.cuda.current_device()))
+    spec = dict(spec)
+    b, sq, hq, hk, d, sk = (spec.pop(k) for k in ("b", "sq", "hq", "hk", "d", "sk"))
+    q = torch.empty(b, sq, hq, d, dtype=torch.bfloat16, device="cuda")
+    k = torch.empty(b, sk, hk, d, dtype=torch.bfloat16, device="cuda")
+    return dense_decode_problem(validate(q, k, k, return_lse=True, **spec), return_lse=True)
 
 
 @pytest.mark.parametrize("spec", DENSE_DECODE, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))

@@ -256,6 +256,18 @@ def served_as_decode(problem: AttentionProblem, options: KernelOptions) -> bool:
     return group > 1 or tiles < 0.8 * sm_count(problem.device)
 
 
+def dense_decode_problem(problem: AttentionProblem, return_lse: bool):
+    """A dense forward as decode over a full cache: every sequence holds all S_k keys."""
+    from fmha.kvcache import DecodeProblem
+
+    return DecodeProblem(
+        batch=problem.batch, seqlen_q=problem.seqlen_q, heads_q=problem.num_heads_q, heads_k=problem.num_heads_k,
+        head_dim=problem.head_dim, head_dim_v=problem.head_dim_v, dtype=problem.dtype, out_dtype=problem.out_dtype,
+        mask=problem.mask, page_size=0, capacity=problem.seqlen_k, num_pages=problem.batch, seqlen_new=0,
+        score_scale=problem.score_scale, output_scale=problem.output_scale, return_lse=return_lse,
+        device=problem.device)
+
+
 class HopperDenseDecodeRunner:
     """A dense ``fmha.attention`` call with few query rows, run as decode over a full cache."""
 
@@ -275,16 +287,9 @@ class HopperDenseDecodeRunner:
         return lengths
 
     def __call__(self, problem: AttentionProblem, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None):
-        from fmha.kvcache import DecodeProblem
-
         if answered_without_launch(problem, out, lse):
             return
-        decode = DecodeProblem(
-            batch=problem.batch, seqlen_q=problem.seqlen_q, heads_q=problem.num_heads_q, heads_k=problem.num_heads_k,
-            head_dim=problem.head_dim, head_dim_v=problem.head_dim_v, dtype=problem.dtype,
-            out_dtype=problem.out_dtype, mask=problem.mask, page_size=0, capacity=problem.seqlen_k,
-            num_pages=problem.batch, seqlen_new=0, score_scale=problem.score_scale,
-            output_scale=problem.output_scale, return_lse=lse is not None, device=q.device)
+        decode = dense_decode_problem(problem, lse is not None)
         self.decode(decode, q, k, v, self.lengths(problem.batch, problem.seqlen_k, q.device), None, out, lse)
 
 
