@@ -1,6 +1,7 @@
 """The backward's per-row inputs, in one pass before its main kernel.
 
-For every (query row, head): ``delta = rowsum(dO * O) - dLSE`` in fp32 and the LSE in log2 units
+For every (query row, head): ``delta = (rowsum(dO * O) - dLSE) * delta_scale`` in fp32 (the
+backward passes its score scale, so that dS comes out scaled) and the LSE in log2 units
 (+inf for rows that keep no key, whose LSE is -inf: their P = exp2(s - inf) is then 0). One thread
 per row reads the row's O and dO with 16-byte loads; the outputs have the LSE's layout. Doing
 this in torch instead took fp32 copies of O and dO and four more passes over them.
@@ -34,19 +35,19 @@ class BackwardRows:
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: Optional[cute.Tensor],
-                 mLSE2: cute.Tensor, mDelta: cute.Tensor, stream: cuda.CUstream):
+                 mLSE2: cute.Tensor, mDelta: cute.Tensor, delta_scale: Float32, stream: cuda.CUstream):
         """O, dO: (B, S, H, D) or varlen (T, H, D); LSE, dLSE, LSE2, delta: (B, H, S) or (H, T)."""
         if const_expr(self.cfg.varlen):
             rows, heads, batches = mO.shape[0], mO.shape[1], 1
         else:
             rows, heads, batches = mO.shape[1], mO.shape[2], mO.shape[0]
-        self.kernel(mO, mdO, mLSE, mdLSE, mLSE2, mDelta, rows).launch(
+        self.kernel(mO, mdO, mLSE, mdLSE, mLSE2, mDelta, delta_scale, rows).launch(
             grid=[(rows + ROWS_PER_CTA - 1) // ROWS_PER_CTA, heads, batches], block=[ROWS_PER_CTA, 1, 1],
             stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: Optional[cute.Tensor],
-               mLSE2: cute.Tensor, mDelta: cute.Tensor, rows: Int32):
+               mLSE2: cute.Tensor, mDelta: cute.Tensor, delta_scale: Float32, rows: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         block, head, batch = cute.arch.block_idx()
         row = block * ROWS_PER_CTA + tidx
@@ -64,7 +65,7 @@ class BackwardRows:
             delta = (o.load().to(Float32) * do.load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             if const_expr(mdLSE is not None):
                 delta = delta - mdLSE[at]
-            mDelta[at] = delta
+            mDelta[at] = delta * delta_scale
             lse = mLSE[at]
             lse2 = lse * Float32(math.log2(math.e))
             if lse == -Float32(math.inf):

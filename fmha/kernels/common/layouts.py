@@ -18,3 +18,8 @@ def bshd_to_sdhb(t: cute.Tensor, varlen: bool, d_first: bool = False) -> cute.Te
     if const_expr(d_first):
         lay = cute.select(lay, mode=[1, 0, 2, 3])
     return cute.make_tensor(t.iterator, lay)
+
+
+def rows_first(t: cute.Tensor) -> cute.Tensor:
+    """A per-row statistic (B, H, S) -> (S, H, B) (packed sequences: B = 1)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))

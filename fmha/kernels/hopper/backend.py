@@ -306,8 +306,9 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
     d = cfg.head_dim
     rank = 3 if cfg.varlen else 4
     q, k, v, do, dk, dv = (fake_rows(t, rank, d) for _ in range(6))
-    lse2, delta = (fake_rows(cutlass.Float32, rank - 1, None, align_bytes=4) for _ in range(2))
-    dq_acc = fake_rows(cutlass.Float32, rank, d)  # read by TMA: rows 16-byte aligned
+    # read by TMA: rows 16-byte aligned
+    lse2, delta = (fake_rows(cutlass.Float32, 3, None, align_bytes=16) for _ in range(2))  # (B or 1, H, S)
+    dq_acc = fake_rows(cutlass.Float32, rank, d)
     cu_q = cu_k = descriptors = errors = semaphores = None
     if cfg.deterministic:
         semaphores = cute.runtime.make_fake_tensor(
@@ -339,7 +340,7 @@ def compile_backward_rows(cfg, extra_options: str = ""):
     o, do = (fake_rows(cutlass_dtype(cfg.dtype), rank, cfg.head_dim) for _ in range(2))
     lse, dlse, lse2, delta = (fake_rows(cutlass.Float32, rank - 1, None, align_bytes=4) for _ in range(4))
     return compile_for(ARCH, BackwardRows(cfg), o, do, lse, dlse if cfg.has_dlse else None, lse2, delta,
-                       extra_options=extra_options)
+                       cutlass.Float32(1.0), extra_options=extra_options)
 
 
 class HopperBackwardRunner:
@@ -369,8 +370,14 @@ class HopperBackwardRunner:
         m = problem.mask
         lse = lse.contiguous()
         dlse = dlse.contiguous() if dlse is not None else None
-        lse2, delta = torch.empty_like(lse), torch.empty_like(lse)
-        self.row_pass(dlse is not None)(out, dout, lse, dlse, lse2, delta)
+        # rows padded to a multiple of 4 for the kernel's TMA loads (the padding is never used)
+        rows = lse.shape[-1]
+        padded = torch.empty(lse.shape[:-1] + (2, -(-rows // 4) * 4), dtype=torch.float32, device=lse.device)
+        lse2, delta = padded.select(-2, 0), padded.select(-2, 1)
+        self.row_pass(dlse is not None)(out, dout, lse, dlse, lse2[..., :rows], delta[..., :rows],
+                                        problem.score_scale)
+        if self.cfg.varlen:  # (H, T) -> (1, H, T): the kernel reads both layouts as (B, H, S)
+            lse2, delta = lse2.unsqueeze(0), delta.unsqueeze(0)
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         descriptors = None
         if self.cfg.varlen:

@@ -17,11 +17,12 @@ class NamedBarrier(enum.IntEnum):
 
 
 class NamedBarrierBwd(enum.IntEnum):
-    """The backward kernel's (both consumer warpgroups, 256 threads each time)."""
+    """The backward kernel's. ``DQ_*``: one per consumer warpgroup ``wg`` (``barrier + wg``), its
+    128 threads and the dQ writer warp."""
 
-    #: both warpgroups' dQ products of the previous query tile are done reading dS^T
-    DS_FREE = 1
-    #: both warpgroups' dS^T is in shared memory for the dQ product
-    DS_READY = 2
-    #: both warpgroups' halves of the dQ tile are in shared memory for the TMA reduce-add
-    DQ_STAGED = 3
+    #: both warpgroups' dS^T is in shared memory for the dQ product (256 threads)
+    DS_READY = 1
+    #: the writer's reduce-add has read warpgroup ``wg``'s half of the last dQ tile
+    DQ_EMPTY = 2
+    #: warpgroup ``wg``'s half of the dQ tile is in shared memory for its reduce-add
+    DQ_FULL = 4

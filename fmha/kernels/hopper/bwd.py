@@ -48,7 +48,7 @@ from fmha.masking import MaskKind, row_key_bounds
 
 from ..common import sequence_descriptors as seq_desc
 from ..common.fragments import as_operand_a, as_rows_cols, store_as_16bit_pairs
-from ..common.layouts import bshd_to_sdhb
+from ..common.layouts import bshd_to_sdhb, rows_first
 from ..common.pipelines import release_by_one_lane
 from ..common.seqinfo import SequenceInfo
 from ..common.tma import tma_tiles
@@ -57,6 +57,12 @@ from .config import HopperBackwardConfig
 from .epilogue import store_o_direct
 from .wgmma import WARPGROUP_THREADS as _WG
 from .wgmma import issue_gemm
+
+
+#: rows of fp32 in 16 bytes: a TMA box's first row is a multiple of it
+_ROW_ALIGN = 4
+#: floats from one stage's LSE (or delta) rows to the next's (128-byte aligned)
+_ROW_STAGE = 96
 
 
 def _transposed(t: cute.Tensor) -> cute.Tensor:
@@ -70,6 +76,7 @@ class HopperAttentionBackward:
     def __init__(self, cfg: HopperBackwardConfig):
         self.cfg = cfg
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
+        self.row_box = cfg.tile_m + _ROW_ALIGN
         self.num_threads = _WG * 3
 
     @cute.jit
@@ -81,15 +88,18 @@ class HopperAttentionBackward:
                  scale_log2: Float32, out_scale: Float32, score_scale: Float32,
                  window_left: Optional[Int32], window_right: Optional[Int32], stream: cuda.CUstream):
         """Dense tensors: q/dO (B, S_q, H_q, D), k/v/dK/dV (B, S_k, H_k, D), LSE2/delta
-        (B, H_q, S_q) fp32, dQacc (B, S_q, H_q, D) fp32 (zeroed). Varlen: (T, H, D) rows,
-        LSE2/delta (H_q, T_q), cu_seqlens (B + 1,) and room for five descriptors per sequence
-        (B, 5, 16) int64. ``deterministic``: semaphores (B, H_q, query tiles) int32, zeroed."""
+        (B, H_q, S) fp32 with S >= S_q a multiple of 4 (rows past S_q are never used), dQacc
+        (B, S_q, H_q, D) fp32 (zeroed). Varlen: (T, H, D) rows, LSE2/delta (1, H_q, T) with T >= T_q
+        a multiple of 4, cu_seqlens (B + 1,) and room for five descriptors per sequence (B, 5, 16)
+        int64. ``deterministic``: semaphores (B, H_q, query tiles) int32, zeroed. delta comes
+        multiplied by ``score_scale``, so that dS is too and dQ and dK need no scaling of their own."""
         cfg = self.cfg
         varlen = cfg.varlen
         self.dtype = mQ.element_type
         d, tile_m, tile_n = cfg.head_dim, self.tile_m, self.tile_n
         q, k, v, do = (bshd_to_sdhb(t, varlen) for t in (mQ, mK, mV, mdO))
         dq_acc = bshd_to_sdhb(mdQacc, varlen)
+        lse2, delta = (rows_first(t) for t in (mLSE2, mDelta))
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         # S^T = K Q^T and dP^T = V dO^T: M = keys (64 per warpgroup), N = queries, K = head dim
         mma_sdp = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (2, 1, 1),
@@ -97,13 +107,19 @@ class HopperAttentionBackward:
         # dV += P^T dO, dK += dS^T Q: A from registers, M = keys, N = head dim, K = queries
         mma_dkv = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (2, 1, 1),
                                                    (64, d), warpgroup.OperandSource.RMEM)
-        # dQ = dS K: M = queries, N = head dim (half per warpgroup), K = keys
-        mma_dq = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, 2, 1),
+        # dQ = dS K, one warpgroup per half of the head dim: M = queries, N = d / 2, K = keys
+        mma_dq = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, 1, 1),
                                                   (64, d // 2))
         sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), self.dtype, 2)
         sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), self.dtype, 1)
-        sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, d, tile_m), self.dtype, 1)
-        sdQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d), Float32, 1)
+        # dS^T double-buffered with the Q/dO stages: a warpgroup may write the next tile's while
+        # the other still reads this one's
+        sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, d, tile_m), self.dtype, 2)
+        # each warpgroup's half of the dQ tile, added by its own reduce-add
+        sdQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d // 2), Float32, 2)
+        # a tile's LSE and delta rows: TMA boxes start on 16-byte boundaries, so a packed sequence's
+        # tile loads from the row below it that is a multiple of 4, four rows more than a tile
+        sRow_layout = cute.make_layout((self.row_box, 2), stride=(1, _ROW_STAGE))
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tile_q = cute.select(sQ_layout, mode=[0, 1])
@@ -112,16 +128,21 @@ class HopperAttentionBackward:
         tma_do, tma_tensor_do = cpasync.make_tiled_tma_atom(load_op, do, tile_q, (tile_m, d))
         tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load_op, k, tile_k, (tile_n, d))
         tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load_op, v, tile_k, (tile_n, d))
+        row_box = cute.make_layout(self.row_box)
+        tma_lse, tma_tensor_lse = cpasync.make_tiled_tma_atom(load_op, lse2, row_box, (self.row_box,))
+        tma_delta, tma_tensor_delta = cpasync.make_tiled_tma_atom(load_op, delta, row_box, (self.row_box,))
         tma_dq, tma_tensor_dq = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), dq_acc,
-            cute.select(sdQ_layout, mode=[0, 1]), (tile_m, d))
-        self.qdo_bytes = 2 * cute.size_in_bytes(self.dtype, tile_q)
+            cute.select(sdQ_layout, mode=[0, 1]), (tile_m, d // 2))
+        self.qdo_bytes = 2 * cute.size_in_bytes(self.dtype, tile_q) + 2 * self.row_box * 4
         self.kv_bytes = 2 * cute.size_in_bytes(self.dtype, tile_k)
 
         @cute.struct
         class SharedStorage:
             qdo_mbar: cute.struct.MemRange[cutlass.Int64, 2 * 2]
             kv_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
@@ -138,9 +159,10 @@ class HopperAttentionBackward:
                                     mCuSeqlensK, mSeqDescriptors, mErrors, max_seqlen_q, max_seqlen_k).launch(
                 grid=[num_batches, 1, 1], block=[32, 1, 1], stream=stream)
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_tensor_q, tma_do, tma_tensor_do, tma_k, tma_tensor_k,
-                    tma_v, tma_tensor_v, tma_dq, tma_tensor_dq, mLSE2, mDelta, mdK, mdV, mCuSeqlensQ, mCuSeqlensK,
-                    mSeqDescriptors, mSemaphores, max_seqlen_q, max_seqlen_k, scale_log2, out_scale, score_scale,
-                    window_left, window_right, sQ_layout, sK_layout, sdS_layout, sdQ_layout).launch(
+                    tma_v, tma_tensor_v, tma_lse, tma_tensor_lse, tma_delta, tma_tensor_delta, tma_dq, tma_tensor_dq,
+                    mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, mSemaphores, max_seqlen_q, max_seqlen_k,
+                    scale_log2, out_scale, score_scale, window_left, window_right, sQ_layout, sK_layout, sdS_layout,
+                    sdQ_layout, sRow_layout).launch(
             grid=[num_n_blocks, k.shape[2], num_batches], block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
 
@@ -168,19 +190,19 @@ class HopperAttentionBackward:
     def kernel(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
                tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
                tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
-               tma_dq: cute.CopyAtom, mdQacc: cute.Tensor,
-               mLSE2: cute.Tensor, mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+               tma_lse: cute.CopyAtom, mLSE2: cute.Tensor, tma_delta: cute.CopyAtom, mDelta: cute.Tensor,
+               tma_dq: cute.CopyAtom, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                mSeqDescriptors: Optional[cute.Tensor], mSemaphores: Optional[cute.Tensor], max_seqlen_q: Int32,
                max_seqlen_k: Int32, scale_log2: Float32, out_scale: Float32, score_scale: Float32,
                window_left: Optional[Int32], window_right: Optional[Int32],
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
-               sdQ_layout: cute.ComposedLayout):
+               sdQ_layout: cute.ComposedLayout, sRow_layout: cute.Layout):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
         if warp_idx == 0:
-            for atom in (tma_q, tma_do, tma_k, tma_v, tma_dq):
+            for atom in (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_delta, tma_dq):
                 cpasync.prefetch_descriptor(atom)
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -197,7 +219,9 @@ class HopperAttentionBackward:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)[None, None, 0]
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        sLSE2 = storage.sLSE2.get_tensor(sRow_layout)
+        sDelta = storage.sDelta.get_tensor(sRow_layout)
         pipeline.pipeline_init_wait()
 
         seq = SequenceInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, max_seqlen_k)
@@ -206,17 +230,21 @@ class HopperAttentionBackward:
         if n_block * self.tile_n < seq.seqlen_k:
             m_start, m_end = self.query_tiles(n_block, seq.seqlen_q, seq.seqlen_k, window_left, window_right)
             if warp_idx < 4:
+                # 24: what the consumers' 240 need of this CTA's registers (a larger count would
+                # leave their increase waiting forever)
                 cute.arch.setmaxregister_decrease(24)
                 if warp_idx == 0:
-                    self.producer(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, qdo_producer,
-                                  kv_producer, mSeqDescriptors, n_block, head_kv, batch, group, m_start, m_end)
+                    self.producer(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, tma_lse, mLSE2, tma_delta, mDelta,
+                                  sQ, sdO, sK, sV, sLSE2, sDelta, qdo_producer, kv_producer, mSeqDescriptors, n_block,
+                                  head_kv, batch, group, m_start, m_end, seq)
+                if warp_idx == 1:
+                    self.dq_writer(tma_dq, mdQacc, sdQ, mSeqDescriptors, mSemaphores, window_left, window_right,
+                                   n_block, head_kv, batch, group, m_start, m_end, seq)
             else:
                 cute.arch.setmaxregister_increase(240)
-                self.consumer(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, qdo_consumer, kv_consumer, mLSE2,
-                              mDelta, tma_dq, mdQacc, mdK, mdV, mSeqDescriptors, mSemaphores, scale_log2, out_scale,
-                              score_scale,
-                              window_left, window_right, n_block, head_kv, batch, group, m_start, m_end, seq,
-                              tidx - _WG)
+                self.consumer(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDelta, qdo_consumer,
+                              kv_consumer, mdK, mdV, scale_log2, out_scale, score_scale, window_left, window_right,
+                              n_block, head_kv, batch, group, m_start, m_end, seq, tidx - _WG)
 
     def key_bounds(self, row, seqlen_q, seqlen_k, window_left, window_right):
         cfg = self.cfg
@@ -266,10 +294,12 @@ class HopperAttentionBackward:
         return i
 
     @cute.jit
-    def producer(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV,
-                 qdo_producer: pipeline.PipelineProducer, kv_producer: pipeline.PipelineProducer,
-                 mSeqDescriptors: Optional[cute.Tensor], n_block, head_kv, batch, group, m_start, m_end):
-        d = self.cfg.head_dim
+    def producer(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, tma_lse, mLSE2, tma_delta, mDelta,
+                 sQ, sdO, sK, sV, sLSE2, sDelta, qdo_producer: pipeline.PipelineProducer,
+                 kv_producer: pipeline.PipelineProducer, mSeqDescriptors: Optional[cute.Tensor], n_block, head_kv,
+                 batch, group, m_start, m_end, seq: SequenceInfo):
+        """Warp 0: K and V once, then per query tile its Q, dO, LSE and delta into a two-stage ring."""
+        d, tile_m = self.cfg.head_dim, self.tile_m
         desc_q = desc_do = desc_k = desc_v = None  # None: the descriptor built into the TMA atom
         row_batch = batch
         if const_expr(self.cfg.varlen):
@@ -286,8 +316,8 @@ class HopperAttentionBackward:
         cute.copy(tma_v, tVgV, tVsV[None, 0], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_v)
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
-            gQ = cute.local_tile(mQ[None, None, head, row_batch], (self.tile_m, d), (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head, row_batch], (self.tile_m, d), (None, 0))
+            gQ = cute.local_tile(mQ[None, None, head, row_batch], (tile_m, d), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, row_batch], (tile_m, d), (None, 0))
             tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
             tdOsdO, tdOgdO = tma_tiles(tma_do, sdO, gdO)
             for i in cutlass.range(m_start, m_end, unroll=1):
@@ -297,81 +327,121 @@ class HopperAttentionBackward:
                           tma_desc_ptr=desc_q)
                 cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, handle.index], tma_bar_ptr=handle.barrier,
                           tma_desc_ptr=desc_do)
+                # the row statistics through the whole tensor's descriptor, from the multiple of 4
+                # at or below the tile's first row (``row_statistic`` skips the rows before it)
+                first = (seq.offset_q + m_block * tile_m) // _ROW_ALIGN * _ROW_ALIGN
+                for atom, rows, smem in ((tma_lse, mLSE2, sLSE2), (tma_delta, mDelta, sDelta)):
+                    box = cute.local_tile(cute.domain_offset((first,), rows[None, head, row_batch]), (self.row_box,),
+                                          (None,))
+                    tRs, tRg = tma_tiles(atom, smem, box, tile_rank=1)
+                    cute.copy(atom, tRg[None, 0], tRs[None, handle.index], tma_bar_ptr=handle.barrier)
 
     @cute.jit
-    def consumer(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ,
-                 qdo_consumer: pipeline.PipelineConsumer, kv_consumer: pipeline.PipelineConsumer,
-                 mLSE2, mDelta, tma_dq, mdQacc, mdK, mdV, mSeqDescriptors: Optional[cute.Tensor],
-                 mSemaphores: Optional[cute.Tensor],
-                 scale_log2: Float32, out_scale: Float32, score_scale: Float32, window_left, window_right, n_block,
-                 head_kv, batch, group, m_start, m_end, seq: SequenceInfo, tidx: Int32):
+    def dq_writer(self, tma_dq, mdQacc, sdQ, mSeqDescriptors: Optional[cute.Tensor],
+                  mSemaphores: Optional[cute.Tensor], window_left, window_right, n_block, head_kv, batch, group,
+                  m_start, m_end, seq: SequenceInfo):
+        """Warp 1: adds each query tile's dQ into the fp32 buffer, one TMA reduce-add per consumer
+        warpgroup's half, as soon as that half is staged; frees each half once its add has read it.
+        ``deterministic``: each tile's adds wait for their turn (``wait_for_turn``)."""
         cfg = self.cfg
-        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+        d, tile_m = cfg.head_dim, self.tile_m
         desc_dq = None
         row_batch = batch
         if const_expr(cfg.varlen):
             desc_dq = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.DQ)
             row_batch = Int32(0)
+        # deterministic: the query tiles that K/V tile n_block - 1 adds into (none for tile 0)
+        prev_start, prev_end = Int32(0), Int32(0)
+        if const_expr(cfg.deterministic):
+            if n_block > 0:
+                prev_start, prev_end = self.query_tiles(n_block - 1, seq.seqlen_q, seq.seqlen_k, window_left,
+                                                        window_right)
+        last = group * (m_end - m_start) - 1
+        if last >= 0:  # the first tile's halves are free (no arrival that nobody waits for)
+            for wg in cutlass.range_constexpr(2):
+                cute.arch.barrier_arrive(barrier_id=NamedBarrierBwd.DQ_EMPTY + wg, number_of_threads=_WG + 32)
+        t = Int32(0)
+        for g in cutlass.range(group, unroll=1):
+            head = head_kv * group + g
+            gdQ = cute.local_tile(mdQacc[None, None, head, row_batch], (tile_m, d // 2), (None, None))
+            tdQs, tdQg = tma_tiles(tma_dq, sdQ, gdQ)
+            for i in cutlass.range(m_start, m_end, unroll=1):
+                m_block = self.query_tile_at(i, m_start, m_end)
+                turn = None
+                if const_expr(cfg.deterministic):
+                    has_predecessor = prev_start <= m_block and m_block < prev_end
+                    turn = self.wait_for_turn(mSemaphores, batch, head, m_block, n_block, has_predecessor)
+                for wg in cutlass.range_constexpr(2):
+                    cute.arch.barrier(barrier_id=NamedBarrierBwd.DQ_FULL + wg, number_of_threads=_WG + 32)
+                    cute.copy(tma_dq, tdQs[None, wg], tdQg[None, m_block, wg], tma_desc_ptr=desc_dq)
+                    cute.arch.cp_async_bulk_commit_group()
+                if const_expr(cfg.deterministic):
+                    self.pass_turn(turn, n_block)
+                for wg in cutlass.range_constexpr(2):
+                    cute.arch.cp_async_bulk_wait_group(1 - wg, read=True)
+                    if t < last:
+                        cute.arch.barrier_arrive(barrier_id=NamedBarrierBwd.DQ_EMPTY + wg,
+                                                 number_of_threads=_WG + 32)
+                t += 1
+
+    @cute.jit
+    def consumer(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDelta,
+                 qdo_consumer: pipeline.PipelineConsumer, kv_consumer: pipeline.PipelineConsumer, mdK, mdV,
+                 scale_log2: Float32, out_scale: Float32, score_scale: Float32, window_left, window_right, n_block,
+                 head_kv, batch, group, m_start, m_end, seq: SequenceInfo, tidx: Int32):
+        """Warpgroups 1 and 2: per query tile the five products and the element-wise work between
+        them; dK and dV stay in registers until the end."""
+        cfg = self.cfg
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         d, tile_m, tile_n = cfg.head_dim, self.tile_m, self.tile_n
         wg = cute.arch.make_warp_uniform(tidx // _WG)
         wg_sdp = mma_sdp.get_slice(wg * _WG)
         wg_dkv = mma_dkv.get_slice(wg * _WG)
-        wg_dq = mma_dq.get_slice(wg * _WG)
+        wg_dq = mma_dq.get_slice(0)
         thr_sdp = mma_sdp.get_slice(tidx)
         thr_dkv = mma_dkv.get_slice(tidx)
-        thr_dq = mma_dq.get_slice(tidx)
+        thr_dq = mma_dq.get_slice(tidx % _WG)
         tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))[None, None, None, 0]
         tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
         tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))[None, None, None, 0]
         tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         tVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sdO)))
         tKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sQ)))
-        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(_transposed(sdS)))[None, None, None, 0]
-        tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(_transposed(sK)))[None, None, None, 0]
+        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(_transposed(sdS)))
+        # this warpgroup's half of the head dim of K (dQ's B operand: d x keys)
+        sK_half = cute.local_tile(_transposed(sK)[None, None, 0], (d // 2, tile_n), (wg, 0))
+        tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(sK_half))
         s_shape = thr_sdp.partition_shape_C((tile_n, tile_m))
         tScS = as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((tile_n, tile_m))))
         acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tile_n, d)), Float32)
         acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tile_n, d)), Float32)
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
-        tdQsdQ = thr_dq.partition_C(sdQ)
-        # the warp that issues the dQ reduce-adds (warp-uniform: the whole warp calls the copy)
-        dq_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4
+        tdQsdQ = thr_dq.partition_C(sdQ[None, None, wg])
         # dS^T from the accumulator registers into shared memory, 8x8 blocks at a time
         st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_st = cute.make_tiled_copy_C(st_atom, mma_sdp).get_slice(tidx)
-        tdSsdS = thr_st.partition_D(sdS[None, None, 0])
+        tdSsdS = thr_st.partition_D(sdS)
         n0 = n_block * tile_n
         n1 = cutlass.min(n0 + tile_n, seqlen_k)
         num_cols = cute.size(tScS, mode=[1])
-        # deterministic: the query tiles that K/V tile n_block - 1 adds into (none for tile 0)
-        prev_start, prev_end = Int32(0), Int32(0)
-        if const_expr(cfg.deterministic):
-            if n_block > 0:
-                prev_start, prev_end = self.query_tiles(n_block - 1, seqlen_q, seqlen_k, window_left, window_right)
+        dp_scale = out_scale * score_scale  # dS comes out multiplied by the score scale
 
         kv_handle = kv_consumer.wait_and_advance()
         for g in cutlass.range(group, unroll=1):
-            head = head_kv * group + g
-            # this head's statistics of the sequence's query rows, indexed by row
-            if const_expr(cfg.varlen):
-                lse2_rows = cute.domain_offset((seq.offset_q,), mLSE2[head, None])
-                delta_rows = cute.domain_offset((seq.offset_q,), mDelta[head, None])
-            else:
-                lse2_rows, delta_rows = mLSE2[batch, head, None], mDelta[batch, head, None]
             for i in cutlass.range(m_start, m_end, unroll=1):
                 m_block = self.query_tile_at(i, m_start, m_end)
                 m0 = m_block * tile_m
                 handle = qdo_consumer.wait_and_advance()
+                stage = handle.index
                 acc_s = cute.make_rmem_tensor(s_shape, Float32)
                 acc_dp = cute.make_rmem_tensor(s_shape, Float32)
-                issue_gemm(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, handle.index], True)
-                issue_gemm(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, handle.index], True)
-                # the statistics of this thread's query columns while the GEMMs run
-                lse2, delta = self.load_row_statistics(lse2_rows, delta_rows, tScS, m0, seqlen_q)
-                warpgroup.wait_group(0)
+                issue_gemm(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, stage], True)
+                issue_gemm(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, stage], True)
+                ragged = m0 + tile_m > seqlen_q
+                lse2 = self.row_statistic(sLSE2[None, stage], tScS, m0, seq, ragged, math.inf)
+                warpgroup.wait_group(1)  # S^T is ready; dP^T still runs
                 s = as_rows_cols(acc_s)
-                dp = as_rows_cols(acc_dp)
                 if const_expr(cfg.mask_kind != MaskKind.NONE):
                     last = cutlass.min(m0 + tile_m, seqlen_q) - 1
                     lo_last, _ = self.key_bounds(last, seqlen_q, seqlen_k, window_left, window_right)
@@ -380,77 +450,58 @@ class HopperAttentionBackward:
                         self.apply_mask(s, tScS, m0, n0, seqlen_q, seqlen_k, window_left, window_right)
                 for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                     for j in cutlass.range_constexpr(num_cols):
-                        p = cute.math.exp2(s[r, j] * scale_log2 - lse2[j], fastmath=True)
-                        s[r, j] = p
-                        dp[r, j] = p * (dp[r, j] * out_scale - delta[j])
+                        s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2[j], fastmath=True)
                 p16 = cute.make_rmem_tensor(s_shape, self.dtype)
-                ds16 = cute.make_rmem_tensor(s_shape, self.dtype)
                 store_as_16bit_pairs(p16, acc_s)
+                delta = self.row_statistic(sDelta[None, stage], tScS, m0, seq, ragged, 0.0)
+                warpgroup.wait_group(0)
+                dp = as_rows_cols(acc_dp)
+                for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                    for j in cutlass.range_constexpr(num_cols):
+                        dp[r, j] = s[r, j] * (dp[r, j] * dp_scale - delta[j])
+                ds16 = cute.make_rmem_tensor(s_shape, self.dtype)
                 store_as_16bit_pairs(ds16, acc_dp)
-                issue_gemm(mma_dkv, acc_dv, as_operand_a(p16), tVrdO[None, None, None, handle.index], False)
-                issue_gemm(mma_dkv, acc_dk, as_operand_a(ds16), tKrQ[None, None, None, handle.index], False)
-                # the other warpgroup's dQ product of the previous tile is done reading sdS, and the
-                # previous tile's dQ reduce-add has read sdQ
-                if dq_warp:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.barrier(barrier_id=NamedBarrierBwd.DS_FREE, number_of_threads=2 * _WG)
-                cute.copy(st_atom, thr_st.retile(ds16), tdSsdS)
+                issue_gemm(mma_dkv, acc_dv, as_operand_a(p16), tVrdO[None, None, None, stage], False)
+                # dS^T of both warpgroups (all the tile's keys) for the dQ product; the buffer
+                # alternates with the stage, so the other warpgroup may still read the last one
+                cute.copy(st_atom, thr_st.retile(ds16), tdSsdS[None, None, None, stage])
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=NamedBarrierBwd.DS_READY, number_of_threads=2 * _WG)
-                acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tile_m, d)), Float32)
-                issue_gemm(mma_dq, acc_dq, tQrdS, tQrK, True)
-                warpgroup.wait_group(0)
-                release_by_one_lane(handle)
-                acc_dq.store(acc_dq.load() * score_scale)
+                acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tile_m, d // 2)), Float32)
+                issue_gemm(mma_dq, acc_dq, tQrdS[None, None, None, stage], tQrK, True)
+                issue_gemm(mma_dkv, acc_dk, as_operand_a(ds16), tKrQ[None, None, None, stage], False)
+                warpgroup.wait_group(1)  # dV and dQ are done; dK still runs
+                # stage this warpgroup's half of dQ once the writer's last add has read it
+                cute.arch.barrier(barrier_id=NamedBarrierBwd.DQ_EMPTY + wg, number_of_threads=_WG + 32)
                 cute.autovec_copy(acc_dq, tdQsdQ)
                 cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=NamedBarrierBwd.DQ_STAGED, number_of_threads=2 * _WG)
-                if dq_warp:
-                    turn = None
-                    if const_expr(cfg.deterministic):
-                        has_predecessor = prev_start <= m_block and m_block < prev_end
-                        turn = self.wait_for_turn(mSemaphores, batch, head, m_block, n_block, has_predecessor)
-                    gdQ = cute.local_tile(mdQacc[None, None, head, row_batch], (tile_m, d), (m_block, 0))
-                    tdQs, tdQg = tma_tiles(tma_dq, sdQ, gdQ)
-                    cute.copy(tma_dq, tdQs, tdQg, tma_desc_ptr=desc_dq)
-                    cute.arch.cp_async_bulk_commit_group()
-                    if const_expr(cfg.deterministic):
-                        self.pass_turn(turn, n_block)
+                cute.arch.barrier_arrive(barrier_id=NamedBarrierBwd.DQ_FULL + wg, number_of_threads=_WG + 32)
+                warpgroup.wait_group(0)
+                release_by_one_lane(handle)
         release_by_one_lane(kv_handle)
-        if dq_warp:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
         dk_out = cute.make_rmem_tensor_like(acc_dk, self.dtype)
         dv_out = cute.make_rmem_tensor_like(acc_dv, self.dtype)
-        dk_out.store((acc_dk.load() * score_scale).to(self.dtype))
+        dk_out.store(acc_dk.load().to(self.dtype))
         dv_out.store((acc_dv.load() * out_scale).to(self.dtype))
         tdKcdK = thr_dkv.partition_C(cute.make_identity_tensor((tile_n, d)))
         store_o_direct(dk_out, tdKcdK, mdK, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
         store_o_direct(dv_out, tdKcdK, mdV, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
 
     @cute.jit
-    def load_row_statistics(self, lse2_rows: cute.Tensor, delta_rows: cute.Tensor, tScS: cute.Tensor, m0, seqlen_q):
-        """LSE (log2) and delta of this thread's query columns of the tile at row ``m0``; rows past
-        the sequence get +inf and 0 (P = 0). A whole tile loads at constant offsets from one
-        address; only the ragged last tile clamps and selects per column."""
+    def row_statistic(self, sRow: cute.Tensor, tScS: cute.Tensor, m0, seq: SequenceInfo, ragged, past_end: float):
+        """This thread's query columns of a row statistic staged in shared memory (from the row
+        ``producer`` started at); in a ragged tile, ``past_end`` for the rows past the sequence
+        (+inf LSE and 0 delta make P and dS 0)."""
         num_cols = cute.size(tScS, mode=[1])
-        lse2 = cute.make_rmem_tensor(num_cols, Float32)
-        delta = cute.make_rmem_tensor(num_cols, Float32)
-        if m0 + self.tile_m <= seqlen_q:
+        skip = seq.offset_q % _ROW_ALIGN  # tiles start at multiples of 64 rows into the sequence
+        vals = cute.make_rmem_tensor(num_cols, Float32)
+        for j in cutlass.range_constexpr(num_cols):
+            vals[j] = sRow[skip + tScS[0, j][1]]
+        if ragged:
             for j in cutlass.range_constexpr(num_cols):
-                lse2[j] = lse2_rows[m0 + tScS[0, j][1]]
-                delta[j] = delta_rows[m0 + tScS[0, j][1]]
-        else:
-            for j in cutlass.range_constexpr(num_cols):
-                row = m0 + tScS[0, j][1]
-                inside = row < seqlen_q
-                at = cutlass.min(row, seqlen_q - 1)
-                lse2[j] = Float32(math.inf)
-                delta[j] = Float32(0.0)
-                lse_at, delta_at = lse2_rows[at], delta_rows[at]
-                if inside:
-                    lse2[j] = lse_at
-                    delta[j] = delta_at
-        return lse2, delta
+                if m0 + tScS[0, j][1] >= seq.seqlen_q:
+                    vals[j] = Float32(past_end)
+        return vals
 
     @cute.jit
     def wait_for_turn(self, mSemaphores: cute.Tensor, batch, head, m_block, n_block, has_predecessor):
