@@ -490,7 +490,8 @@ def _plot(rows, impls, path, meta):
         ax.set_ylabel("TFLOP/s")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"bf16 forward attention, {meta['device']}")
+    mode = {"backward": "backward", "step": "training step (forward + backward)"}.get(rows[0].get("mode"), "forward")
+    fig.suptitle(f"bf16 {mode} attention, {meta['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
