@@ -146,12 +146,13 @@ def _backward_sass(head_dim, causal, tmp_root) -> list:
 def test_backward_keeps_its_registers_and_reads_row_statistics_from_shared_memory(head_dim, causal, tmp_root):
     """With the LSE and delta loaded from global memory into 32 registers per thread, D=128 kept 3
     registers in local memory (3.2 million requests at S=4k) and the exponentials waited on the
-    loads (7-12% of the stall samples); TMA brings them to shared memory with Q and dO now."""
+    loads (7-12% of the stall samples); TMA brings them to shared memory with Q and dO now, and
+    each column's value is read where it is used."""
     ins = _backward_sass(head_dim, causal, tmp_root)
     spills = [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
-    # D=128 with a mask still keeps about 20 (addresses, reloaded once per query tile;
-    # docs/performance.md): a ratchet, so that it does not grow unnoticed
-    assert len(spills) <= (40 if head_dim == 128 and causal else 0)
+    # D=128 with a mask keeps a few (7 loads and stores, from 38 with the statistics held in
+    # registers): a ratchet, so that it does not grow unnoticed
+    assert len(spills) <= (10 if head_dim == 128 and causal else 0)
     assert not [t for t in ins if re.search(r"\bLDG\b", t)]
     assert sum("LDS" in t for t in ins) >= 16  # the row statistics, read where they are used
 

@@ -328,7 +328,7 @@ class HopperAttentionBackward:
                 cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, handle.index], tma_bar_ptr=handle.barrier,
                           tma_desc_ptr=desc_do)
                 # the row statistics through the whole tensor's descriptor, from the multiple of 4
-                # at or below the tile's first row (``row_statistic`` skips the rows before it)
+                # at or below the tile's first row (the consumers skip the rows before it)
                 first = (seq.offset_q + m_block * tile_m) // _ROW_ALIGN * _ROW_ALIGN
                 for atom, rows, smem in ((tma_lse, mLSE2, sLSE2), (tma_delta, mDelta, sDelta)):
                     box = cute.local_tile(cute.domain_offset((first,), rows[None, head, row_batch]), (self.row_box,),
@@ -438,8 +438,6 @@ class HopperAttentionBackward:
                 acc_dp = cute.make_rmem_tensor(s_shape, Float32)
                 issue_gemm(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, stage], True)
                 issue_gemm(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, stage], True)
-                ragged = m0 + tile_m > seqlen_q
-                lse2 = self.row_statistic(sLSE2[None, stage], tScS, m0, seq, ragged, math.inf)
                 warpgroup.wait_group(1)  # S^T is ready; dP^T still runs
                 s = as_rows_cols(acc_s)
                 if const_expr(cfg.mask_kind != MaskKind.NONE):
@@ -448,17 +446,32 @@ class HopperAttentionBackward:
                     _, hi_first = self.key_bounds(m0, seqlen_q, seqlen_k, window_left, window_right)
                     if not (lo_last <= n0 and hi_first >= n1):
                         self.apply_mask(s, tScS, m0, n0, seqlen_q, seqlen_k, window_left, window_right)
-                for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                # a column's statistic is read where it is used: held for the whole tile, the two
+                # took 32 registers, and the kernels with a mask kept registers in local memory
+                skip = seq.offset_q % _ROW_ALIGN  # tiles start at multiples of 64 rows into the sequence
+                for j in cutlass.range_constexpr(num_cols):
+                    lse2 = sLSE2[skip + tScS[0, j][1], stage]
+                    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                        s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2, fastmath=True)
+                # P of the rows past a ragged tile's sequence (whose LSE rows are another
+                # sequence's or padding) to 0. Also a branch that keeps ptxas from moving the
+                # wait for dP^T above the exponentials, as it does in straight-line code.
+                if m0 + tile_m > seqlen_q:
                     for j in cutlass.range_constexpr(num_cols):
-                        s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2[j], fastmath=True)
+                        if m0 + tScS[0, j][1] >= seqlen_q:
+                            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                                s[r, j] = Float32(0.0)
                 p16 = cute.make_rmem_tensor(s_shape, self.dtype)
                 store_as_16bit_pairs(p16, acc_s)
-                delta = self.row_statistic(sDelta[None, stage], tScS, m0, seq, ragged, 0.0)
                 warpgroup.wait_group(0)
                 dp = as_rows_cols(acc_dp)
-                for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                    for j in cutlass.range_constexpr(num_cols):
-                        dp[r, j] = s[r, j] * (dp[r, j] * dp_scale - delta[j])
+                for j in cutlass.range_constexpr(num_cols):
+                    # 0 past the sequence: P is 0 there, and so is dP (dO's rows read as zeros),
+                    # but the padding may hold anything
+                    col = tScS[0, j][1]
+                    delta = Float32(cutlass.select_(m0 + col >= seqlen_q, Float32(0.0), sDelta[skip + col, stage]))
+                    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                        dp[r, j] = s[r, j] * (dp[r, j] * dp_scale - delta)
                 ds16 = cute.make_rmem_tensor(s_shape, self.dtype)
                 store_as_16bit_pairs(ds16, acc_dp)
                 issue_gemm(mma_dkv, acc_dv, as_operand_a(p16), tVrdO[None, None, None, stage], False)
@@ -486,22 +499,6 @@ class HopperAttentionBackward:
         tdKcdK = thr_dkv.partition_C(cute.make_identity_tensor((tile_n, d)))
         store_o_direct(dk_out, tdKcdK, mdK, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
         store_o_direct(dv_out, tdKcdK, mdV, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
-
-    @cute.jit
-    def row_statistic(self, sRow: cute.Tensor, tScS: cute.Tensor, m0, seq: SequenceInfo, ragged, past_end: float):
-        """This thread's query columns of a row statistic staged in shared memory (from the row
-        ``producer`` started at); in a ragged tile, ``past_end`` for the rows past the sequence
-        (+inf LSE and 0 delta make P and dS 0)."""
-        num_cols = cute.size(tScS, mode=[1])
-        skip = seq.offset_q % _ROW_ALIGN  # tiles start at multiples of 64 rows into the sequence
-        vals = cute.make_rmem_tensor(num_cols, Float32)
-        for j in cutlass.range_constexpr(num_cols):
-            vals[j] = sRow[skip + tScS[0, j][1]]
-        if ragged:
-            for j in cutlass.range_constexpr(num_cols):
-                if m0 + tScS[0, j][1] >= seq.seqlen_q:
-                    vals[j] = Float32(past_end)
-        return vals
 
     @cute.jit
     def wait_for_turn(self, mSemaphores: cute.Tensor, batch, head, m_block, n_block, has_predecessor):
