@@ -5,7 +5,11 @@ tiles, varlen, fp8, D 32/256), for compute-sanitizer (``--claim-only``: the clai
     compute-sanitizer --tool memcheck  python -m lab.sanitize_case
     compute-sanitizer --tool racecheck python -m lab.sanitize_case --claim-only
 
-Exits 1 if the output disagrees with the reference (the sanitizer reports its own findings)."""
+Exits 1 if the output disagrees with the reference (the sanitizer reports its own findings).
+
+Run it once without the sanitizer first, so that the kernels load from the disk cache: a kernel
+compiled under memcheck adds the DSL's own driver probing to the report (``cuGetProcAddress``
+returning CUDA_ERROR_INVALID_VALUE while it detects the GPU), which is not a finding."""
 
 import os
 import sys
