@@ -152,10 +152,12 @@ def _implementations(torch, variants: bool = False) -> dict[str, Callable]:
     impls: dict[str, Callable] = {"fmha": ours, "fmha_new_offsets": ours_new_offsets,
                                   "fmha_unchecked": ours_unchecked, "fmha_deterministic": ours_deterministic}
     if variants:
-        from lab.variants import VARIANTS, kernel_variant
+        from lab.variants import BACKWARD_VARIANTS, VARIANTS, backward_variant, kernel_variant
 
         for name, overrides in VARIANTS.items():
             impls[name] = kernel_variant(_mask_kwargs, **overrides)
+        for name, overrides in BACKWARD_VARIANTS.items():
+            impls[name] = backward_variant(_mask_kwargs, **overrides)
     try:
         from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
@@ -350,7 +352,7 @@ def run_point_backward(p: Point, impls: dict, torch, do_bench, rounds: int = 1, 
     dout = torch.randn(q.shape, device=q.device).to(q.dtype)
     ref = attention_backward_reference(dout, q, k, v, cast_output(out, q.dtype), lse, cu, cu, mask=mask)
     rows, timed = {}, {}
-    names = [n for n in BACKWARD_IMPLS if n in impls]
+    names = [n for n in BACKWARD_IMPLS if n in impls] + [n for n in impls if n.startswith("fmha_bwd_")]
     if step and p.varlen and "fmha_new_offsets" in impls:
         names.insert(1, "fmha_new_offsets")
     for name in names:

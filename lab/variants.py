@@ -1,5 +1,6 @@
 """Benchmark variants: the library's Hopper kernel with one compile-time choice changed, timed
-beside the default by ``python -m lab.bench --variants`` to measure what a choice buys.
+beside the default by ``python -m lab.bench --variants`` to measure what a choice buys
+(``--backward --variants``: the backward kernel's variants, ``BACKWARD_VARIANTS``).
 
 A variant overrides fields of ``HopperForwardConfig`` (tile, schedule, Q buffers, O store) or
 its derived properties (softmax chains, lazy rescale); overridden properties live in a subclass
@@ -77,5 +78,76 @@ def kernel_variant(mask_kwargs: Callable, fp8_only: bool = False, head_dims: tup
         out = q.new_empty(q.shape, dtype=problem.out_dtype)
         runner(problem, q, k, v, out, None, cu, cu)
         return out
+
+    return fn
+
+
+# name -> overrides of HopperBackwardConfig's tile attributes, and the head dims timed
+BACKWARD_VARIANTS = {
+    "fmha_bwd_m128": dict(tile_m=128, head_dims=(64,)),  # 128 query rows per step (FA3's and FA4's at D <= 64)
+}
+
+
+_BACKWARD_CLASSES = {}  # overrides -> config subclass (one per variant: configs compare by class)
+
+
+def backward_variant_config(cfg, **overrides):
+    """``cfg`` (a HopperBackwardConfig) with its tile attributes replaced, as a subclass."""
+    key = tuple(sorted(overrides.items()))
+    cls = _BACKWARD_CLASSES.get(key)
+    if cls is None:
+        unknown = [k for k in overrides if k not in ("tile_m", "tile_n")]
+        if unknown:
+            raise ValueError(f"not a tile attribute of the backward config: {unknown}")
+        name = "HopperBackwardConfig_" + "_".join(f"{k}_{v}" for k, v in key)
+        cls = _BACKWARD_CLASSES[key] = type(name, (type(cfg),), dict(overrides))
+    return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+
+
+def backward_variant(mask_kwargs: Callable, head_dims: tuple = (), **overrides) -> Callable:
+    """A benchmark implementation ``fn(q, k, v, point, cu_seqlens)`` whose output's backward runs
+    the library's backward kernel with ``overrides`` (the forward is the library's)."""
+    import torch
+
+    import fmha
+    from fmha.kernels.hopper.backend import HopperBackwardRunner, compile_backward
+    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.problem import KernelOptions
+    from fmha.validation import validate_backward
+
+    runners = {}  # config -> runner
+
+    class Attention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, p, cu):
+            kw = mask_kwargs(p)
+            if p.varlen:
+                out, lse = fmha.attention_varlen(q, k, v, cu, cu, return_lse=True, backend="kernel", **kw)
+            else:
+                out, lse = fmha.attention(q, k, v, return_lse=True, backend="kernel", **kw)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.point, ctx.cu = p, cu
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse = ctx.saved_tensors
+            p, cu = ctx.point, ctx.cu
+            varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(p.varlen),
+                          max_seqlen_k=max(p.varlen)) if p.varlen else {}
+            dout = dout.contiguous()
+            problem = validate_backward(dout, q, k, v, out, lse, varlen=bool(p.varlen), **varlen, **mask_kwargs(p))
+            base = HopperBackwardConfig.from_problem(problem, KernelOptions())
+            cfg = backward_variant_config(base, **overrides)
+            if cfg not in runners:
+                runners[cfg] = HopperBackwardRunner(cfg, compile_backward(cfg))
+            grads = [torch.empty_like(t) for t in (q, k, v)]
+            runners[cfg](problem, dout, q, k, v, out, lse, None, *grads, cu, cu)
+            return (*grads, None, None)
+
+    def fn(q, k, v, p, cu):
+        if head_dims and p.head_dim not in head_dims:
+            raise NotImplementedError(f"this variant is timed at head dims {head_dims}")
+        return Attention.apply(q, k, v, p, cu)
 
     return fn

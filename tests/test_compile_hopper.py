@@ -18,6 +18,8 @@ from fmha.kernels.hopper.backend import compile_forward as compile_kernel  # noq
 from fmha.kernels.hopper.config import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, OStore, Schedule  # noqa: E402
 from kernel_configs import library_config  # noqa: E402
 
+from lab.variants import BACKWARD_VARIANTS, backward_variant_config  # noqa: E402
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -266,3 +268,22 @@ def test_deterministic_backward_orders_the_dq_adds(varlen, tmp_path):
 
 def test_backward_mask_families_cover_every_kind():
     assert {m for _, _, m in _BWD} == set(_BWD_MASKS)
+
+
+@pytest.mark.parametrize("name", sorted(BACKWARD_VARIANTS))
+def test_backward_variants_compile(name):
+    """Each backward variant ``lab.bench --backward --variants`` times builds at the head dims it
+    is timed at, causal and not (a variant that stopped compiling would only show as an error row
+    of a GPU run)."""
+    from fmha.kernels.hopper.backend import compile_backward
+    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.masking import MaskKind
+
+    overrides = dict(BACKWARD_VARIANTS[name])
+    for d in overrides.pop("head_dims"):
+        for causal in (False, True):
+            base = HopperBackwardConfig(torch.bfloat16, d, MaskKind.WINDOW if causal else MaskKind.NONE, False, causal,
+                                        False)
+            cfg = backward_variant_config(base, **overrides)
+            assert cfg != base and all(getattr(cfg, k) == v for k, v in overrides.items())
+            compile_backward(cfg)

@@ -61,8 +61,6 @@ from .wgmma import issue_gemm
 
 #: rows of fp32 in 16 bytes: a TMA box's first row is a multiple of it
 _ROW_ALIGN = 4
-#: floats from one stage's LSE (or delta) rows to the next's (128-byte aligned)
-_ROW_STAGE = 96
 
 
 def _transposed(t: cute.Tensor) -> cute.Tensor:
@@ -119,7 +117,7 @@ class HopperAttentionBackward:
         sdQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d // 2), Float32, 2)
         # a tile's LSE and delta rows: TMA boxes start on 16-byte boundaries, so a packed sequence's
         # tile loads from the row below it that is a multiple of 4, four rows more than a tile
-        sRow_layout = cute.make_layout((self.row_box, 2), stride=(1, _ROW_STAGE))
+        sRow_layout = cute.make_layout((self.row_box, 2), stride=(1, -(-self.row_box // 32) * 32))  # 128-byte stages
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tile_q = cute.select(sQ_layout, mode=[0, 1])
