@@ -1,24 +1,28 @@
 """Hopper (SM90) attention backward: dK and dV per K/V tile, dQ accumulated in fp32.
 
 One CTA owns one K/V tile (128 keys of one K/V head of one sequence) and keeps its dK and dV in
-registers while it walks every query tile (64 rows) of every query head of the group whose mask
-keeps some key of the tile. Roles:
+registers while it walks every query tile (``tile_m`` rows) of every query head of the group
+whose mask keeps some key of the tile. Roles:
 
-* warp 0 of warpgroup 0, the **producer**: TMA-loads K and V once, then Q and dO of each query
-  tile into a two-stage ring.
+* warp 0 of warpgroup 0, the **producer**: TMA-loads K and V once, then each query tile's Q,
+  dO, LSE (log2) and delta rows into a two-stage ring.
+* warp 1 of warpgroup 0, the **dQ writer**: adds each warpgroup's half of a query tile's dQ,
+  staged in shared memory, into the fp32 buffer by a TMA reduce-add (whole lines, asynchronous,
+  instead of per-element atomics) and frees the half once the add has read it.
 * warpgroups 1 and 2, the **consumers**, 64 keys each. Per query tile, with S^T = K Q^T and
   dP^T = V dO^T on the tensor cores (keys as the M dimension, so that P^T and dS^T land in
   registers in the A-operand order of the next products):
-  P^T = exp2(S^T * scale_log2 - lse_log2), dS^T = P^T * (dP^T * out_scale - delta);
-  dV += P^T dO and dK += dS^T Q from registers; dS^T is also stored to shared memory, where both
-  warpgroups read all 128 keys of it for dQ = dS K (each warpgroup half of the head dim). The
-  dQ tile is staged in shared memory and added to an fp32 buffer in global memory by one TMA
-  reduce-add (whole lines, asynchronous) instead of per-element atomics.
+  P^T = exp2(S^T * scale_log2 - lse_log2) while dP^T is computed, then
+  dS^T = P^T * (dP^T * out_scale * score_scale - delta); dV += P^T dO and dK += dS^T Q from
+  registers; dS^T is also stored to shared memory (two buffers, alternating with the stages),
+  where both warpgroups read all 128 keys of it for dQ = dS K, each warpgroup half of the head
+  dim, which it stages for the writer.
 
 Before it, a row pass (``kernels/common/backward_rows.py``) turns the LSE into log2 units (+inf
-for rows that keep nothing, so their P is 0) and computes delta = rowsum(dO * O) - dLSE; dQ is
-scaled here and converted to the input's type afterwards. The K/V tile's query range and which
-query tiles need the element-wise mask come from the same row bands as the forward's
+for rows that keep nothing, so their P is 0) and computes delta = (rowsum(dO * O) - dLSE) *
+score_scale, so that dS carries the score scale and neither dQ nor dK is rescaled; dQ is
+converted to the input's type afterwards. The K/V tile's query range and which query tiles need
+the element-wise mask come from the same row bands as the forward's
 (``fmha.masking.row_key_bounds``).
 
 ``deterministic``: the dQ reduce-adds of one query tile happen in K/V tile order. A semaphore
@@ -30,7 +34,9 @@ CTAs wait only on CTAs of lower block index, which the GPU starts first.
 
 Varlen (packed THD) batches move every tile through per-sequence TMA descriptors
 (``sequence_descriptors.py``): loads past a sequence's end read zeros, and the dQ reduce-add of a
-ragged query tile stops at the sequence's last row instead of adding into the next sequence.
+ragged query tile stops at the sequence's last row instead of adding into the next sequence. The
+LSE and delta rows go through the packed tensor's own descriptor; a ragged tile's rows past its
+sequence get P = 0 and delta = 0 in the consumers.
 """
 
 import math
@@ -444,16 +450,15 @@ class HopperAttentionBackward:
                     _, hi_first = self.key_bounds(m0, seqlen_q, seqlen_k, window_left, window_right)
                     if not (lo_last <= n0 and hi_first >= n1):
                         self.apply_mask(s, tScS, m0, n0, seqlen_q, seqlen_k, window_left, window_right)
-                # a column's statistic is read where it is used: held for the whole tile, the two
-                # took 32 registers, and the kernels with a mask kept registers in local memory
+                # each column's statistic is read where it is used (the tile's would hold 32 registers)
                 skip = seq.offset_q % _ROW_ALIGN  # tiles start at multiples of 64 rows into the sequence
                 for j in cutlass.range_constexpr(num_cols):
                     lse2 = sLSE2[skip + tScS[0, j][1], stage]
                     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                         s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2, fastmath=True)
-                # P of the rows past a ragged tile's sequence (whose LSE rows are another
-                # sequence's or padding) to 0. Also a branch that keeps ptxas from moving the
-                # wait for dP^T above the exponentials, as it does in straight-line code.
+                # P of the rows past a ragged tile's sequence (their LSE rows are another
+                # sequence's or padding) to 0; the branch also keeps ptxas from moving the wait
+                # for dP^T above the exponentials, as it does in straight-line code
                 if m0 + tile_m > seqlen_q:
                     for j in cutlass.range_constexpr(num_cols):
                         if m0 + tScS[0, j][1] >= seqlen_q:
