@@ -1,4 +1,5 @@
-"""Host side of varlen scheduling: the list of query tiles that exist, costliest first.
+"""Host side of varlen scheduling: the list of query tiles that exist, costliest first (and for
+the backward, of K/V tiles: ``kv_work_tiles``).
 
 A varlen launch sized by the longest sequence would give every sequence ``max_seqlen_q / tile_m``
 query tiles, most of them empty, and a static split of those over the SMs is unbalanced because
@@ -16,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from .masking import MaskSpec, kv_tile_schedule, num_q_tiles
+from .masking import MaskSpec, kv_tile_schedule, num_q_tiles, row_key_bounds
 
 _DEVICE_CACHE: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _CACHE_SIZE = 64
@@ -48,6 +49,45 @@ def work_tile_table(seqlens_q, seqlens_k, mask: MaskSpec, tile_m: int, tile_n: i
         tiles = work_tiles(seqlens_q, seqlens_k, mask, tile_m, tile_n)
         table = torch.tensor(tiles or [(0, 0)], dtype=torch.int32).reshape(-1, 2)
         if torch.device(device).type == "cuda":  # pinned: the copy does not wait for the GPU
+            table = table.pin_memory().to(device, non_blocking=True)
+        _DEVICE_CACHE[key] = table
+        if len(_DEVICE_CACHE) > _CACHE_SIZE:
+            _DEVICE_CACHE.popitem(last=False)
+    else:
+        _DEVICE_CACHE.move_to_end(key)
+    return table
+
+
+def kv_work_tiles(seqlens_q: Sequence[int], seqlens_k: Sequence[int], mask: MaskSpec,
+                  tile_m: int, tile_n: int) -> list:
+    """The backward's list: [(batch, n_block)] for every K/V tile with keys, the costliest first
+    (cost: the query tiles holding a row that keeps one of its keys, plus one; ties: batch,
+    n_block). Every such tile is listed, even one no row keeps: it writes dK = dV = 0."""
+    items = []
+    for b, (sq, sk) in enumerate(zip(seqlens_q, seqlens_k)):
+        visits = [0] * (-(-sk // tile_n))
+        for m in range(num_q_tiles(sq, tile_m)):
+            rows = range(m * tile_m, min(m * tile_m + tile_m, sq))
+            bounds = [row_key_bounds(r, sq, sk, mask.kind, mask.window_left, mask.window_right, mask.bottom_right)
+                      for r in (rows[0], rows[-1])]
+            # bands never move left as the row grows: the tile's keys lie in [first lo, last hi)
+            lo, hi = bounds[0][0], bounds[1][1]
+            for n in range(max(lo, 0) // tile_n, -(-min(hi, sk) // tile_n)):
+                visits[n] += 1
+        items += [(-(v + 1), b, n) for n, v in enumerate(visits)]
+    items.sort()
+    return [(b, n) for _, b, n in items]
+
+
+def kv_work_tile_table(seqlens_q, seqlens_k, mask: MaskSpec, tile_m: int, tile_n: int,
+                       device: torch.device) -> torch.Tensor:
+    """``kv_work_tiles`` as an int32 (N, 2) tensor on ``device``, cached as ``work_tile_table``'s."""
+    key = ("kv", tuple(seqlens_q), tuple(seqlens_k), mask, tile_m, tile_n, str(device))
+    table = _DEVICE_CACHE.get(key)
+    if table is None:
+        tiles = kv_work_tiles(seqlens_q, seqlens_k, mask, tile_m, tile_n)
+        table = torch.tensor(tiles or [(0, 0)], dtype=torch.int32).reshape(-1, 2)
+        if torch.device(device).type == "cuda":
             table = table.pin_memory().to(device, non_blocking=True)
         _DEVICE_CACHE[key] = table
         if len(_DEVICE_CACHE) > _CACHE_SIZE:

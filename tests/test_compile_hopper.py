@@ -287,3 +287,30 @@ def test_backward_variants_compile(name):
             cfg = backward_variant_config(base, **overrides)
             assert cfg != base and all(getattr(cfg, k) == v for k, v in overrides.items())
             compile_backward(cfg)
+
+
+def test_varlen_backward_runs_one_cta_per_listed_kv_tile(tmp_path):
+    """Varlen backward: a CTA per listed (sequence, K/V tile), costliest first, instead of a grid
+    over the longest sequence (most of whose CTAs had no keys); with the lengths unread, the launch
+    lists the tiles on the GPU first. ``deterministic`` keeps the grid (its waits need the order)."""
+    import dataclasses
+
+    from fmha.kernels.hopper.backend import compile_backward
+    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.problem import KernelOptions
+    from kernel_configs import problem_for
+
+    read = problem_for(torch.bfloat16, 128, "causal", varlen=True)
+    unread = dataclasses.replace(read, seqlens_q=None, seqlens_k=None)
+    cfg = HopperBackwardConfig.from_problem(read, KernelOptions())
+    assert cfg.tiles_listed and not cfg.tiles_on_device
+    assert not HopperBackwardConfig.from_problem(read, KernelOptions(deterministic=True)).tiles_listed
+    assert not HopperBackwardConfig.from_problem(problem_for(torch.bfloat16, 128, "causal"), KernelOptions()).tiles_listed
+    cfg = HopperBackwardConfig.from_problem(unread, KernelOptions())
+    assert cfg.tiles_listed and cfg.tiles_on_device
+    compile_backward(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = next(tmp_path.glob("*.ptx")).read_text()
+    entries = re.findall(r"\.entry (\w+?)_fmha", ptx)
+    assert entries == ["kernel_cutlass_describe_sequences", "kernel_cutlass_list_work_tiles", "kernel_cutlass_kernel"]
+    listing = ptx.split(".entry")[2]
+    assert listing.count("atom.shared.add") == 2 and "shfl.sync.up" in listing

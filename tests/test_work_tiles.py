@@ -1,9 +1,10 @@
-"""The varlen work-tile list: every query tile with rows exactly once, costliest first."""
+"""The varlen work-tile lists: every query tile with rows (the backward's: every K/V tile with
+keys) exactly once, costliest first."""
 
 import torch
 
-from fmha.masking import MaskSpec, kv_tile_schedule
-from fmha.work_tiles import work_tile_table, work_tiles
+from fmha.masking import MaskSpec, kv_tile_schedule, row_key_bounds
+from fmha.work_tiles import kv_work_tile_table, kv_work_tiles, work_tile_table, work_tiles
 
 LENS_Q = [0, 1, 17, 300, 1024, 77, 129]
 LENS_K = [5, 1, 0, 300, 1024, 700, 129]
@@ -33,3 +34,36 @@ def test_table_is_cached_and_never_empty():
     assert work_tile_table(LENS_Q, LENS_K, mask, 128, 128, torch.device("cpu")) is t1
     empty = work_tile_table([0, 0], [3, 0], mask, 128, 128, torch.device("cpu"))
     assert empty.tolist() == [[0, 0]]  # a tile of an empty sequence: the kernel skips it
+
+
+def _query_tiles_visiting(b, n, mask, tm, tn):
+    """Query tiles of sequence ``b`` with a row that keeps a key of K/V tile ``n``, row by row."""
+    sq, sk = LENS_Q[b], LENS_K[b]
+    count = 0
+    for m in range(-(-sq // tm)):
+        for r in range(m * tm, min(m * tm + tm, sq)):
+            lo, hi = row_key_bounds(r, sq, sk, mask.kind, mask.window_left, mask.window_right, mask.bottom_right)
+            if max(lo, n * tn) < min(hi, n * tn + tn):
+                count += 1
+                break
+    return count
+
+
+def test_backward_lists_every_kv_tile_once_and_costliest_first():
+    for mask in MASKS + [MaskSpec.from_args(compressed_causal=True)]:
+        for tm, tn in [(64, 128), (128, 128)]:
+            tiles = kv_work_tiles(LENS_Q, LENS_K, mask, tm, tn)
+            # every K/V tile with keys, also those no row keeps (they write dK = dV = 0)
+            want = {(b, n) for b, s in enumerate(LENS_K) for n in range(-(-s // tn))}
+            assert sorted(tiles) == sorted(want) and len(tiles) == len(want)
+            costs = [_query_tiles_visiting(b, n, mask, tm, tn) for b, n in tiles]
+            assert costs == sorted(costs, reverse=True), (mask, tm, tn)
+
+
+def test_backward_table_is_cached_apart_from_the_forward_one():
+    mask = MaskSpec.from_args(causal=True)
+    kv = kv_work_tile_table(LENS_Q, LENS_K, mask, 64, 128, torch.device("cpu"))
+    assert kv.dtype == torch.int32 and kv.tolist() == [list(t) for t in kv_work_tiles(LENS_Q, LENS_K, mask, 64, 128)]
+    assert kv_work_tile_table(LENS_Q, LENS_K, mask, 64, 128, torch.device("cpu")) is kv
+    assert work_tile_table(LENS_Q, LENS_K, mask, 64, 128, torch.device("cpu")) is not kv
+    assert kv_work_tile_table([3], [0], mask, 64, 128, torch.device("cpu")).tolist() == [[0, 0]]

@@ -1,15 +1,16 @@
-"""Varlen: the list of query tiles that hold rows, built on the GPU.
+"""Varlen: the list of work tiles of a packed batch, built on the GPU.
 
 The host builds this list (``fmha.work_tiles``) when it has read the sequence lengths. When it has
 not (max lengths given, so that a call never waits for the GPU), a one-CTA kernel launched before
-the attention kernel builds the same kind of list from ``cu_seqlens``: every (sequence, query
-tile) with rows, costliest first (cost: the K/V tiles it visits, plus one), and the count of its
-entries, which the tile table scheduler reads instead of the table's capacity. The sort is a
-counting sort on the cost in shared memory (entries of one cost land in any order: a tile's
-result does not depend on when it runs). Costs above ``COST_BINS - 1`` share the top bin.
+the attention kernel builds the same kind of list from ``cu_seqlens``: every (sequence, tile)
+that exists, costliest first, and the count of its entries, which the kernel reads instead of
+the table's capacity. The forward lists query tiles with rows (cost: the K/V tiles they visit,
+plus one), the backward K/V tiles with keys (cost: the query tiles they visit, plus one). The
+sort is a counting sort on the cost in shared memory (entries of one cost land in any order: a
+tile's result does not depend on when it runs). Costs above ``COST_BINS - 1`` share the top bin.
 
-Mixed into a kernel class that has ``cfg.tile_m`` and ``kv_tile_schedule(m_block, seq,
-window_left, window_right)``.
+Mixed into a kernel class that has ``listed_tiles(seq)`` (how many tiles sequence ``seq`` has)
+and ``listed_tile_cost(tile, seq, window_left, window_right)``.
 """
 
 import cutlass
@@ -40,18 +41,18 @@ class DeviceWorkTileList:
 
     @cute.kernel
     def list_work_tiles(self, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, total_q: Int32, total_k: Int32,
-                        max_seqlen_q: Int32, window_left, window_right, mTileTable: cute.Tensor,
+                        max_seqlen_q: Int32, max_seqlen_k, window_left, window_right, mTileTable: cute.Tensor,
                         mTileCount: cute.Tensor):
-        """One CTA of ``COST_BINS`` threads: ``mTileTable[:count]`` = (batch, m_block) by cost,
-        ``mTileCount[0]`` = count."""
+        """One CTA of ``COST_BINS`` threads: ``mTileTable[:count]`` = (batch, tile) by cost,
+        ``mTileCount[0]`` = count. ``max_seqlen_k``: None where the kernel does not clamp to it."""
         tidx = cute.arch.thread_idx()[0]
         storage = cutlass.utils.SmemAllocator().allocate(_bins_struct())
         counts = storage.counts.get_tensor(cute.make_layout(COST_BINS))
         warp_sums = storage.warp_sums.get_tensor(cute.make_layout(COST_BINS // 32))
         counts[tidx] = Int32(0)
         cute.arch.sync_threads()
-        self.visit_tiles(mCuSeqlensQ, mCuSeqlensK, total_q, total_k, max_seqlen_q, window_left, window_right,
-                         counts, None, tidx)
+        self.visit_tiles(mCuSeqlensQ, mCuSeqlensK, total_q, total_k, max_seqlen_q, max_seqlen_k, window_left,
+                         window_right, counts, None, tidx)
         cute.arch.sync_threads()
         # bin r holds cost COST_BINS - 1 - r: an exclusive prefix sum over r puts costlier first
         mine = counts[tidx]
@@ -60,28 +61,27 @@ class DeviceWorkTileList:
         if tidx == 0:
             mTileCount[0] = total
         cute.arch.sync_threads()
-        self.visit_tiles(mCuSeqlensQ, mCuSeqlensK, total_q, total_k, max_seqlen_q, window_left, window_right,
-                         counts, mTileTable, tidx)
+        self.visit_tiles(mCuSeqlensQ, mCuSeqlensK, total_q, total_k, max_seqlen_q, max_seqlen_k, window_left,
+                         window_right, counts, mTileTable, tidx)
 
     @cute.jit
-    def visit_tiles(self, mCuSeqlensQ, mCuSeqlensK, total_q, total_k, max_seqlen_q, window_left, window_right,
-                    counts: cute.Tensor, mTileTable, tidx):
-        """Every tile with rows, sequences dealt over the threads: count it in its cost bin, or
+    def visit_tiles(self, mCuSeqlensQ, mCuSeqlensK, total_q, total_k, max_seqlen_q, max_seqlen_k, window_left,
+                    window_right, counts: cute.Tensor, mTileTable, tidx):
+        """Every tile, sequences dealt over the threads: count it in its cost bin, or
         (``mTileTable`` given) write it to its bin's next slot."""
-        tile_m = self.cfg.tile_m
         num_batches = mCuSeqlensQ.shape[0] - 1
         for batch in cutlass.range(tidx, num_batches, COST_BINS, unroll=1):
             # clamped as the attention kernel's descriptor pass clamps them
-            seq = SequenceInfo.create(batch, total_q, total_k, mCuSeqlensQ, mCuSeqlensK, max_seqlen_q)
-            for m_block in cutlass.range((seq.seqlen_q + tile_m - 1) // tile_m, unroll=1):
-                cost = self.kv_tile_schedule(m_block, seq, window_left, window_right).total + 1
+            seq = SequenceInfo.create(batch, total_q, total_k, mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, max_seqlen_k)
+            for tile in cutlass.range(self.listed_tiles(seq), unroll=1):
+                cost = self.listed_tile_cost(tile, seq, window_left, window_right)
                 slot = counts.iterator + (COST_BINS - 1 - cutlass.min(cost, COST_BINS - 1))
                 if cutlass.const_expr(mTileTable is None):
                     cute.arch.atomic_add(slot, Int32(1))
                 else:
                     at = cute.arch.atomic_add(slot, Int32(1))
                     mTileTable[at, 0] = batch
-                    mTileTable[at, 1] = m_block
+                    mTileTable[at, 1] = tile
 
 
 @cute.jit

@@ -14,7 +14,7 @@ from fmha.jit.compile import compile_for, cutlass_dtype, fake_rows, fake_vector
 from fmha.jit.launch import answered_without_launch, sm_count
 from fmha.masking import MaskKind, MaskSpec
 from fmha.problem import AttentionProblem, KernelOptions
-from fmha.work_tiles import work_tile_table
+from fmha.work_tiles import kv_work_tile_table, work_tile_table
 
 from .config import (HopperBackwardConfig, HopperForwardConfig, decode_config, decode_tile, why_unsupported,
                      why_unsupported_backward, why_unsupported_decode)
@@ -309,7 +309,10 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
     # read by TMA: rows 16-byte aligned
     lse2, delta = (fake_rows(cutlass.Float32, 3, None, align_bytes=16) for _ in range(2))  # (B or 1, H, S)
     dq_acc = fake_rows(cutlass.Float32, rank, d)
-    cu_q = cu_k = descriptors = errors = semaphores = None
+    cu_q = cu_k = descriptors = errors = semaphores = tiles = count = None
+    if cfg.tiles_listed:
+        tiles = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=4)
+        count = fake_vector(cutlass.Int32, 1) if cfg.tiles_on_device else None
     if cfg.deterministic:
         semaphores = cute.runtime.make_fake_tensor(
             cutlass.Int32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
@@ -321,7 +324,7 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
         errors = fake_vector(cutlass.Int32, 1)
     return compile_for(
         ARCH, HopperAttentionBackward(cfg), q, k, v, do, lse2, delta, dq_acc, dk, dv, cu_q, cu_k, descriptors,
-        errors, semaphores,
+        errors, semaphores, tiles, count,
         Int32(1), Int32(1),  # max_seqlen_q, max_seqlen_k
         Float32(1.0), Float32(1.0), Float32(1.0),  # scale_log2, out_scale, score_scale
         Int32(0) if cfg.window_left_bounded else None,
@@ -383,6 +386,14 @@ class HopperBackwardRunner:
         if self.cfg.varlen:
             # per-sequence TMA descriptors (q, k, v, dO, dQ accumulator; 128 bytes each)
             descriptors = torch.empty((problem.batch, 5, 16), dtype=torch.int64, device=q.device)
+        tiles = count = None
+        if self.cfg.tiles_on_device:  # listed by the launch: room for every K/V tile of every sequence
+            capacity = max(problem.total_k // self.cfg.tile_n + problem.batch, 1)
+            tiles = torch.empty((capacity, 2), dtype=torch.int32, device=q.device)
+            count = torch.empty(1, dtype=torch.int32, device=q.device)
+        elif self.cfg.tiles_listed:
+            tiles = kv_work_tile_table(problem.seqlens_q, problem.seqlens_k, problem.mask, self.cfg.tile_m,
+                                       self.cfg.tile_n, q.device)
         semaphores = None
         if self.cfg.deterministic:
             # one per (sequence, query head, query tile): the dQ adds' turn (bwd.py)
@@ -392,7 +403,8 @@ class HopperBackwardRunner:
         self.compiled(
             q, k, v, dout, lse2, delta, dq_acc, dk, dv,
             cu_seqlens_q if self.cfg.varlen else None, cu_seqlens_k if self.cfg.varlen else None, descriptors,
-            device_errors.flag(q.device) if self.cfg.varlen else None, semaphores, problem.seqlen_q, problem.seqlen_k,
+            device_errors.flag(q.device) if self.cfg.varlen else None, semaphores, tiles, count, problem.seqlen_q,
+            problem.seqlen_k,
             problem.score_scale_log2, problem.output_scale, problem.score_scale,
             m.window_left if self.cfg.window_left_bounded else None,
             m.window_right if self.cfg.window_right_bounded else None,

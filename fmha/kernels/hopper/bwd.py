@@ -56,6 +56,7 @@ from ..common import sequence_descriptors as seq_desc
 from ..common.fragments import as_operand_a, as_rows_cols, store_as_16bit_pairs
 from ..common.layouts import bshd_to_sdhb, rows_first
 from ..common.pipelines import release_by_one_lane
+from ..common.device_tile_list import COST_BINS, DeviceWorkTileList, cost_bins_bytes
 from ..common.seqinfo import SequenceInfo
 from ..common.tma import tma_tiles
 from .barriers import NamedBarrierBwd
@@ -76,7 +77,7 @@ def _transposed(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
-class HopperAttentionBackward:
+class HopperAttentionBackward(DeviceWorkTileList):
     def __init__(self, cfg: HopperBackwardConfig):
         self.cfg = cfg
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
@@ -88,14 +89,18 @@ class HopperAttentionBackward:
                  mDelta: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mSeqDescriptors: Optional[cute.Tensor], mErrors: Optional[cute.Tensor],
-                 mSemaphores: Optional[cute.Tensor], max_seqlen_q: Int32, max_seqlen_k: Int32,
+                 mSemaphores: Optional[cute.Tensor], mTileTable: Optional[cute.Tensor],
+                 mTileCount: Optional[cute.Tensor], max_seqlen_q: Int32, max_seqlen_k: Int32,
                  scale_log2: Float32, out_scale: Float32, score_scale: Float32,
                  window_left: Optional[Int32], window_right: Optional[Int32], stream: cuda.CUstream):
         """Dense tensors: q/dO (B, S_q, H_q, D), k/v/dK/dV (B, S_k, H_k, D), LSE2/delta
         (B, H_q, S) fp32 with S >= S_q a multiple of 4 (rows past S_q are never used), dQacc
         (B, S_q, H_q, D) fp32 (zeroed). Varlen: (T, H, D) rows, LSE2/delta (1, H_q, T) with T >= T_q
         a multiple of 4, cu_seqlens (B + 1,) and room for five descriptors per sequence (B, 5, 16)
-        int64. ``deterministic``: semaphores (B, H_q, query tiles) int32, zeroed. delta comes
+        int64; ``tiles_listed``: the (sequence, K/V tile) table (N, 2) int32, costliest first
+        (``fmha.work_tiles.kv_work_tile_table``), and with ``tiles_on_device`` room for it and its
+        count (1,) int32, filled by the launch. ``deterministic``: semaphores (B, H_q, query tiles)
+        int32, zeroed. delta comes
         multiplied by ``score_scale``, so that dS is too and dQ and dK need no scaling of their own."""
         cfg = self.cfg
         varlen = cfg.varlen
@@ -158,16 +163,23 @@ class HopperAttentionBackward:
         seqlen_k = max_seqlen_k if const_expr(varlen) else k.shape[0]
         num_n_blocks = (seqlen_k + tile_n - 1) // tile_n
         num_batches = mCuSeqlensQ.shape[0] - 1 if const_expr(varlen) else k.shape[3]
+        # the K/V heads fastest: the costliest tiles of every head start first
+        grid = [k.shape[2], mTileTable.shape[0], 1] if const_expr(cfg.tiles_listed) else [
+            num_n_blocks, k.shape[2], num_batches]
         if const_expr(varlen):
             self.describe_sequences(tma_q, tma_k, tma_v, tma_do, tma_dq, q, k, v, do, dq_acc, mCuSeqlensQ,
                                     mCuSeqlensK, mSeqDescriptors, mErrors, max_seqlen_q, max_seqlen_k).launch(
                 grid=[num_batches, 1, 1], block=[32, 1, 1], stream=stream)
+        if const_expr(cfg.tiles_on_device):
+            self.list_work_tiles(mCuSeqlensQ, mCuSeqlensK, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
+                                 window_left, window_right, mTileTable, mTileCount).launch(
+                grid=[1, 1, 1], block=[COST_BINS, 1, 1], smem=cost_bins_bytes(), stream=stream)
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_tensor_q, tma_do, tma_tensor_do, tma_k, tma_tensor_k,
                     tma_v, tma_tensor_v, tma_lse, tma_tensor_lse, tma_delta, tma_tensor_delta, tma_dq, tma_tensor_dq,
-                    mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, mSemaphores, max_seqlen_q, max_seqlen_k,
-                    scale_log2, out_scale, score_scale, window_left, window_right, sQ_layout, sK_layout, sdS_layout,
-                    sdQ_layout, sRow_layout).launch(
-            grid=[num_n_blocks, k.shape[2], num_batches], block=[self.num_threads, 1, 1],
+                    mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, mSemaphores, mTileTable, mTileCount,
+                    max_seqlen_q, max_seqlen_k, scale_log2, out_scale, score_scale, window_left, window_right,
+                    sQ_layout, sK_layout, sdS_layout, sdQ_layout, sRow_layout).launch(
+            grid=grid, block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -197,14 +209,15 @@ class HopperAttentionBackward:
                tma_lse: cute.CopyAtom, mLSE2: cute.Tensor, tma_delta: cute.CopyAtom, mDelta: cute.Tensor,
                tma_dq: cute.CopyAtom, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-               mSeqDescriptors: Optional[cute.Tensor], mSemaphores: Optional[cute.Tensor], max_seqlen_q: Int32,
+               mSeqDescriptors: Optional[cute.Tensor], mSemaphores: Optional[cute.Tensor],
+               mTileTable: Optional[cute.Tensor], mTileCount: Optional[cute.Tensor], max_seqlen_q: Int32,
                max_seqlen_k: Int32, scale_log2: Float32, out_scale: Float32, score_scale: Float32,
                window_left: Optional[Int32], window_right: Optional[Int32],
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
                sdQ_layout: cute.ComposedLayout, sRow_layout: cute.Layout):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, head_kv, batch = cute.arch.block_idx()
+        n_block, head_kv, batch = self.work_tile(mTileTable, mTileCount)
         if warp_idx == 0:
             for atom in (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_delta, tma_dq):
                 cpasync.prefetch_descriptor(atom)
@@ -230,7 +243,8 @@ class HopperAttentionBackward:
 
         seq = SequenceInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, max_seqlen_k)
         group = mQ.shape[2] // mK.shape[2]
-        # varlen grids cover the longest sequence: the K/V tiles past this one's end have no work
+        # varlen grids over the longest sequence have K/V tiles past a sequence's end; a listed
+        # grid has entries past its list's count: both have no work
         if n_block * self.tile_n < seq.seqlen_k:
             m_start, m_end = self.query_tiles(n_block, seq.seqlen_q, seq.seqlen_k, window_left, window_right)
             if warp_idx < 4:
@@ -249,6 +263,30 @@ class HopperAttentionBackward:
                 self.consumer(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDelta, qdo_consumer,
                               kv_consumer, mdK, mdV, scale_log2, out_scale, score_scale, window_left, window_right,
                               n_block, head_kv, batch, group, m_start, m_end, seq, tidx - _WG)
+
+    @cute.jit
+    def work_tile(self, mTileTable: Optional[cute.Tensor], mTileCount: Optional[cute.Tensor]):
+        """(K/V tile, K/V head, sequence) of this CTA: its block index, or its entry of the tile
+        list (an entry past the list's count gets a tile past every sequence's end)."""
+        n_block, head_kv, batch = cute.arch.block_idx()
+        if const_expr(self.cfg.tiles_listed):
+            head_kv, entry = cute.arch.block_idx()[0], cute.arch.block_idx()[1]
+            count = mTileCount[0] if const_expr(self.cfg.tiles_on_device) else mTileTable.shape[0]
+            at = cutlass.max(cutlass.min(entry, count - 1), 0)  # in the table (it has a row even when empty)
+            listed = entry < count
+            batch = Int32(cutlass.select_(listed, mTileTable[at, 0], Int32(0)))
+            n_block = Int32(cutlass.select_(listed, mTileTable[at, 1], Int32(2**30 // self.tile_n)))
+        return n_block, head_kv, batch
+
+    def listed_tiles(self, seq: SequenceInfo):
+        """Varlen tile lists (``device_tile_list``): a sequence's K/V tiles with keys."""
+        return (seq.seqlen_k + self.tile_n - 1) // self.tile_n
+
+    def listed_tile_cost(self, n_block, seq: SequenceInfo, window_left, window_right):
+        """A listed K/V tile's cost: the query tiles it visits, plus one (it writes dK and dV even
+        when it visits none)."""
+        m_start, m_end = self.query_tiles(n_block, seq.seqlen_q, seq.seqlen_k, window_left, window_right)
+        return m_end - m_start + 1
 
     def key_bounds(self, row, seqlen_q, seqlen_k, window_left, window_right):
         cfg = self.cfg

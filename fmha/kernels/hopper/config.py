@@ -341,6 +341,11 @@ class HopperBackwardConfig:
     varlen: bool = False
     #: dQ added in K/V tile order (bitwise-repeatable), each add waiting for the one before
     deterministic: bool = False
+    #: varlen: one CTA per listed (sequence, K/V tile), costliest first, instead of a grid over
+    #: the longest sequence's K/V tiles (not with ``deterministic``, whose waits need the grid order)
+    tiles_listed: bool = False
+    #: the list is built on the GPU (the lengths were not read on the host)
+    tiles_on_device: bool = False
 
     #: query rows per step of the K/V tile's loop
     tile_m = 64
@@ -350,9 +355,11 @@ class HopperBackwardConfig:
     @staticmethod
     def from_problem(problem: AttentionProblem, options: KernelOptions = KernelOptions()) -> "HopperBackwardConfig":
         m = problem.mask
+        listed = problem.varlen and not options.deterministic
         return HopperBackwardConfig(problem.dtype, problem.head_dim, m.kind, m.window_left is not None,
                                     m.window_right is not None, m.bottom_right if m.kind == MaskKind.WINDOW else False,
-                                    problem.varlen, options.deterministic)
+                                    problem.varlen, options.deterministic, listed,
+                                    listed and problem.seqlens_q is None)
 
 
 def why_unsupported_backward(problem: AttentionProblem, options: KernelOptions) -> list:

@@ -175,7 +175,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
                 tma_q, tma_k, tma_v, q, k, v, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, mErrors, max_seqlen_q,
             ).launch(grid=[num_batches, 1, 1], block=[32, 1, 1], stream=stream)
         if const_expr(cfg.tiles_on_device):
-            self.list_work_tiles(mCuSeqlensQ, mCuSeqlensK, q.shape[0], k.shape[0], max_seqlen_q, window_left,
+            self.list_work_tiles(mCuSeqlensQ, mCuSeqlensK, q.shape[0], k.shape[0], max_seqlen_q, None, window_left,
                                  window_right, mTileTable, mTileCount).launch(
                 grid=[1, 1, 1], block=[COST_BINS, 1, 1], smem=cost_bins_bytes(), stream=stream)
         self.kernel(
@@ -318,6 +318,15 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         if const_expr(cfg.split_kv):
             tiles = split_share(tiles, split, num_splits, imin=cutlass.min, imax=cutlass.max)
         return tiles
+
+    def listed_tiles(self, seq: SequenceInfo):
+        """Varlen tile lists (``device_tile_list``): a sequence's query tiles with rows."""
+        return num_q_tiles(seq.seqlen_q, self.cfg.tile_m)
+
+    def listed_tile_cost(self, m_block, seq: SequenceInfo, window_left, window_right):
+        """A listed query tile's cost: the K/V tiles it visits, plus one (it loads Q and writes O
+        even when it visits none)."""
+        return self.kv_tile_schedule(m_block, seq, window_left, window_right).total + 1
 
     def work_of(self, tile: WorkTile, cache: KvCache, mQ_sdhb, mK_tma, mCuSeqlensQ, mCuSeqlensK):
         """(batch entry, split, its SequenceInfo) of a work tile: the schedulers count split s of
