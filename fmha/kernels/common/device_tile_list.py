@@ -4,7 +4,7 @@ The host builds this list (``fmha.work_tiles``) when it has read the sequence le
 not (max lengths given, so that a call never waits for the GPU), a one-CTA kernel launched before
 the attention kernel builds the same kind of list from ``cu_seqlens``: every (sequence, tile)
 that exists, costliest first, and the count of its entries, which the kernel reads instead of
-the table's capacity. The forward lists query tiles with rows (cost: the K/V tiles they visit,
+the table's capacity (the kernels clamp it to the capacity). The forward lists query tiles with rows (cost: the K/V tiles they visit,
 plus one), the backward K/V tiles with keys (cost: the query tiles they visit, plus one). The
 sort is a counting sort on the cost in shared memory (entries of one cost land in any order: a
 tile's result does not depend on when it runs). Costs above ``COST_BINS - 1`` share the top bin.
@@ -80,8 +80,9 @@ class DeviceWorkTileList:
                     cute.arch.atomic_add(slot, Int32(1))
                 else:
                     at = cute.arch.atomic_add(slot, Int32(1))
-                    mTileTable[at, 0] = batch
-                    mTileTable[at, 1] = tile
+                    if at < mTileTable.shape[0]:  # offsets the launch flags as bad may list more than fits
+                        mTileTable[at, 0] = batch
+                        mTileTable[at, 1] = tile
 
 
 @cute.jit

@@ -272,7 +272,9 @@ class HopperAttentionBackward(DeviceWorkTileList):
         n_block, head_kv, batch = cute.arch.block_idx()
         if const_expr(self.cfg.tiles_listed):
             head_kv, entry = n_block % num_heads_kv, n_block // num_heads_kv
-            count = mTileCount[0] if const_expr(self.cfg.tiles_on_device) else mTileTable.shape[0]
+            count = mTileTable.shape[0]
+            if const_expr(self.cfg.tiles_on_device):  # bad offsets (flagged) may count more than fits
+                count = cutlass.min(mTileCount[0], count)
             at = cutlass.max(cutlass.min(entry, count - 1), 0)  # in the table (it has a row even when empty)
             listed = entry < count
             batch = Int32(cutlass.select_(listed, mTileTable[at, 0], Int32(0)))
