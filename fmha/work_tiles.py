@@ -65,16 +65,21 @@ def kv_work_tiles(seqlens_q: Sequence[int], seqlens_k: Sequence[int], mask: Mask
     n_block). Every such tile is listed, even one no row keeps: it writes dK = dV = 0."""
     items = []
     for b, (sq, sk) in enumerate(zip(seqlens_q, seqlens_k)):
-        visits = [0] * (-(-sk // tile_n))
+        num_n = -(-sk // tile_n)
+        starts = [0] * (num_n + 1)  # a difference array: query tile m adds 1 over its K/V tiles
         for m in range(num_q_tiles(sq, tile_m)):
-            rows = range(m * tile_m, min(m * tile_m + tile_m, sq))
-            bounds = [row_key_bounds(r, sq, sk, mask.kind, mask.window_left, mask.window_right, mask.bottom_right)
-                      for r in (rows[0], rows[-1])]
-            # bands never move left as the row grows: the tile's keys lie in [first lo, last hi)
-            lo, hi = bounds[0][0], bounds[1][1]
-            for n in range(max(lo, 0) // tile_n, -(-min(hi, sk) // tile_n)):
-                visits[n] += 1
-        items += [(-(v + 1), b, n) for n, v in enumerate(visits)]
+            first, last = m * tile_m, min(m * tile_m + tile_m, sq) - 1
+            # bands never move left as the row grows: the tile's keys lie in [first's lo, last's hi)
+            lo = row_key_bounds(first, sq, sk, mask.kind, mask.window_left, mask.window_right, mask.bottom_right)[0]
+            hi = row_key_bounds(last, sq, sk, mask.kind, mask.window_left, mask.window_right, mask.bottom_right)[1]
+            n_lo, n_hi = max(lo, 0) // tile_n, -(-min(hi, sk) // tile_n)
+            if n_lo < n_hi:
+                starts[n_lo] += 1
+                starts[n_hi] -= 1
+        visits = 0
+        for n in range(num_n):
+            visits += starts[n]
+            items.append((-(visits + 1), b, n))
     items.sort()
     return [(b, n) for _, b, n in items]
 

@@ -1,7 +1,7 @@
 """The backward's per-row inputs, in one pass before its main kernel.
 
 For every (query row, head): ``delta = (rowsum(dO * O) - dLSE) * delta_scale`` in fp32 (the
-backward passes its score scale, so that dS comes out scaled) and the LSE in log2 units
+bf16 backward passes its score scale, so that dS comes out scaled) and the LSE in log2 units
 (+inf for rows that keep no key, whose LSE is -inf: their P = exp2(s - inf) is then 0). One thread
 per row reads the row's O and dO with 16-byte loads; the outputs have the LSE's layout. Doing
 this in torch instead took fp32 copies of O and dO and four more passes over them.

@@ -378,7 +378,7 @@ class HopperBackwardRunner:
         padded = torch.empty(lse.shape[:-1] + (2, -(-rows // 4) * 4), dtype=torch.float32, device=lse.device)
         lse2, delta = padded.select(-2, 0), padded.select(-2, 1)
         self.row_pass(dlse is not None)(out, dout, lse, dlse, lse2[..., :rows], delta[..., :rows],
-                                        problem.score_scale)
+                                        problem.score_scale if self.cfg.ds_prescaled else 1.0)
         if self.cfg.varlen:  # (H, T) -> (1, H, T): the kernel reads both layouts as (B, H, S)
             lse2, delta = lse2.unsqueeze(0), delta.unsqueeze(0)
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

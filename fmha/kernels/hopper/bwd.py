@@ -13,14 +13,15 @@ whose mask keeps some key of the tile. Roles:
   dP^T = V dO^T on the tensor cores (keys as the M dimension, so that P^T and dS^T land in
   registers in the A-operand order of the next products):
   P^T = exp2(S^T * scale_log2 - lse_log2) while dP^T is computed, then
-  dS^T = P^T * (dP^T * out_scale * score_scale - delta); dV += P^T dO and dK += dS^T Q from
+  dS^T = P^T * (dP^T * out_scale - delta) (bf16: times the score scale); dV += P^T dO and dK += dS^T Q from
   registers; dS^T is also stored to shared memory (two buffers, alternating with the stages),
   where both warpgroups read all 128 keys of it for dQ = dS K, each warpgroup half of the head
   dim, which it stages for the writer.
 
 Before it, a row pass (``kernels/common/backward_rows.py``) turns the LSE into log2 units (+inf
 for rows that keep nothing, so their P is 0) and computes delta = (rowsum(dO * O) - dLSE) *
-score_scale, so that dS carries the score scale and neither dQ nor dK is rescaled; dQ is
+score_scale for bf16, so that dS carries the score scale and neither dQ nor dK is rescaled
+(fp16 rounds dS unscaled and scales dQ and dK in fp32: ``ds_prescaled``); dQ is
 converted to the input's type afterwards. The K/V tile's query range and which query tiles need
 the element-wise mask come from the same row bands as the forward's
 (``fmha.masking.row_key_bounds``).
@@ -101,7 +102,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
         (``fmha.work_tiles.kv_work_tile_table``), and with ``tiles_on_device`` room for it and its
         count (1,) int32, filled by the launch. ``deterministic``: semaphores (B, H_q, query tiles)
         int32, zeroed. delta comes
-        multiplied by ``score_scale``, so that dS is too and dQ and dK need no scaling of their own."""
+        multiplied by ``score_scale`` when ``cfg.ds_prescaled``, so that dS is too and dQ and dK
+        need no scaling of their own."""
         cfg = self.cfg
         varlen = cfg.varlen
         self.dtype = mQ.element_type
@@ -468,9 +470,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
         thr_st = cute.make_tiled_copy_C(st_atom, mma_sdp).get_slice(tidx)
         tdSsdS = thr_st.partition_D(sdS)
         n0 = n_block * tile_n
-        n1 = cutlass.min(n0 + tile_n, seqlen_k)
         num_cols = cute.size(tScS, mode=[1])
-        dp_scale = out_scale * score_scale  # dS comes out multiplied by the score scale
+        dp_scale = out_scale * score_scale if const_expr(cfg.ds_prescaled) else out_scale
 
         kv_handle = kv_consumer.wait_and_advance()
         for g in cutlass.range(group, unroll=1):
@@ -485,11 +486,16 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 issue_gemm(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, stage], True)
                 warpgroup.wait_group(1)  # S^T is ready; dP^T still runs
                 s = as_rows_cols(acc_s)
+                # keys past the sequence (the last K/V tile's zero rows) are masked too: their P
+                # would be 2^-lse, which for a row of very negative scores overflows dS
                 if const_expr(cfg.mask_kind != MaskKind.NONE):
                     last = cutlass.min(m0 + tile_m, seqlen_q) - 1
                     lo_last, _ = self.key_bounds(last, seqlen_q, seqlen_k, window_left, window_right)
                     _, hi_first = self.key_bounds(m0, seqlen_q, seqlen_k, window_left, window_right)
-                    if not (lo_last <= n0 and hi_first >= n1):
+                    if not (lo_last <= n0 and hi_first >= n0 + tile_n):  # bands end at seqlen_k at the latest
+                        self.apply_mask(s, tScS, m0, n0, seqlen_q, seqlen_k, window_left, window_right)
+                else:
+                    if n0 + tile_n > seqlen_k:
                         self.apply_mask(s, tScS, m0, n0, seqlen_q, seqlen_k, window_left, window_right)
                 # each column's statistic is read where it is used (the tile's would hold 32 registers)
                 skip = seq.offset_q % _ROW_ALIGN  # tiles start at multiples of 64 rows into the sequence
@@ -530,6 +536,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 warpgroup.wait_group(1)  # dV and dQ are done; dK still runs
                 # stage this warpgroup's half of dQ once the writer's last add has read it
                 cute.arch.barrier(barrier_id=NamedBarrierBwd.DQ_EMPTY + wg, number_of_threads=_WG + 32)
+                if const_expr(not cfg.ds_prescaled):
+                    acc_dq.store(acc_dq.load() * score_scale)
                 cute.autovec_copy(acc_dq, tdQsdQ)
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=NamedBarrierBwd.DQ_FULL + wg, number_of_threads=_WG + 32)
@@ -538,7 +546,10 @@ class HopperAttentionBackward(DeviceWorkTileList):
         release_by_one_lane(kv_handle)
         dk_out = cute.make_rmem_tensor_like(acc_dk, self.dtype)
         dv_out = cute.make_rmem_tensor_like(acc_dv, self.dtype)
-        dk_out.store(acc_dk.load().to(self.dtype))
+        if const_expr(cfg.ds_prescaled):
+            dk_out.store(acc_dk.load().to(self.dtype))
+        else:
+            dk_out.store((acc_dk.load() * score_scale).to(self.dtype))
         dv_out.store((acc_dv.load() * out_scale).to(self.dtype))
         tdKcdK = thr_dkv.partition_C(cute.make_identity_tensor((tile_n, d)))
         store_o_direct(dk_out, tdKcdK, mdK, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)

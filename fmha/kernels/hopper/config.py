@@ -352,6 +352,13 @@ class HopperBackwardConfig:
     #: keys per CTA: 64 per consumer warpgroup
     tile_n = 128
 
+    @property
+    def ds_prescaled(self) -> bool:
+        """dS carries the score scale (delta comes pre-scaled), so dQ and dK need no rescale: bf16
+        only. fp16 rounds dS unscaled, as its small values would otherwise sink below fp16's
+        normal range (6e-5) at long rows; dQ and dK are scaled in fp32 instead."""
+        return self.dtype == torch.bfloat16
+
     @staticmethod
     def from_problem(problem: AttentionProblem, options: KernelOptions = KernelOptions()) -> "HopperBackwardConfig":
         m = problem.mask
