@@ -43,10 +43,16 @@ def work_tile_table(seqlens_q, seqlens_k, mask: MaskSpec, tile_m: int, tile_n: i
     as in serving or training loops, pay for neither the Python loop nor the copy again).
     N is at least 1 so the kernel argument always has a valid address: with no rows at all the
     table is [(0, 0)], a tile the kernel finds empty and skips."""
-    key = (tuple(seqlens_q), tuple(seqlens_k), mask, tile_m, tile_n, str(device))
+    return _cached_table(work_tiles, seqlens_q, seqlens_k, mask, tile_m, tile_n, device)
+
+
+def _cached_table(list_tiles, seqlens_q, seqlens_k, mask: MaskSpec, tile_m: int, tile_n: int,
+                  device: torch.device) -> torch.Tensor:
+    """``list_tiles(...)`` as a cached int32 (N >= 1, 2) tensor on ``device``."""
+    key = (list_tiles.__name__, tuple(seqlens_q), tuple(seqlens_k), mask, tile_m, tile_n, str(device))
     table = _DEVICE_CACHE.get(key)
     if table is None:
-        tiles = work_tiles(seqlens_q, seqlens_k, mask, tile_m, tile_n)
+        tiles = list_tiles(seqlens_q, seqlens_k, mask, tile_m, tile_n)
         table = torch.tensor(tiles or [(0, 0)], dtype=torch.int32).reshape(-1, 2)
         if torch.device(device).type == "cuda":  # pinned: the copy does not wait for the GPU
             table = table.pin_memory().to(device, non_blocking=True)
@@ -87,16 +93,4 @@ def kv_work_tiles(seqlens_q: Sequence[int], seqlens_k: Sequence[int], mask: Mask
 def kv_work_tile_table(seqlens_q, seqlens_k, mask: MaskSpec, tile_m: int, tile_n: int,
                        device: torch.device) -> torch.Tensor:
     """``kv_work_tiles`` as an int32 (N, 2) tensor on ``device``, cached as ``work_tile_table``'s."""
-    key = ("kv", tuple(seqlens_q), tuple(seqlens_k), mask, tile_m, tile_n, str(device))
-    table = _DEVICE_CACHE.get(key)
-    if table is None:
-        tiles = kv_work_tiles(seqlens_q, seqlens_k, mask, tile_m, tile_n)
-        table = torch.tensor(tiles or [(0, 0)], dtype=torch.int32).reshape(-1, 2)
-        if torch.device(device).type == "cuda":
-            table = table.pin_memory().to(device, non_blocking=True)
-        _DEVICE_CACHE[key] = table
-        if len(_DEVICE_CACHE) > _CACHE_SIZE:
-            _DEVICE_CACHE.popitem(last=False)
-    else:
-        _DEVICE_CACHE.move_to_end(key)
-    return table
+    return _cached_table(kv_work_tiles, seqlens_q, seqlens_k, mask, tile_m, tile_n, device)

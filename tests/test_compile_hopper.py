@@ -199,6 +199,16 @@ def test_varlen_backward_moves_every_tile_through_sequence_descriptors(dtype, he
     assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.add", kernel)
 
 
+def _assert_tiles_listed_before_the_kernel(dump_dir):
+    """The compiled launch (PTX in ``dump_dir``): the descriptor pass, the one-CTA lister (counts
+    per cost in shared memory, a scan of the counts), then the kernel."""
+    ptx = next(dump_dir.glob("*.ptx")).read_text()
+    entries = re.findall(r"\.entry (\w+?)_fmha", ptx)
+    assert entries == ["kernel_cutlass_describe_sequences", "kernel_cutlass_list_work_tiles", "kernel_cutlass_kernel"]
+    listing = ptx.split(".entry")[2]
+    assert listing.count("atom.shared.add") == 2 and "shfl.sync.up" in listing
+
+
 def test_varlen_with_unread_lengths_lists_its_tiles_on_the_gpu(tmp_path):
     """Lengths not read on the host (max lengths given): the launch runs a one-CTA kernel that
     counts the tiles per cost in shared memory, scans the counts and writes the cost-sorted list
@@ -214,11 +224,7 @@ def test_varlen_with_unread_lengths_lists_its_tiles_on_the_gpu(tmp_path):
     cfg = HopperForwardConfig.from_problem(problem, KernelOptions())
     assert cfg.tiles_on_device
     compile_kernel(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
-    ptx = next(tmp_path.glob("*.ptx")).read_text()
-    entries = re.findall(r"\.entry (\w+?)_fmha", ptx)
-    assert entries == ["kernel_cutlass_describe_sequences", "kernel_cutlass_list_work_tiles", "kernel_cutlass_kernel"]
-    listing = ptx.split(".entry")[2]
-    assert listing.count("atom.shared.add") == 2 and "shfl.sync.up" in listing
+    _assert_tiles_listed_before_the_kernel(tmp_path)
     assert not HopperForwardConfig.from_problem(problem_for(torch.bfloat16, 64, "causal", varlen=True),
                                                 KernelOptions()).tiles_on_device
 
@@ -309,8 +315,4 @@ def test_varlen_backward_runs_one_cta_per_listed_kv_tile(tmp_path):
     cfg = HopperBackwardConfig.from_problem(unread, KernelOptions())
     assert cfg.tiles_listed and cfg.tiles_on_device
     compile_backward(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
-    ptx = next(tmp_path.glob("*.ptx")).read_text()
-    entries = re.findall(r"\.entry (\w+?)_fmha", ptx)
-    assert entries == ["kernel_cutlass_describe_sequences", "kernel_cutlass_list_work_tiles", "kernel_cutlass_kernel"]
-    listing = ptx.split(".entry")[2]
-    assert listing.count("atom.shared.add") == 2 and "shfl.sync.up" in listing
+    _assert_tiles_listed_before_the_kernel(tmp_path)
