@@ -104,16 +104,20 @@ def test_backward_kernel_matches_the_reference(bwd_case, backward_kernels):
 
 
 @_needs_hopper
-@pytest.mark.parametrize("dtype,causal", [(torch.float16, False), (torch.float16, True), (torch.bfloat16, False)],
+@pytest.mark.parametrize("dtype,causal", [(torch.float16, False), (torch.float16, True), (torch.bfloat16, False),
+                                          (torch.bfloat16, True)],
                          ids=lambda x: str(x).replace("torch.", ""))
 def test_backward_of_rows_with_very_negative_scores(dtype, causal):
     """Every score of every row far below 0 (scaled scores about -50, LSE about -45): a key past the sequence in the last
     K/V tile (200 keys: 56 of its 128 rows are past the end) would get P = 2^-lse2, about e^40,
     and dS = -P·delta overflowed to inf, which dQ = dS K turned into NaN through K's zero rows;
-    those keys are masked. The gradients must match the fp32 reference and hold no NaN."""
+    those keys are masked. The gradients hold no NaN and are within twice the error of the same
+    attention computed in ``dtype`` with plain torch ops, against fp64 (FlashAttention's criterion:
+    dQ here is a near-cancellation of dS against K's large shared direction, so a fixed relative
+    tolerance would judge the 16-bit rounding of dS, not the kernel)."""
     import fmha
     from fmha.masking import MaskSpec
-    from fmha.reference import attention_backward_reference, attention_reference, cast_output
+    from fmha.reference import attention_reference, cast_output
 
     g = torch.Generator(device="cuda").manual_seed(7)
     b, s, h, d = 2, 200, 4, 64
@@ -127,11 +131,21 @@ def test_backward_of_rows_with_very_negative_scores(dtype, causal):
     assert lse.max().item() < -30  # the scores are what the test is about
     out = cast_output(out, dtype)
     dout = torch.randn(out.shape, generator=g, device="cuda").to(dtype)
-    want = attention_backward_reference(dout, q, k, v, out, lse, mask=mask)
+
+    def plain_torch_grads(compute_dtype):
+        leaves = [t.to(compute_dtype).transpose(1, 2).requires_grad_() for t in (q, k, v)]
+        scores = leaves[0] @ leaves[1].transpose(-1, -2) * d ** -0.5
+        if causal:
+            scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+        o = torch.softmax(scores, dim=-1) @ leaves[2]
+        o.backward(dout.to(compute_dtype).transpose(1, 2))
+        return [t.grad.transpose(1, 2).double() for t in leaves]
+
+    exact, low = plain_torch_grads(torch.float64), plain_torch_grads(dtype)
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
     fmha.attention_backward(dout, q, k, v, out, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2],
                             backend="kernel")
-    for name, got, ref in zip("qkv", grads, want):
+    for name, got, e, lo in zip("qkv", grads, exact, low):
         assert not torch.isnan(got).any(), f"NaN in d{name}"
-        err = ((got.float() - ref).norm() / ref.norm()).item()
-        assert err < gpu_cases.BACKWARD_TOL[str(dtype).replace("torch.", "")], (name, err)
+        our_err, ref_err = (got.double() - e).norm().item(), (lo - e).norm().item()
+        assert our_err <= 2 * ref_err + 1e-3 * e.norm().item(), (name, our_err, ref_err)
