@@ -536,11 +536,60 @@ print(json.dumps({"first_call_s": elapsed, "rel_l2": err}))
 SMALL_CALL_ROUNDS = 7
 
 
-def measure_startup(impls: dict, torch) -> list[dict]:
+#: (mode, point) of the small-call measurements: host overhead dominates at these sizes
+SMALL_CASES = (
+    ("forward", Point(1, 128, 8, 8, 128, False, "small")),
+    ("forward", Point(1, 0, 8, 8, 128, True, "small", varlen=(100, 1, 27))),
+    ("step", Point(1, 128, 8, 8, 128, True, "small")),
+    ("step", Point(1, 0, 8, 8, 128, True, "small", varlen=(100, 1, 27))),
+)
+
+
+def _small_call_rows(mode: str, p: Point, impls: dict, torch) -> list[dict]:
+    """The cost of one call (``forward``: no autograd; ``step``: the forward and
+    ``autograd.grad`` of it) at a point small enough that the host decides it: CUDA events around
+    loops of back-to-back calls, the median of ``SMALL_CALL_ROUNDS`` interleaved loops."""
+    q, k, v, cu = _inputs(p, torch)
+    names = ["fmha", "fmha_new_offsets", "fa4", "cudnn"] if p.varlen else ["fmha", "fa4", "cudnn"]
+    calls, rows = {}, []
+    for impl in [i for i in names if i in impls]:
+        row = dict(kind="small_call", mode=mode, impl=impl, point=asdict(p))
+        try:
+            if mode == "step":
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                dout = torch.randn(q.shape, device=q.device).to(q.dtype)
+                fn = (lambda f=impls[impl], leaves=leaves, dout=dout:
+                      torch.autograd.grad(f(*leaves, p, cu), leaves, dout))
+            else:
+                fn = (lambda f=impls[impl]: f(q, k, v, p, cu))
+            fn()  # compiles, or loads from a cache
+            torch.cuda.synchronize()
+            calls[impl] = (fn, row)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"[:200]
+        rows.append(row)
+    # Host-bound timings drift with the machine's state: loops of 200 calls, interleaved across
+    # the implementations, SMALL_CALL_ROUNDS times; each keeps its median loop.
+    for _ in range(SMALL_CALL_ROUNDS):
+        for fn, row in calls.values():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            n = 200
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(n):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            row.setdefault("us_per_loop", []).append(start.elapsed_time(end) * 1e3 / n)
+    for _, row in calls.values():
+        row["us_per_call"] = sorted(row["us_per_loop"])[len(row["us_per_loop"]) // 2]
+    return rows
+
+
+def measure_startup(impls: dict, torch, small_cases=SMALL_CASES) -> list[dict]:
     """Time to first result (library import + compile or cache load + run, in a fresh process),
-    cold and then warm with the same on-disk cache directory; and the per-call cost of a small
-    problem (B=1, H=8, S=128, D=128), where host overhead dominates: CUDA events around loops of
-    back-to-back calls, the median of ``SMALL_CALL_ROUNDS`` interleaved loops."""
+    cold and then warm with the same on-disk cache directory; and the per-call cost of the
+    ``small_cases`` (``_small_call_rows``)."""
     import subprocess
     import tempfile
 
@@ -560,33 +609,8 @@ def measure_startup(impls: dict, torch) -> list[dict]:
                 except Exception:
                     row["error"] = (res.stderr or res.stdout).strip().splitlines()[-1:]
                 rows.append(row)
-    p = Point(1, 128, 8, 8, 128, False, "small")
-    q, k, v, cu = _inputs(p, torch)
-    small = {}
-    for impl in [i for i in ("fmha", "fa4", "cudnn") if i in impls]:
-        try:
-            impls[impl](q, k, v, p, cu)  # compiles, or loads from a cache
-            torch.cuda.synchronize()
-            small[impl] = []
-        except Exception as e:
-            rows.append(dict(kind="small_call", impl=impl, error=f"{type(e).__name__}: {e}"[:200]))
-    # Host-bound timings drift with the machine's state: loops of 200 calls, interleaved across
-    # the implementations, SMALL_CALL_ROUNDS times; each keeps its median loop.
-    for _ in range(SMALL_CALL_ROUNDS):
-        for impl, loops in small.items():
-            fn = impls[impl]
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            n = 200
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(n):
-                fn(q, k, v, p, cu)
-            end.record()
-            torch.cuda.synchronize()
-            loops.append(start.elapsed_time(end) * 1e3 / n)
-    for impl, loops in small.items():
-        rows.append(dict(kind="small_call", impl=impl, point=asdict(p),
-                         us_per_call=sorted(loops)[len(loops) // 2], us_per_loop=loops))
+    for mode, p in small_cases:
+        rows += _small_call_rows(mode, p, impls, torch)
     return rows
 
 
@@ -602,10 +626,18 @@ def startup_table(rows: list[dict]) -> str:
         a = get("first_call", "fmha_decode", "first_call_s", run)
         if a is not None:
             lines.append(f"| first decode step (paged cache) in a fresh process, {run} cache (s) | {a:.2f} | - | - | - |")
-    a, b, c = (get("small_call", i, "us_per_call") for i in ("fmha", "fa4", "cudnn"))
     fmt = lambda x: "-" if x is None else f"{x:.1f}"
-    lines.append(f"| B=1 H=8 S=128 D=128, whole call (us) | {fmt(a)} | {fmt(b)} | {fmt(c)} | "
-                 f"{f'{a / b:.2f}' if a and b else '-'} |")
+    cases = list(dict.fromkeys((r.get("mode", "forward"), Point(**r["point"]).label()) for r in rows
+                               if r["kind"] == "small_call" and "point" in r))
+    for mode, label in cases:
+        small = {r["impl"]: r["us_per_call"] for r in rows if r["kind"] == "small_call" and "us_per_call" in r
+                 and r.get("mode", "forward") == mode and Point(**r["point"]).label() == label}
+        what = "forward" if mode == "forward" else "training step (forward + backward)"
+        for ours in [i for i in ("fmha", "fmha_new_offsets") if i in small]:
+            a, b, c = small[ours], small.get("fa4"), small.get("cudnn")
+            extra = ", new offsets each call" if ours == "fmha_new_offsets" else ""
+            lines.append(f"| {label}, {what}{extra} (us per call) | {fmt(a)} | {fmt(b)} | {fmt(c)} | "
+                         f"{f'{a / b:.2f}' if a and b else '-'} |")
     return "\n".join(lines) + "\n"
 
 

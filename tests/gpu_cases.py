@@ -9,6 +9,7 @@ untouched. The verdicts themselves are tested on the CPU (``tests/test_gpu_cases
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -503,10 +504,25 @@ def backward_config(case: Case, torch):
     return HopperBackwardConfig.from_problem(problem, KernelOptions(deterministic=case.deterministic))
 
 
+@contextlib.contextmanager
+def _poisoned_dq_accumulator(torch):
+    """The Hopper backward's fp32 dQ accumulator handed out filled with NaN: a row the row pass
+    fails to zero turns dQ to NaN."""
+    from fmha.kernels.hopper.backend import HopperBackwardRunner
+
+    plain = HopperBackwardRunner.dq_accumulator
+    HopperBackwardRunner.dq_accumulator = staticmethod(lambda q: plain(q).fill_(math.nan))
+    try:
+        yield
+    finally:
+        HopperBackwardRunner.dq_accumulator = staticmethod(plain)
+
+
 def run_backward_case(case: Case, torch, device="cuda", backend="kernel") -> dict:
     """The backward of ``case`` through ``fmha.attention_backward`` against the fp32 reference
     backward on the same inputs, out and LSE: relative L2 error of dq, dk, dv (poisoned with NaN
-    first), a gradient on the LSE included."""
+    first, and so is the kernel's fp32 dQ accumulator, which the row pass must zero), a gradient on
+    the LSE included."""
     import fmha
     from fmha.reference import attention_backward_reference, attention_reference, cast_output
 
@@ -523,9 +539,10 @@ def run_backward_case(case: Case, torch, device="cuda", backend="kernel") -> dic
                                         **scales)
     def run():
         grads = [torch.full_like(t, math.nan) for t in (q, k, v)]
-        fmha.attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, dlse=dlse, dq=grads[0], dk=grads[1],
-                                dv=grads[2], deterministic=case.deterministic, backend=backend, **scales,
-                                **mask_kwargs(case))
+        with _poisoned_dq_accumulator(torch) if device.type == "cuda" else contextlib.nullcontext():
+            fmha.attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, dlse=dlse, dq=grads[0], dk=grads[1],
+                                    dv=grads[2], deterministic=case.deterministic, backend=backend, **scales,
+                                    **mask_kwargs(case))
         if device.type == "cuda":
             torch.cuda.synchronize()
         return grads

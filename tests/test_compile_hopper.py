@@ -229,18 +229,29 @@ def test_varlen_with_unread_lengths_lists_its_tiles_on_the_gpu(tmp_path):
                                                 KernelOptions()).tiles_on_device
 
 
-@pytest.mark.parametrize("varlen,has_dlse", [(False, True), (True, False)])
-def test_backward_row_pass_reads_rows_with_16_byte_loads(varlen, has_dlse, tmp_path):
-    """The row pass before the backward (delta and the LSE in log2 units): one thread per row,
-    O and dO read 16 bytes at a time."""
+@pytest.mark.parametrize("varlen,has_dlse,head_dim", [(False, True, 128), (True, False, 64)])
+def test_backward_row_pass_reads_rows_with_16_byte_loads(varlen, has_dlse, head_dim, tmp_path):
+    """The row pass before the backward (delta, the LSE in log2 units, the dQ accumulator zeroed):
+    a group of threads per row, each reading one 16-byte piece of O and of dO and zeroing its
+    piece of the fp32 accumulator row with 16-byte stores; the group's sums meet by shuffles."""
     from fmha.kernels.common.backward_rows import BackwardRowsConfig
     from fmha.kernels.hopper.backend import compile_backward_rows
 
-    compile_backward_rows(BackwardRowsConfig(torch.bfloat16, 128, varlen, has_dlse),
-                          extra_options=f"--keep-ptx --dump-dir={tmp_path}")
+    cfg = BackwardRowsConfig(torch.bfloat16, head_dim, varlen, has_dlse)
+    assert cfg.threads_per_row == head_dim // 8
+    compile_backward_rows(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = next(tmp_path.glob("*.ptx")).read_text()
-    assert ptx.count("ld.global.v4") == 2 * 128 * 2 // 16
+    assert ptx.count("ld.global.v4") == 2  # O and dO
+    assert ptx.count("st.global.v4") == 2  # 8 fp32 of the accumulator
+    assert ptx.count("shfl.sync.bfly") == (head_dim // 8).bit_length() - 1
     assert ptx.count("ld.global.b32") == 1 + int(has_dlse)  # the LSE (and dLSE) of the row
+
+
+def test_backward_row_pass_refuses_rows_it_cannot_split():
+    from fmha.kernels.common.backward_rows import BackwardRowsConfig
+
+    with pytest.raises(ValueError, match="16 bytes times a power of two"):
+        BackwardRowsConfig(torch.bfloat16, 96, False, False)
 
 
 def _backward_ptx(cfg, dump_dir) -> str:

@@ -2,9 +2,11 @@
 
 For every (query row, head): ``delta = (rowsum(dO * O) - dLSE) * delta_scale`` in fp32 (the
 bf16 backward passes its score scale, so that dS comes out scaled) and the LSE in log2 units
-(+inf for rows that keep no key, whose LSE is -inf: their P = exp2(s - inf) is then 0). One thread
-per row reads the row's O and dO with 16-byte loads; the outputs have the LSE's layout. Doing
-this in torch instead took fp32 copies of O and dO and four more passes over them.
+(+inf for rows that keep no key, whose LSE is -inf: their P = exp2(s - inf) is then 0); and the
+row of the fp32 dQ accumulator zeroed, which saves the main kernel a separate fill pass over it.
+Each row is read by a group of threads, one 16-byte piece of O and of dO each, so that a warp's
+loads cover whole cache lines; the group adds its partial sums by butterfly shuffles. The outputs
+have the LSE's layout.
 """
 
 import math
@@ -12,11 +14,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 import cuda.bindings.driver as cuda
+import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, const_expr
 
-ROWS_PER_CTA = 128
+THREADS_PER_CTA = 256
+LOAD_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -28,41 +32,68 @@ class BackwardRowsConfig:
     varlen: bool
     has_dlse: bool
 
+    @property
+    def threads_per_row(self) -> int:
+        """One 16-byte piece of the row per thread (a power of two within a warp)."""
+        return self.head_dim * self.dtype.itemsize // LOAD_BYTES
+
+    def __post_init__(self):
+        t = self.threads_per_row
+        if not (1 <= t <= 32 and t & (t - 1) == 0 and t * LOAD_BYTES == self.head_dim * self.dtype.itemsize):
+            raise ValueError(f"the backward's row pass needs head_dim * element size to be 16 bytes times a power "
+                             f"of two up to 32, got head_dim {self.head_dim} of {self.dtype}")
+
 
 class BackwardRows:
     def __init__(self, cfg: BackwardRowsConfig):
         self.cfg = cfg
+        self.rows_per_cta = THREADS_PER_CTA // cfg.threads_per_row
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: Optional[cute.Tensor],
-                 mLSE2: cute.Tensor, mDelta: cute.Tensor, delta_scale: Float32, stream: cuda.CUstream):
-        """O, dO: (B, S, H, D) or varlen (T, H, D); LSE, dLSE, LSE2, delta: (B, H, S) or (H, T)."""
+                 mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, delta_scale: Float32,
+                 stream: cuda.CUstream):
+        """O, dO, dQaccum: (B, S, H, D) or varlen (T, H, D); LSE, dLSE, LSE2, delta: (B, H, S) or (H, T)."""
         if const_expr(self.cfg.varlen):
             rows, heads, batches = mO.shape[0], mO.shape[1], 1
         else:
             rows, heads, batches = mO.shape[1], mO.shape[2], mO.shape[0]
-        self.kernel(mO, mdO, mLSE, mdLSE, mLSE2, mDelta, delta_scale, rows).launch(
-            grid=[(rows + ROWS_PER_CTA - 1) // ROWS_PER_CTA, heads, batches], block=[ROWS_PER_CTA, 1, 1],
+        self.kernel(mO, mdO, mLSE, mdLSE, mLSE2, mDelta, mdQaccum, delta_scale, rows).launch(
+            grid=[(rows + self.rows_per_cta - 1) // self.rows_per_cta, heads, batches], block=[THREADS_PER_CTA, 1, 1],
             stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: Optional[cute.Tensor],
-               mLSE2: cute.Tensor, mDelta: cute.Tensor, delta_scale: Float32, rows: Int32):
+               mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, delta_scale: Float32, rows: Int32):
+        group = self.cfg.threads_per_row
+        piece = LOAD_BYTES // self.cfg.dtype.itemsize  # elements of O per thread
         tidx, _, _ = cute.arch.thread_idx()
         block, head, batch = cute.arch.block_idx()
-        row = block * ROWS_PER_CTA + tidx
+        lane = tidx % group
+        row = block * self.rows_per_cta + tidx // group
+        partial = Float32(0.0)
         if row < rows:
             if const_expr(self.cfg.varlen):
-                o_row, do_row = mO[row, head, None], mdO[row, head, None]
-                at = (head, row)
+                o_row, do_row, dq_row = mO[row, head, None], mdO[row, head, None], mdQaccum[row, head, None]
             else:
-                o_row, do_row = mO[batch, row, head, None], mdO[batch, row, head, None]
-                at = (batch, head, row)
-            o = cute.make_rmem_tensor(o_row.layout, o_row.element_type)
-            do = cute.make_rmem_tensor(do_row.layout, do_row.element_type)
-            cute.autovec_copy(o_row, o)
-            cute.autovec_copy(do_row, do)
-            delta = (o.load().to(Float32) * do.load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                o_row, do_row, dq_row = (mO[batch, row, head, None], mdO[batch, row, head, None],
+                                         mdQaccum[batch, row, head, None])
+            o_piece, do_piece = (cute.local_tile(t, (piece,), (lane,)) for t in (o_row, do_row))
+            o = cute.make_rmem_tensor(o_piece.layout, o_piece.element_type)
+            do = cute.make_rmem_tensor(do_piece.layout, do_piece.element_type)
+            cute.autovec_copy(o_piece, o)
+            cute.autovec_copy(do_piece, do)
+            partial = (o.load().to(Float32) * do.load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            dq_piece = cute.local_tile(dq_row, (piece,), (lane,))
+            zeros = cute.make_rmem_tensor(dq_piece.layout, Float32)
+            zeros.fill(0.0)
+            cute.autovec_copy(zeros, dq_piece)
+        # every lane of the warp takes part (a row's group never straddles a warp)
+        for i in cutlass.range_constexpr(group.bit_length() - 1):
+            partial = partial + cute.arch.shuffle_sync_bfly(partial, offset=group >> (i + 1))
+        if row < rows and lane == 0:
+            at = (head, row) if const_expr(self.cfg.varlen) else (batch, head, row)
+            delta = partial
             if const_expr(mdLSE is not None):
                 delta = delta - mdLSE[at]
             mDelta[at] = delta * delta_scale

@@ -342,13 +342,14 @@ def compile_backward_rows(cfg, extra_options: str = ""):
     rank = 3 if cfg.varlen else 4
     o, do = (fake_rows(cutlass_dtype(cfg.dtype), rank, cfg.head_dim) for _ in range(2))
     lse, dlse, lse2, delta = (fake_rows(cutlass.Float32, rank - 1, None, align_bytes=4) for _ in range(4))
-    return compile_for(ARCH, BackwardRows(cfg), o, do, lse, dlse if cfg.has_dlse else None, lse2, delta,
+    dq_accum = fake_rows(cutlass.Float32, rank, cfg.head_dim)
+    return compile_for(ARCH, BackwardRows(cfg), o, do, lse, dlse if cfg.has_dlse else None, lse2, delta, dq_accum,
                        cutlass.Float32(1.0), extra_options=extra_options)
 
 
 class HopperBackwardRunner:
-    """The compiled backward plus the passes around it: the row pass (the LSE in log2 units and
-    delta = rowsum(dO * O) - dLSE) and the zeroed fp32 dQ buffer before, dQ converted after."""
+    """The compiled backward plus the passes around it: the row pass before (the LSE in log2 units,
+    delta = rowsum(dO * O) - dLSE, the fp32 dQ buffer zeroed) and dQ converted after."""
 
     def __init__(self, cfg: HopperBackwardConfig, compiled: Callable):
         self.cfg = cfg
@@ -364,6 +365,11 @@ class HopperBackwardRunner:
             compiled = self._row_passes[has_dlse] = disk_cache.load_or_compile(cfg, compile_backward_rows)
         return compiled
 
+    @staticmethod
+    def dq_accumulator(q):
+        """The fp32 dQ the kernel adds into; the row pass zeroes it."""
+        return torch.empty(q.shape, dtype=torch.float32, device=q.device)
+
     def __call__(self, problem: AttentionProblem, dout, q, k, v, out, lse, dlse, dq, dk, dv,
                  cu_seqlens_q=None, cu_seqlens_k=None, deterministic: bool = False):
         if problem.total_q == 0 or problem.total_k == 0 or problem.num_heads_q == 0:
@@ -377,11 +383,11 @@ class HopperBackwardRunner:
         rows = lse.shape[-1]
         padded = torch.empty(lse.shape[:-1] + (2, -(-rows // 4) * 4), dtype=torch.float32, device=lse.device)
         lse2, delta = padded.select(-2, 0), padded.select(-2, 1)
-        self.row_pass(dlse is not None)(out, dout, lse, dlse, lse2[..., :rows], delta[..., :rows],
+        dq_acc = self.dq_accumulator(q)
+        self.row_pass(dlse is not None)(out, dout, lse, dlse, lse2[..., :rows], delta[..., :rows], dq_acc,
                                         problem.score_scale if self.cfg.ds_prescaled else 1.0)
         if self.cfg.varlen:  # (H, T) -> (1, H, T): the kernel reads both layouts as (B, H, S)
             lse2, delta = lse2.unsqueeze(0), delta.unsqueeze(0)
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         descriptors = None
         if self.cfg.varlen:
             # per-sequence TMA descriptors (q, k, v, dO, dQ accumulator; 128 bytes each)
