@@ -5,7 +5,9 @@ registered with ``torch.library``, each with a fake (meta) implementation that o
 its outputs, and the backward is the forward's autograd formula. So autograd records the call,
 the LSE is saved rather than recomputed, ``torch.compile(fullgraph=True)`` traces a model that
 calls fmha (the ops stay opaque nodes of the graph), and CUDA-graph capture sees plain launches.
-Calls that need neither go straight to ``api._forward`` and skip the op machinery.
+Eager calls with autograd run the same forward and backward through a plain
+``torch.autograd.Function`` (``_EagerAttention``), without the ops' dispatch cost; calls that
+need no autograd go straight to ``api._forward``.
 """
 
 from __future__ import annotations
@@ -28,13 +30,9 @@ def _forward_kwargs(causal, window_left, window_right, mask_align, compressed_ca
                 scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o)
 
 
-@torch.library.custom_op("fmha::attention_forward", mutates_args=())
-def _forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                varlen: bool, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool,
-                window_left: Optional[int], window_right: Optional[int], mask_align: str, compressed_causal: bool,
-                softmax_scale: float, scale_q: float, scale_k: float, scale_v: float, inv_scale_o: float,
-                out_dtype: Optional[torch.dtype], backend: str, persistent: Optional[bool],
-                tile_mn: Optional[List[int]], deterministic: bool) -> Tuple[Tensor, Tensor]:
+def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal, window_left,
+                  window_right, mask_align, compressed_causal, softmax_scale, scale_q, scale_k, scale_v, inv_scale_o,
+                  out_dtype, backend, persistent, tile_mn, deterministic):
     from .api import _forward
 
     return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=varlen, max_seqlen_q=max_seqlen_q,
@@ -42,6 +40,18 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
                     backend=backend, persistent=persistent, tile_mn=None if tile_mn is None else tuple(tile_mn),
                     **_forward_kwargs(causal, window_left, window_right, mask_align, compressed_causal,
                                       softmax_scale, scale_q, scale_k, scale_v, inv_scale_o))
+
+
+@torch.library.custom_op("fmha::attention_forward", mutates_args=())
+def _forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                varlen: bool, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool,
+                window_left: Optional[int], window_right: Optional[int], mask_align: str, compressed_causal: bool,
+                softmax_scale: float, scale_q: float, scale_k: float, scale_v: float, inv_scale_o: float,
+                out_dtype: Optional[torch.dtype], backend: str, persistent: Optional[bool],
+                tile_mn: Optional[List[int]], deterministic: bool) -> Tuple[Tensor, Tensor]:
+    return _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal,
+                         window_left, window_right, mask_align, compressed_causal, softmax_scale, scale_q, scale_k,
+                         scale_v, inv_scale_o, out_dtype, backend, persistent, tile_mn, deterministic)
 
 
 @_forward_op.register_fake
@@ -52,13 +62,9 @@ def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max
     return out, q.new_empty(lse_shape(q, varlen), dtype=torch.float32)
 
 
-@torch.library.custom_op("fmha::attention_backward", mutates_args=())
-def _backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
-                 cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int],
-                 max_seqlen_k: Optional[int], causal: bool, window_left: Optional[int],
-                 window_right: Optional[int], mask_align: str, compressed_causal: bool, softmax_scale: float,
-                 scale_q: float, scale_k: float, scale_v: float, inv_scale_o: float, deterministic: bool,
-                 backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+def _backward_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                   window_left, window_right, mask_align, compressed_causal, softmax_scale, scale_q, scale_k,
+                   scale_v, inv_scale_o, deterministic, backend):
     from .api import attention_backward
 
     return attention_backward(
@@ -66,6 +72,18 @@ def _backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse
         deterministic=deterministic, backend=backend,
         **_forward_kwargs(causal, window_left, window_right, mask_align, compressed_causal, softmax_scale,
                           scale_q, scale_k, scale_v, inv_scale_o))
+
+
+@torch.library.custom_op("fmha::attention_backward", mutates_args=())
+def _backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+                 cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int],
+                 max_seqlen_k: Optional[int], causal: bool, window_left: Optional[int],
+                 window_right: Optional[int], mask_align: str, compressed_causal: bool, softmax_scale: float,
+                 scale_q: float, scale_k: float, scale_v: float, inv_scale_o: float, deterministic: bool,
+                 backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+    return _backward_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          causal, window_left, window_right, mask_align, compressed_causal, softmax_scale, scale_q,
+                          scale_k, scale_v, inv_scale_o, deterministic, backend)
 
 
 @_backward_op.register_fake
@@ -82,18 +100,19 @@ _FORWARD_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "varlen", "max_seqlen_q", "max_
 
 
 def _setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # an unused LSE's gradient stays None: no zero tensor to read
     q, k, v = inputs[:3]
     ctx.args = dict(zip(_FORWARD_ARGS, inputs[3:]))
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, ctx.args["cu_seqlens_q"], ctx.args["cu_seqlens_k"])
 
 
-def _backward(ctx, grad_out, grad_lse):
+def _backward(ctx, grad_out, grad_lse, backward=None):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     a = ctx.args
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.fmha.attention_backward(
+    dq, dk, dv = (backward or torch.ops.fmha.attention_backward)(
         grad_out.contiguous(), q, k, v, out, lse, grad_lse,
         cu_q, cu_k, a["max_seqlen_q"], a["max_seqlen_k"], a["causal"], a["window_left"], a["window_right"],
         a["mask_align"], a["compressed_causal"], a["softmax_scale"], a["scale_q"], a["scale_k"], a["scale_v"],
@@ -102,6 +121,22 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The custom ops' forward and backward as a plain autograd function, for calls torch.compile
+    is not tracing: torch.library's dispatch of the two ops cost about 1 ms of host time per
+    training step, more than the kernels of a small step (docs/performance.md)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, *args):
+        out, lse = _forward_impl(q, k, v, *args)
+        _setup_context(ctx, (q, k, v) + args, (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        return _backward(ctx, grad_out, grad_lse, backward=_backward_impl)
 
 
 def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqlen_k, causal=False,
@@ -123,7 +158,8 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen
     kernel_options(persistent, tile_mn)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-    return torch.ops.fmha.attention_forward(
+    forward = torch.ops.fmha.attention_forward if torch.compiler.is_compiling() else _EagerAttention.apply
+    return forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal, window_left, window_right,
         mask_align, compressed_causal, softmax_scale, scale_q, scale_k, scale_v, inv_scale_o, out_dtype, backend,
         persistent, None if tile_mn is None else list(tile_mn), deterministic)
