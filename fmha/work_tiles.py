@@ -21,6 +21,20 @@ from .masking import MaskSpec, kv_tile_schedule, num_q_tiles, row_key_bounds
 
 _DEVICE_CACHE: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _CACHE_SIZE = 64
+# Tables a CUDA graph captured (data pointer -> (table, pinned source)): every replay reads them,
+# so neither leaves memory while the process lives.
+_HELD_BY_GRAPHS: dict = {}
+
+
+def _stream_of(device: torch.device):
+    """The current stream of a CUDA device (None elsewhere). Tables are cached per stream: one is
+    made and read on the same stream, so its copy is ordered before the kernels that read it, and
+    when the cache drops it the allocator reuses the memory only behind those kernels."""
+    return torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def work_tiles(seqlens_q: Sequence[int], seqlens_k: Sequence[int], mask: MaskSpec,
@@ -48,19 +62,31 @@ def work_tile_table(seqlens_q, seqlens_k, mask: MaskSpec, tile_m: int, tile_n: i
 
 def _cached_table(list_tiles, seqlens_q, seqlens_k, mask: MaskSpec, tile_m: int, tile_n: int,
                   device: torch.device) -> torch.Tensor:
-    """``list_tiles(...)`` as a cached int32 (N >= 1, 2) tensor on ``device``."""
-    key = (list_tiles.__name__, tuple(seqlens_q), tuple(seqlens_k), mask, tile_m, tile_n, str(device))
+    """``list_tiles(...)`` as a cached int32 (N >= 1, 2) tensor on ``device``, made on the
+    current stream (``_stream_of``). Under CUDA-graph capture a cached table is kept for good (the
+    graph reads it at every replay), and a new one is not cached: its copy runs only when the graph
+    replays, so an eager call must not find it before."""
+    device = torch.device(device)
+    key = (list_tiles.__name__, tuple(seqlens_q), tuple(seqlens_k), mask, tile_m, tile_n, str(device),
+           _stream_of(device))
+    capturing = _capturing(device)
     table = _DEVICE_CACHE.get(key)
-    if table is None:
-        tiles = list_tiles(seqlens_q, seqlens_k, mask, tile_m, tile_n)
-        table = torch.tensor(tiles or [(0, 0)], dtype=torch.int32).reshape(-1, 2)
-        if torch.device(device).type == "cuda":  # pinned: the copy does not wait for the GPU
-            table = table.pin_memory().to(device, non_blocking=True)
-        _DEVICE_CACHE[key] = table
-        if len(_DEVICE_CACHE) > _CACHE_SIZE:
-            _DEVICE_CACHE.popitem(last=False)
-    else:
+    if table is not None:
         _DEVICE_CACHE.move_to_end(key)
+        if capturing:
+            _HELD_BY_GRAPHS.setdefault(table.data_ptr(), (table, None))
+        return table
+    tiles = list_tiles(seqlens_q, seqlens_k, mask, tile_m, tile_n)
+    table = source = torch.tensor(tiles or [(0, 0)], dtype=torch.int32).reshape(-1, 2)
+    if device.type == "cuda":  # pinned: the copy does not wait for the GPU
+        source = source.pin_memory()
+        table = source.to(device, non_blocking=True)
+    if capturing:
+        _HELD_BY_GRAPHS[table.data_ptr()] = (table, source)  # the replayed copy reads the source
+        return table
+    _DEVICE_CACHE[key] = table
+    if len(_DEVICE_CACHE) > _CACHE_SIZE:
+        _DEVICE_CACHE.popitem(last=False)
     return table
 
 

@@ -67,3 +67,30 @@ def test_backward_table_is_cached_apart_from_the_forward_one():
     assert kv_work_tile_table(LENS_Q, LENS_K, mask, 64, 128, torch.device("cpu")) is kv
     assert work_tile_table(LENS_Q, LENS_K, mask, 64, 128, torch.device("cpu")) is not kv
     assert kv_work_tile_table([3], [0], mask, 64, 128, torch.device("cpu")).tolist() == [[0, 0]]
+
+
+def test_tables_are_cached_per_stream_and_held_for_captured_graphs(monkeypatch):
+    """A table is made and read on one stream (another stream gets its own), and under CUDA-graph
+    capture a cached table is held for good while a new one stays out of the cache (its copy runs
+    only at replay). The stream and capture probes are stand-ins: no GPU here."""
+    from fmha import work_tiles as wt
+
+    state = {"stream": 1, "capturing": False}
+    monkeypatch.setattr(wt, "_stream_of", lambda device: state["stream"])
+    monkeypatch.setattr(wt, "_capturing", lambda device: state["capturing"])
+    monkeypatch.setattr(wt, "_HELD_BY_GRAPHS", {})
+    mask = MaskSpec.from_args(causal=True)
+    cpu = torch.device("cpu")
+    lens = ([77, 300], [77, 300])
+    on_1 = work_tile_table(*lens, mask, 128, 128, cpu)
+    state["stream"] = 2
+    on_2 = work_tile_table(*lens, mask, 128, 128, cpu)
+    assert on_2 is not on_1 and torch.equal(on_2, on_1)
+    assert work_tile_table(*lens, mask, 128, 128, cpu) is on_2
+    state["capturing"] = True
+    assert work_tile_table(*lens, mask, 128, 128, cpu) is on_2  # cached: its copy has run
+    assert wt._HELD_BY_GRAPHS[on_2.data_ptr()][0] is on_2
+    captured = work_tile_table([5, 9], [5, 9], mask, 128, 128, cpu)  # new under capture
+    assert wt._HELD_BY_GRAPHS[captured.data_ptr()][0] is captured
+    state["capturing"] = False
+    assert work_tile_table([5, 9], [5, 9], mask, 128, 128, cpu) is not captured  # never cached
