@@ -351,6 +351,16 @@ class HopperBackwardConfig:
     tile_m = 64
     #: keys per CTA: 64 per consumer warpgroup
     tile_n = 128
+    #: dense grids in one dimension with K/V heads and sequences fastest, so that every sequence's
+    #: K/V tiles start in tile order, which under causal masks is costliest first (a smaller tail
+    #: of the last wave); off until measured (the lab variant ``fmha_bwd_lpt`` sets it)
+    kv_tiles_costliest_first = False
+
+    @property
+    def grid_costliest_first(self) -> bool:
+        """Whether the kernel's grid is the one-dimensional costliest-first grid: dense and not
+        deterministic (whose waits need the grid order) only; varlen lists its tiles instead."""
+        return self.kv_tiles_costliest_first and not (self.varlen or self.deterministic)
 
     @property
     def ds_prescaled(self) -> bool:
