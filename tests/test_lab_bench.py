@@ -70,7 +70,7 @@ def test_the_report_names_points_whose_rounds_disagree(tmp_path, monkeypatch):
 def test_grid_tail_model_schedules_greedily():
     from lab import grid_tail
 
-    assert grid_tail.makespan([3, 3, 2, 2, 2], sms=2) == 6  # 3+3 | 2+2+2
-    assert grid_tail.makespan([2, 2, 2, 3, 3], sms=2) == 7  # 2+2+3 | 2+3: the costly last pays
+    assert grid_tail.makespan([4, 1, 1, 1, 1], sms=2) == 4  # 4 | 1+1+1+1
+    assert grid_tail.makespan([1, 1, 1, 1, 4], sms=2) == 6  # 1+1+4 | 1+1: the costly one started last
     library, costliest_first = grid_tail.tails(16, 1024, 16)
     assert costliest_first < library and costliest_first >= 1.0
