@@ -136,6 +136,9 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
+        if torch.is_grad_enabled():  # create_graph=True: the gradients would be constants, silently
+            raise RuntimeError("fmha.attention has no double backward: its gradients are not differentiable "
+                               "(call autograd without create_graph=True)")
         return _backward(ctx, grad_out, grad_lse, backward=_backward_impl)
 
 

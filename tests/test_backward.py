@@ -284,3 +284,11 @@ def test_eager_calls_with_autograd_skip_the_custom_op_dispatch():
     assert type(o.grad_fn).__name__ == "_EagerAttentionBackward"
     o.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_double_backward_is_refused_with_a_clear_error():
+    q, k, v, _ = _inputs(False, {}, dtype=torch.bfloat16, d=32)
+    q.requires_grad_()
+    o = fmha.attention(q, k, v)
+    with pytest.raises(RuntimeError, match="no double backward"):
+        torch.autograd.grad(o.float().sum(), q, create_graph=True)
