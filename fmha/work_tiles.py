@@ -63,14 +63,19 @@ def work_tile_table(seqlens_q, seqlens_k, mask: MaskSpec, tile_m: int, tile_n: i
 def _cached_table(list_tiles, seqlens_q, seqlens_k, mask: MaskSpec, tile_m: int, tile_n: int,
                   device: torch.device) -> torch.Tensor:
     """``list_tiles(...)`` as a cached int32 (N >= 1, 2) tensor on ``device``, made on the
-    current stream (``_stream_of``). Under CUDA-graph capture a cached table is kept for good (the
-    graph reads it at every replay), and a new one is not cached: its copy runs only when the graph
-    replays, so an eager call must not find it before."""
+    current stream (``_stream_of``). Under CUDA-graph capture a cached table of any stream serves
+    and is kept for good (the graph reads it at every replay); a new one is not cached: its copy
+    runs only when the graph replays, so an eager call must not find it before."""
     device = torch.device(device)
     key = (list_tiles.__name__, tuple(seqlens_q), tuple(seqlens_k), mask, tile_m, tile_n, str(device),
            _stream_of(device))
     capturing = _capturing(device)
     table = _DEVICE_CACHE.get(key)
+    if table is None and capturing:
+        # a table an eager call made on another stream: torch.cuda.graph synchronizes the device
+        # before it captures, so that table's copy has run
+        key = next((k for k in _DEVICE_CACHE if k[:-1] == key[:-1]), key)
+        table = _DEVICE_CACHE.get(key)
     if table is not None:
         _DEVICE_CACHE.move_to_end(key)
         if capturing:

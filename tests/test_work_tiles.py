@@ -90,6 +90,9 @@ def test_tables_are_cached_per_stream_and_held_for_captured_graphs(monkeypatch):
     state["capturing"] = True
     assert work_tile_table(*lens, mask, 128, 128, cpu) is on_2  # cached: its copy has run
     assert wt._HELD_BY_GRAPHS[on_2.data_ptr()][0] is on_2
+    state["stream"] = 3  # a capture stream: a table of another stream serves (the capture synchronized)
+    assert work_tile_table(*lens, mask, 128, 128, cpu) in (on_1, on_2)
+    assert len(wt._HELD_BY_GRAPHS) == 1 or on_1.data_ptr() in wt._HELD_BY_GRAPHS
     captured = work_tile_table([5, 9], [5, 9], mask, 128, 128, cpu)  # new under capture
     assert wt._HELD_BY_GRAPHS[captured.data_ptr()][0] is captured
     state["capturing"] = False
