@@ -89,6 +89,9 @@ BACKWARD_VARIANTS = {
     # schedule of the standard grid's causal points puts the current order's last wave 3-7% past
     # the average load and this one's within 1.3% (docs/performance.md)
     "fmha_bwd_lpt": dict(kv_tiles_costliest_first=True),
+    # FA3's and FA4's D=64 backward: 128 query rows, each warpgroup's dQ its 64 rows over the
+    # whole head dim (m64 x 64 reading half of dS) instead of all rows over half the head dim
+    "fmha_bwd_m128_rows": dict(tile_m=128, dq_split_rows=True, head_dims=(64,)),
 }
 
 
@@ -101,7 +104,7 @@ def backward_variant_config(cfg, **overrides):
     key = tuple(sorted(overrides.items()))
     cls = _BACKWARD_CLASSES.get(key)
     if cls is None:
-        unknown = [k for k in overrides if k not in ("tile_m", "tile_n", "kv_tiles_costliest_first")]
+        unknown = [k for k in overrides if k not in ("tile_m", "tile_n", "kv_tiles_costliest_first", "dq_split_rows")]
         if unknown:
             raise ValueError(f"not a class attribute of the backward config: {unknown}")
         name = "HopperBackwardConfig_" + "_".join(f"{k}_{v}" for k, v in key)

@@ -118,16 +118,18 @@ class HopperAttentionBackward(DeviceWorkTileList):
         # dV += P^T dO, dK += dS^T Q: A from registers, M = keys, N = head dim, K = queries
         mma_dkv = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (2, 1, 1),
                                                    (64, d), warpgroup.OperandSource.RMEM)
-        # dQ = dS K, one warpgroup per half of the head dim: M = queries, N = d / 2, K = keys
+        # dQ = dS K, one warpgroup per half of the head dim (or of the query rows,
+        # ``dq_split_rows``): M = queries, N = head dim, K = keys
+        dq_m, dq_n = cfg.dq_rows_per_warpgroup, cfg.dq_cols_per_warpgroup
         mma_dq = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, 1, 1),
-                                                  (64, d // 2))
+                                                  (64, dq_n))
         sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), self.dtype, 2)
         sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), self.dtype, 1)
         # dS^T double-buffered with the Q/dO stages: a warpgroup may write the next tile's while
         # the other still reads this one's
         sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, d, tile_m), self.dtype, 2)
         # each warpgroup's half of the dQ tile, added by its own reduce-add
-        sdQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d // 2), Float32, 2)
+        sdQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (dq_m, tile_n, dq_n), Float32, 2)
         # a tile's LSE and delta rows: TMA boxes start on 16-byte boundaries, so a packed sequence's
         # tile loads from the row below it that is a multiple of 4, four rows more than a tile
         sRow_layout = cute.make_layout((self.row_box, 2), stride=(1, -(-self.row_box // 32) * 32))  # 128-byte stages
@@ -144,7 +146,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
         tma_delta, tma_tensor_delta = cpasync.make_tiled_tma_atom(load_op, delta, row_box, (self.row_box,))
         tma_dq, tma_tensor_dq = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), dq_acc,
-            cute.select(sdQ_layout, mode=[0, 1]), (tile_m, d // 2))
+            cute.select(sdQ_layout, mode=[0, 1]), (dq_m, dq_n))
         self.qdo_bytes = 2 * cute.size_in_bytes(self.dtype, tile_q) + 2 * self.row_box * 4
         self.kv_bytes = 2 * cute.size_in_bytes(self.dtype, tile_k)
 
@@ -398,7 +400,6 @@ class HopperAttentionBackward(DeviceWorkTileList):
         warpgroup's half, as soon as that half is staged; frees each half once its add has read it.
         ``deterministic``: each tile's adds wait for their turn (``wait_for_turn``)."""
         cfg = self.cfg
-        d, tile_m = cfg.head_dim, self.tile_m
         desc_dq = None
         row_batch = batch
         if const_expr(cfg.varlen):
@@ -417,7 +418,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
         t = Int32(0)
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
-            gdQ = cute.local_tile(mdQacc[None, None, head, row_batch], (tile_m, d // 2), (None, None))
+            gdQ = cute.local_tile(mdQacc[None, None, head, row_batch],
+                                  (cfg.dq_rows_per_warpgroup, cfg.dq_cols_per_warpgroup), (None, None))
             tdQs, tdQg = tma_tiles(tma_dq, sdQ, gdQ)
             for i in cutlass.range(m_start, m_end, unroll=1):
                 m_block = self.query_tile_at(i, m_start, m_end)
@@ -427,7 +429,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
                     turn = self.wait_for_turn(mSemaphores, batch, head, m_block, n_block, has_predecessor)
                 for wg in cutlass.range_constexpr(2):
                     cute.arch.barrier(barrier_id=NamedBarrierBwd.DQ_FULL + wg, number_of_threads=_WG + 32)
-                    cute.copy(tma_dq, tdQs[None, wg], tdQg[None, m_block, wg], tma_desc_ptr=desc_dq)
+                    half = tdQg[None, 2 * m_block + wg, 0] if const_expr(cfg.dq_split_rows) else tdQg[None, m_block, wg]
+                    cute.copy(tma_dq, tdQs[None, wg], half, tma_desc_ptr=desc_dq)
                     cute.arch.cp_async_bulk_commit_group()
                 if const_expr(cfg.deterministic):
                     self.pass_turn(turn, n_block)
@@ -461,10 +464,16 @@ class HopperAttentionBackward(DeviceWorkTileList):
         tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         tVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sdO)))
         tKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sQ)))
-        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(_transposed(sdS)))
-        # this warpgroup's half of the head dim of K (dQ's B operand: d x keys)
-        sK_half = cute.local_tile(_transposed(sK)[None, None, 0], (d // 2, tile_n), (wg, 0))
-        tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(sK_half))
+        if const_expr(cfg.dq_split_rows):
+            # this warpgroup's query rows of dS (dQ's A operand: rows x keys), all of K
+            dS_rows = cute.local_tile(_transposed(sdS), (cfg.dq_rows_per_warpgroup, tile_n), (wg, 0, None))
+            tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(dS_rows))
+            tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(_transposed(sK)[None, None, 0]))
+        else:
+            tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(_transposed(sdS)))
+            # this warpgroup's half of the head dim of K (dQ's B operand: d x keys)
+            sK_half = cute.local_tile(_transposed(sK)[None, None, 0], (d // 2, tile_n), (wg, 0))
+            tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(sK_half))
         s_shape = thr_sdp.partition_shape_C((tile_n, tile_m))
         tScS = as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((tile_n, tile_m))))
         acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tile_n, d)), Float32)
@@ -537,7 +546,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 cute.copy(st_atom, thr_st.retile(ds16), tdSsdS[None, None, None, stage])
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=NamedBarrierBwd.DS_READY, number_of_threads=2 * _WG)
-                acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tile_m, d // 2)), Float32)
+                acc_dq = cute.make_rmem_tensor(
+                    thr_dq.partition_shape_C((cfg.dq_rows_per_warpgroup, cfg.dq_cols_per_warpgroup)), Float32)
                 issue_gemm(mma_dq, acc_dq, tQrdS[None, None, None, stage], tQrK, True)
                 issue_gemm(mma_dkv, acc_dk, as_operand_a(ds16), tKrQ[None, None, None, stage], False)
                 warpgroup.wait_group(1)  # dV and dQ are done; dK still runs

@@ -355,6 +355,20 @@ class HopperBackwardConfig:
     #: K/V tiles start in tile order, which under causal masks is costliest first (a smaller tail
     #: of the last wave); off until measured (the lab variant ``fmha_bwd_lpt`` sets it)
     kv_tiles_costliest_first = False
+    #: with 128 query rows per step, each consumer warpgroup computes dQ for its 64 query rows over
+    #: the whole head dim (instead of half the head dim for all rows): each reads half of dS and
+    #: the products are m64 x d rather than m128 x d/2; off until measured (``fmha_bwd_m128_rows``)
+    dq_split_rows = False
+
+    @property
+    def dq_rows_per_warpgroup(self) -> int:
+        """Query rows of one warpgroup's dQ product (all rows when it is split by head dim)."""
+        return self.tile_m // 2 if self.dq_split_rows else self.tile_m
+
+    @property
+    def dq_cols_per_warpgroup(self) -> int:
+        """Head-dim columns of one warpgroup's dQ product."""
+        return self.head_dim if self.dq_split_rows else self.head_dim // 2
 
     @property
     def grid_costliest_first(self) -> bool:
