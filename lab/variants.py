@@ -92,6 +92,8 @@ BACKWARD_VARIANTS = {
     # FA3's and FA4's D=64 backward: 128 query rows, each warpgroup's dQ its 64 rows over the
     # whole head dim (m64 x 64 reading half of dS) instead of all rows over half the head dim
     "fmha_bwd_m128_rows": dict(tile_m=128, dq_split_rows=True, head_dims=(64,)),
+    # dK and dV staged in the K/V buffers and TMA-stored (whole lines), as the forward stores O
+    "fmha_bwd_tma_dkv": dict(dkv_store_tma=True),
 }
 
 
@@ -104,7 +106,8 @@ def backward_variant_config(cfg, **overrides):
     key = tuple(sorted(overrides.items()))
     cls = _BACKWARD_CLASSES.get(key)
     if cls is None:
-        unknown = [k for k in overrides if k not in ("tile_m", "tile_n", "kv_tiles_costliest_first", "dq_split_rows")]
+        unknown = [k for k in overrides if k not in ("tile_m", "tile_n", "kv_tiles_costliest_first", "dq_split_rows",
+                                                  "dkv_store_tma")]
         if unknown:
             raise ValueError(f"not a class attribute of the backward config: {unknown}")
         name = "HopperBackwardConfig_" + "_".join(f"{k}_{v}" for k, v in key)

@@ -26,3 +26,5 @@ class NamedBarrierBwd(enum.IntEnum):
     DQ_EMPTY = 2
     #: warpgroup ``wg``'s half of the dQ tile is in shared memory for its reduce-add
     DQ_FULL = 4
+    #: ``dkv_store_tma``: warpgroup ``wg``'s dV or dK rows are staged for its TMA store (128 threads)
+    DKV_STAGED = 6

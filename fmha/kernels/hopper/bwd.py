@@ -62,7 +62,7 @@ from ..common.seqinfo import SequenceInfo
 from ..common.tma import tma_tiles
 from .barriers import NamedBarrierBwd
 from .config import HopperBackwardConfig
-from .epilogue import store_o_direct
+from .epilogue import drain_o_stores, store_o_direct, store_o_tma, wg_slice_layout
 from .wgmma import WARPGROUP_THREADS as _WG
 from .wgmma import issue_gemm
 
@@ -147,6 +147,14 @@ class HopperAttentionBackward(DeviceWorkTileList):
         tma_dq, tma_tensor_dq = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), dq_acc,
             cute.select(sdQ_layout, mode=[0, 1]), (dq_m, dq_n))
+        tma_dk = tma_tensor_dk = tma_dv = tma_tensor_dv = None
+        if const_expr(cfg.stores_dkv_by_tma):
+            kv_wg_layout = wg_slice_layout(tile_k, tile_n, d)
+            store_op = cpasync.CopyBulkTensorTileS2GOp()
+            tma_dk, tma_tensor_dk = cpasync.make_tiled_tma_atom(store_op, bshd_to_sdhb(mdK, varlen), kv_wg_layout,
+                                                                (64, d))
+            tma_dv, tma_tensor_dv = cpasync.make_tiled_tma_atom(store_op, bshd_to_sdhb(mdV, varlen), kv_wg_layout,
+                                                                (64, d))
         self.qdo_bytes = 2 * cute.size_in_bytes(self.dtype, tile_q) + 2 * self.row_box * 4
         self.kv_bytes = 2 * cute.size_in_bytes(self.dtype, tile_k)
 
@@ -184,7 +192,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 grid=[1, 1, 1], block=[COST_BINS, 1, 1], smem=cost_bins_bytes(), stream=stream)
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_tensor_q, tma_do, tma_tensor_do, tma_k, tma_tensor_k,
                     tma_v, tma_tensor_v, tma_lse, tma_tensor_lse, tma_delta, tma_tensor_delta, tma_dq, tma_tensor_dq,
-                    mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, mSemaphores, mTileTable, mTileCount,
+                    mdK, mdV, tma_dk, tma_tensor_dk, tma_dv, tma_tensor_dv, mCuSeqlensQ, mCuSeqlensK,
+                    mSeqDescriptors, mSemaphores, mTileTable, mTileCount,
                     max_seqlen_q, max_seqlen_k, scale_log2, out_scale, score_scale, window_left, window_right,
                     sQ_layout, sK_layout, sdS_layout, sdQ_layout, sRow_layout).launch(
             grid=grid, block=[self.num_threads, 1, 1],
@@ -216,7 +225,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
                tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
                tma_lse: cute.CopyAtom, mLSE2: cute.Tensor, tma_delta: cute.CopyAtom, mDelta: cute.Tensor,
                tma_dq: cute.CopyAtom, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-               mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+               tma_dk: Optional[cute.CopyAtom], mdK_tma: Optional[cute.Tensor], tma_dv: Optional[cute.CopyAtom],
+               mdV_tma: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                mSeqDescriptors: Optional[cute.Tensor], mSemaphores: Optional[cute.Tensor],
                mTileTable: Optional[cute.Tensor], mTileCount: Optional[cute.Tensor], max_seqlen_q: Int32,
                max_seqlen_k: Int32, scale_log2: Float32, out_scale: Float32, score_scale: Float32,
@@ -229,6 +239,9 @@ class HopperAttentionBackward(DeviceWorkTileList):
         if warp_idx == 0:
             for atom in (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_delta, tma_dq):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(self.cfg.stores_dkv_by_tma):
+                cpasync.prefetch_descriptor(tma_dk)
+                cpasync.prefetch_descriptor(tma_dv)
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, 8)
@@ -269,8 +282,9 @@ class HopperAttentionBackward(DeviceWorkTileList):
             else:
                 cute.arch.setmaxregister_increase(240)
                 self.consumer(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDelta, qdo_consumer,
-                              kv_consumer, mdK, mdV, scale_log2, out_scale, score_scale, window_left, window_right,
-                              n_block, head_kv, batch, group, m_start, m_end, seq, tidx - _WG)
+                              kv_consumer, mdK, mdV, tma_dk, mdK_tma, tma_dv, mdV_tma, scale_log2, out_scale,
+                              score_scale, window_left, window_right, n_block, head_kv, batch, group, m_start, m_end,
+                              seq, tidx - _WG)
 
     @cute.jit
     def work_tile(self, mTileTable: Optional[cute.Tensor], mTileCount: Optional[cute.Tensor], num_heads_kv,
@@ -444,6 +458,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
     @cute.jit
     def consumer(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDelta,
                  qdo_consumer: pipeline.PipelineConsumer, kv_consumer: pipeline.PipelineConsumer, mdK, mdV,
+                 tma_dk, mdK_tma, tma_dv, mdV_tma,
                  scale_log2: Float32, out_scale: Float32, score_scale: Float32, window_left, window_right, n_block,
                  head_kv, batch, group, m_start, m_end, seq: SequenceInfo, tidx: Int32):
         """Warpgroups 1 and 2: per query tile the five products and the element-wise work between
@@ -568,9 +583,20 @@ class HopperAttentionBackward(DeviceWorkTileList):
         else:
             dk_out.store((acc_dk.load() * score_scale).to(self.dtype))
         dv_out.store((acc_dv.load() * out_scale).to(self.dtype))
-        tdKcdK = thr_dkv.partition_C(cute.make_identity_tensor((tile_n, d)))
-        store_o_direct(dk_out, tdKcdK, mdK, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
-        store_o_direct(dv_out, tdKcdK, mdV, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
+        if const_expr(cfg.stores_dkv_by_tma):
+            # dV first, into this warpgroup's own rows of V (only its own dP^T products read them);
+            # dK's rows of K are read by both warpgroups' dQ products, so both finish first
+            staged = NamedBarrierBwd.DKV_STAGED + wg
+            store_o_tma(dv_out, mma_dkv, 2, tidx, wg, staged, sV[None, None, 0], tma_dv, mdV_tma, n_block,
+                        head_kv, batch, None)
+            cute.arch.barrier(barrier_id=NamedBarrierBwd.DS_READY, number_of_threads=2 * _WG)
+            store_o_tma(dk_out, mma_dkv, 2, tidx, wg, staged, sK[None, None, 0], tma_dk, mdK_tma, n_block,
+                        head_kv, batch, None)
+            drain_o_stores()
+        else:
+            tdKcdK = thr_dkv.partition_C(cute.make_identity_tensor((tile_n, d)))
+            store_o_direct(dk_out, tdKcdK, mdK, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
+            store_o_direct(dv_out, tdKcdK, mdV, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
 
     @cute.jit
     def wait_for_turn(self, mSemaphores: cute.Tensor, batch, head, m_block, n_block, has_predecessor):
