@@ -94,6 +94,10 @@ BACKWARD_VARIANTS = {
     "fmha_bwd_m128_rows": dict(tile_m=128, dq_split_rows=True, head_dims=(64,)),
     # dK and dV staged in the K/V buffers and TMA-stored (whole lines), as the forward stores O
     "fmha_bwd_tma_dkv": dict(dkv_store_tma=True),
+    # the three together, where each applies
+    "fmha_bwd_lpt_tma": dict(kv_tiles_costliest_first=True, dkv_store_tma=True, head_dims=(128,)),
+    "fmha_bwd_m128_rows_lpt_tma": dict(tile_m=128, dq_split_rows=True, kv_tiles_costliest_first=True,
+                                       dkv_store_tma=True, head_dims=(64,)),
 }
 
 
