@@ -104,9 +104,11 @@ BACKWARD_VARIANTS = {
 _BACKWARD_CLASSES = {}  # overrides -> config subclass (one per variant: configs compare by class)
 
 
-def backward_variant_config(cfg, **overrides):
-    """``cfg`` (a HopperBackwardConfig) with class attributes (tiles, grid order) replaced, as a
-    subclass."""
+def _backward_variant_class(**overrides):
+    """The config subclass with ``overrides`` as class attributes, a module attribute of its own
+    name so that it pickles (the GPU check compiles configurations in worker processes)."""
+    from fmha.kernels.hopper.config import HopperBackwardConfig
+
     key = tuple(sorted(overrides.items()))
     cls = _BACKWARD_CLASSES.get(key)
     if cls is None:
@@ -115,8 +117,27 @@ def backward_variant_config(cfg, **overrides):
         if unknown:
             raise ValueError(f"not a class attribute of the backward config: {unknown}")
         name = "HopperBackwardConfig_" + "_".join(f"{k}_{v}" for k, v in key)
-        cls = _BACKWARD_CLASSES[key] = type(name, (type(cfg),), dict(overrides))
+        cls = _BACKWARD_CLASSES[key] = type(name, (HopperBackwardConfig,), dict(overrides, __module__=__name__,
+                                                                                __qualname__=name))
+        globals()[name] = cls
+    return cls
+
+
+def backward_variant_config(cfg, **overrides):
+    """``cfg`` (a HopperBackwardConfig) with class attributes (tiles, grid order) replaced, as a
+    subclass."""
+    cls = _backward_variant_class(**overrides)
     return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+
+
+def backward_variant_overrides(name: str) -> tuple:
+    """(overrides, head dims it applies to: () for all) of backward variant ``name``."""
+    overrides = dict(BACKWARD_VARIANTS[name])
+    return overrides, tuple(overrides.pop("head_dims", ()))
+
+
+for _name in BACKWARD_VARIANTS:  # every variant's class exists on import (unpickling looks it up)
+    _backward_variant_class(**backward_variant_overrides(_name)[0])
 
 
 def backward_variant(mask_kwargs: Callable, head_dims: tuple = (), **overrides) -> Callable:

@@ -12,6 +12,33 @@ def pytest_addoption(parser):
                     help="processes compiling the kernels before the gpu tests (default: CPUs - 1)")
     group.addoption("--gpu-report", default="", metavar="DIR",
                     help="write the gpu tests' results.json and results.md into DIR")
+    group.addoption("--bwd-variant", default="", metavar="NAME",
+                    help="run the backward cases with a backward variant of lab/variants.py (at the head "
+                         "dims it applies to) instead of the library's kernel: its check before adoption")
+
+
+def pytest_configure(config):
+    name = config.getoption("--bwd-variant", default="")
+    if name:
+        use_backward_variant(name)
+
+
+def use_backward_variant(name: str) -> None:
+    """Make ``HopperBackwardConfig.from_problem`` (the library's choice of backward kernel, also
+    what the GPU check compiles beforehand) return variant ``name`` where it applies."""
+    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from lab.variants import backward_variant_config, backward_variant_overrides
+
+    overrides, head_dims = backward_variant_overrides(name)
+    library = HopperBackwardConfig.from_problem
+
+    def from_problem(problem, options=None):
+        cfg = library(problem) if options is None else library(problem, options)
+        if head_dims and cfg.head_dim not in head_dims:
+            return cfg
+        return backward_variant_config(cfg, **overrides)
+
+    HopperBackwardConfig.from_problem = staticmethod(from_problem)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -22,6 +49,7 @@ def pytest_sessionfinish(session, exitstatus):
     import gpu_cases
 
     meta = dict(module.META, date=time.strftime("%Y-%m-%d %H:%M"),
+                backward_variant=session.config.getoption("--bwd-variant") or None,
                 command="python -m pytest " + " ".join(session.config.invocation_params.args))
     n_ok = gpu_cases.write_reports(module.RESULTS, out, meta)
     print(f"\nGPU check: {n_ok}/{len(module.RESULTS)} cases pass; report in {out}")

@@ -327,3 +327,19 @@ def test_varlen_backward_runs_one_cta_per_listed_kv_tile(tmp_path):
     assert cfg.tiles_listed and cfg.tiles_on_device
     compile_backward(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
     _assert_tiles_listed_before_the_kernel(tmp_path)
+
+
+def test_the_gpu_check_can_run_a_backward_variant(monkeypatch):
+    """``pytest -m gpu --bwd-variant NAME``: the library's choice of backward kernel becomes the
+    variant at the head dims it applies to (and the config pickles, for the compile workers)."""
+    import pickle
+
+    import conftest
+    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from kernel_configs import problem_for
+
+    monkeypatch.setattr(HopperBackwardConfig, "from_problem", HopperBackwardConfig.__dict__["from_problem"])
+    conftest.use_backward_variant("fmha_bwd_m128_rows")
+    at64 = HopperBackwardConfig.from_problem(problem_for(torch.bfloat16, 64, "causal"))
+    assert at64.tile_m == 128 and at64.dq_split_rows and pickle.loads(pickle.dumps(at64)) == at64
+    assert type(HopperBackwardConfig.from_problem(problem_for(torch.bfloat16, 128, "causal"))) is HopperBackwardConfig
