@@ -220,7 +220,8 @@ def _implementations(torch, variants: bool = False) -> dict[str, Callable]:
 
 def _cudnn_fp8_peer(cudnn, torch) -> Callable:
     """cuDNN's fp8 SDPA forward (the frontend graph's ``sdpa_fp8``) on BSHD e4m3 tensors, unit
-    descales, fp8 output (what Hopper offers); one graph per point, built on first use."""
+    descales of q, k, v and O, P scaled by 448 (e4m3's largest value), fp8 output (what Hopper
+    offers); one graph per point, built on first use."""
     built = {}
     fp8, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
 
@@ -252,6 +253,10 @@ def _cudnn_fp8_peer(cudnn, torch) -> Callable:
         graph.build_plans()
         ones = torch.ones(1, 1, 1, 1, dtype=torch.float32, device=q.device)
         pack = {t: ones for t in scalars}
+        # P in [0, 1] is scaled to e4m3's range before it is rounded (at unit scale the P of rows
+        # longer than ~500 keys would sink below its smallest value), and descaled after P V
+        pack[scalars[4]] = torch.full((1, 1, 1, 1), 448.0, dtype=torch.float32, device=q.device)
+        pack[scalars[3]] = torch.full((1, 1, 1, 1), 1 / 448.0, dtype=torch.float32, device=q.device)
         pack.update({to: out, amax_s: amaxes[0], amax_o: amaxes[1]})
         workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=q.device)
         return graph, handle, (tq, tk, tv), pack, workspace, out
