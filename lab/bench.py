@@ -28,6 +28,8 @@ from typing import Callable
 
 REL_L2_LIMIT = 2e-2  # bf16 outputs against the fp32 reference
 FP8_REL_L2_LIMIT = 5e-2  # fp8 inputs: against the reference on the same fp8 values
+FP8_OUT_REL_L2_LIMIT = 1e-1  # and an fp8 output (cuDNN's): e4m3's rounding of O adds about 3.6% RMS
+FP8_OUTPUT_IMPLS = ("cudnn_fp8",)
 
 
 @dataclass(frozen=True)
@@ -311,7 +313,7 @@ def run_point(p: Point, impls: dict, torch, do_bench, rounds: int = 1) -> list[d
             torch.cuda.synchronize()
             err = ((out.float() - ref).norm() / ref.norm()).item()
             row["rel_l2"] = err
-            if not err < limit:
+            if not err < (FP8_OUT_REL_L2_LIMIT if name in FP8_OUTPUT_IMPLS else limit):
                 row["error"] = f"wrong output (rel L2 {err:.3g})"
         except Exception as e:  # a peer may not support a configuration
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
