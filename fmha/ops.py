@@ -136,10 +136,35 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        if torch.is_grad_enabled():  # create_graph=True: the gradients would be constants, silently
-            raise RuntimeError("fmha.attention has no double backward: its gradients are not differentiable "
-                               "(call autograd without create_graph=True)")
-        return _backward(ctx, grad_out, grad_lse, backward=_backward_impl)
+        grads = _backward(ctx, grad_out, grad_lse, backward=_backward_impl)
+        if torch.is_grad_enabled():  # create_graph=True: differentiating them again raises
+            inputs = [t for t in ctx.saved_tensors if t is not None and t.requires_grad]
+            grads = tuple(g if g is None else _NotDifferentiableAgain.apply(g, *inputs) for g in grads)
+        return grads
+
+
+class _NotDifferentiableAgain(torch.autograd.Function):
+    """A gradient of fmha's under ``create_graph=True``: it depends on the inputs, so that a second
+    backward through it reaches this function and raises, as the custom op (which has no autograd
+    formula for its backward) does, instead of treating the gradient as a constant."""
+
+    @staticmethod
+    def forward(ctx, grad, *inputs):
+        return grad.clone()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("fmha.attention has no double backward: its gradients are not differentiable")
+
+
+def _plain_eager_call(q, k, v) -> bool:
+    """Whether the call may take ``_EagerAttention``: plain tensors with no torch.compile tracing
+    and no Python dispatch mode (meta and fake tensors, FlopCounterMode...), which need the ops'
+    fake implementations."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return (not torch.compiler.is_compiling() and all(type(t) is torch.Tensor for t in (q, k, v))
+            and q.device.type != "meta" and _get_current_dispatch_mode() is None)
 
 
 def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqlen_k, causal=False,
@@ -161,7 +186,7 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen
     kernel_options(persistent, tile_mn)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-    forward = torch.ops.fmha.attention_forward if torch.compiler.is_compiling() else _EagerAttention.apply
+    forward = _EagerAttention.apply if _plain_eager_call(q, k, v) else torch.ops.fmha.attention_forward
     return forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal, window_left, window_right,
         mask_align, compressed_causal, softmax_scale, scale_q, scale_k, scale_v, inv_scale_o, out_dtype, backend,

@@ -64,8 +64,11 @@ def _cached_table(list_tiles, seqlens_q, seqlens_k, mask: MaskSpec, tile_m: int,
                   device: torch.device) -> torch.Tensor:
     """``list_tiles(...)`` as a cached int32 (N >= 1, 2) tensor on ``device``, made on the
     current stream (``_stream_of``). Under CUDA-graph capture a cached table of any stream serves
-    and is kept for good (the graph reads it at every replay); a new one is not cached: its copy
-    runs only when the graph replays, so an eager call must not find it before."""
+    and is kept for good (the graph reads it at every replay): that needs the device synchronized
+    before the capture, as ``torch.cuda.graph`` does (a bare ``CUDAGraph.capture_begin`` does
+    not). A new one is not cached: its copy runs only when the graph replays, so an eager call
+    must not find it before; each such call adds its own copy to the graph, so warm up on the
+    same lengths before capturing. Held tables stay for the life of the process."""
     device = torch.device(device)
     key = (list_tiles.__name__, tuple(seqlens_q), tuple(seqlens_k), mask, tile_m, tile_n, str(device),
            _stream_of(device))

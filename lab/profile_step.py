@@ -88,6 +88,9 @@ def main(argv=None):
         dout = torch.randn(q.shape, device=q.device).to(q.dtype)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         for name in args.impls.split(","):
+            if name not in impls:
+                print(f"\n## {name}: not available here")
+                continue
             fn = (lambda f=impls[name]: torch.autograd.grad(f(*leaves, p, cu), leaves, dout))
             try:
                 print(f"\n## {name}: {p.label()}\n\n{profile_point(p, fn, torch, args.steps)}", flush=True)

@@ -125,7 +125,8 @@ def _backward_variant_class(**overrides):
 
 def backward_variant_config(cfg, **overrides):
     """``cfg`` (a HopperBackwardConfig) with class attributes (tiles, grid order) replaced, as a
-    subclass."""
+    subclass of HopperBackwardConfig (not of ``type(cfg)``: variants do not stack; list every
+    override in one)."""
     cls = _backward_variant_class(**overrides)
     return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
 

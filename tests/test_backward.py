@@ -287,8 +287,25 @@ def test_eager_calls_with_autograd_skip_the_custom_op_dispatch():
 
 
 def test_double_backward_is_refused_with_a_clear_error():
+    """create_graph=True works (another part of a model may need it); differentiating fmha's
+    gradients again raises instead of treating them as constants."""
     q, k, v, _ = _inputs(False, {}, dtype=torch.bfloat16, d=32)
     q.requires_grad_()
     o = fmha.attention(q, k, v)
+    (g,) = torch.autograd.grad(o.float().sum(), q, create_graph=True)
+    assert g.requires_grad
     with pytest.raises(RuntimeError, match="no double backward"):
-        torch.autograd.grad(o.float().sum(), q, create_graph=True)
+        g.float().sum().backward()
+
+
+def test_shape_only_calls_with_autograd_take_the_ops_fake_implementations():
+    """Meta and fake tensors (shape propagation, FLOP counting) go through the custom ops, whose
+    fake implementations describe the outputs; the plain autograd function would run the math."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = (torch.empty(2, 9, 2, 32, dtype=torch.bfloat16, device="meta").requires_grad_() for _ in range(3))
+    o, lse = fmha.attention(q, k, v, causal=True, return_lse=True)
+    assert o.shape == q.shape and o.device.type == "meta" and lse.shape == (2, 2, 9)
+    with FakeTensorMode():
+        q = torch.empty(2, 9, 2, 32, dtype=torch.bfloat16).requires_grad_()
+        assert fmha.attention(q, q, q).shape == q.shape

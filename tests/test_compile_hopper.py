@@ -297,7 +297,7 @@ def test_backward_variants_compile(name):
     from fmha.masking import MaskKind
 
     overrides = dict(BACKWARD_VARIANTS[name])
-    for d in overrides.pop("head_dims", (64, 128)):
+    for d in overrides.pop("head_dims", (32, 64, 128)):
         for causal in (False, True):
             base = HopperBackwardConfig(torch.bfloat16, d, MaskKind.WINDOW if causal else MaskKind.NONE, False, causal,
                                         False)
@@ -327,6 +327,16 @@ def test_varlen_backward_runs_one_cta_per_listed_kv_tile(tmp_path):
     assert cfg.tiles_listed and cfg.tiles_on_device
     compile_backward(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
     _assert_tiles_listed_before_the_kernel(tmp_path)
+
+
+def test_the_row_split_dq_needs_128_query_rows():
+    from fmha.kernels.hopper.bwd import HopperAttentionBackward
+    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.masking import MaskKind
+
+    base = HopperBackwardConfig(torch.bfloat16, 64, MaskKind.NONE, False, False, False)
+    with pytest.raises(ValueError, match="tile_m = 128"):
+        HopperAttentionBackward(backward_variant_config(base, dq_split_rows=True))
 
 
 def test_the_gpu_check_can_run_a_backward_variant(monkeypatch):

@@ -80,6 +80,9 @@ def _transposed(t: cute.Tensor) -> cute.Tensor:
 
 class HopperAttentionBackward(DeviceWorkTileList):
     def __init__(self, cfg: HopperBackwardConfig):
+        if cfg.dq_split_rows and cfg.tile_m != 2 * 64:
+            raise ValueError(f"dq_split_rows gives each consumer warpgroup 64 query rows of dQ: it needs tile_m = 128, "
+                             f"got {cfg.tile_m}")
         self.cfg = cfg
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.row_box = cfg.tile_m + _ROW_ALIGN
