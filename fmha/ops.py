@@ -17,6 +17,7 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .masking import MaskSpec
 from .problem import default_out_dtype
@@ -161,8 +162,6 @@ def _plain_eager_call(q, k, v) -> bool:
     """Whether the call may take ``_EagerAttention``: plain tensors with no torch.compile tracing
     and no Python dispatch mode (meta and fake tensors, FlopCounterMode...), which need the ops'
     fake implementations."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     return (not torch.compiler.is_compiling() and all(type(t) is torch.Tensor for t in (q, k, v))
             and q.device.type != "meta" and _get_current_dispatch_mode() is None)
 
