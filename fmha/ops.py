@@ -158,11 +158,14 @@ class _NotDifferentiableAgain(torch.autograd.Function):
         raise RuntimeError("fmha.attention has no double backward: its gradients are not differentiable")
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def _plain_eager_call(q, k, v) -> bool:
     """Whether the call may take ``_EagerAttention``: plain tensors with no torch.compile tracing
     and no Python dispatch mode (meta and fake tensors, FlopCounterMode...), which need the ops'
     fake implementations."""
-    return (not torch.compiler.is_compiling() and all(type(t) is torch.Tensor for t in (q, k, v))
+    return (not torch.compiler.is_compiling() and all(type(t) in _PLAIN_TENSORS for t in (q, k, v))
             and q.device.type != "meta" and _get_current_dispatch_mode() is None)
 
 
