@@ -353,3 +353,21 @@ def test_the_gpu_check_can_run_a_backward_variant(monkeypatch):
     at64 = HopperBackwardConfig.from_problem(problem_for(torch.bfloat16, 64, "causal"))
     assert at64.tile_m == 128 and at64.dq_split_rows and pickle.loads(pickle.dumps(at64)) == at64
     assert type(HopperBackwardConfig.from_problem(problem_for(torch.bfloat16, 128, "causal"))) is HopperBackwardConfig
+
+
+def test_tma_stored_dkv_variant_narrows_two_more_descriptors_for_packed_batches(tmp_path):
+    """``fmha_bwd_tma_dkv`` on a packed batch: dK and dV go out by TMA stores through descriptors
+    narrowed to each sequence (seven per sequence instead of five), so a ragged K/V tile's store
+    stops at its sequence's end."""
+    from fmha.kernels.hopper.backend import compile_backward
+    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.masking import MaskKind
+
+    base = HopperBackwardConfig(torch.bfloat16, 128, MaskKind.WINDOW, False, True, False, varlen=True,
+                                tiles_listed=True)
+    cfg = backward_variant_config(base, dkv_store_tma=True)
+    assert (base.sequence_descriptors, cfg.sequence_descriptors) == (5, 7)
+    compile_backward(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = next(tmp_path.glob("*.ptx")).read_text()
+    assert ptx.count("tensormap.replace.tile.global_address") == 7
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.tile", ptx)) == 4  # dK, dV: 2 boxes each

@@ -319,7 +319,8 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
             stride=(cute.sym_int(), cute.sym_int(), 1), assumed_align=4)
     if cfg.varlen:
         cu_q, cu_k = fake_vector(cutlass.Int32), fake_vector(cutlass.Int32)
-        descriptors = cute.runtime.make_fake_tensor(cutlass.Int64, (cute.sym_int(), 5, 16), stride=(80, 16, 1),
+        n = cfg.sequence_descriptors
+        descriptors = cute.runtime.make_fake_tensor(cutlass.Int64, (cute.sym_int(), n, 16), stride=(16 * n, 16, 1),
                                                     assumed_align=128)
         errors = fake_vector(cutlass.Int32, 1)
     return compile_for(
@@ -390,8 +391,9 @@ class HopperBackwardRunner:
             lse2, delta = lse2.unsqueeze(0), delta.unsqueeze(0)
         descriptors = None
         if self.cfg.varlen:
-            # per-sequence TMA descriptors (q, k, v, dO, dQ accumulator; 128 bytes each)
-            descriptors = torch.empty((problem.batch, 5, 16), dtype=torch.int64, device=q.device)
+            # per-sequence TMA descriptors (q, k, v, dO, dQ accumulator[, dK, dV]; 128 bytes each)
+            descriptors = torch.empty((problem.batch, self.cfg.sequence_descriptors, 16), dtype=torch.int64,
+                                      device=q.device)
         tiles = count = None
         if self.cfg.tiles_on_device:  # listed by the launch: room for every K/V tile of every sequence
             capacity = max(problem.total_k // self.cfg.tile_n + problem.batch, 1)

@@ -150,14 +150,13 @@ class HopperAttentionBackward(DeviceWorkTileList):
         tma_dq, tma_tensor_dq = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), dq_acc,
             cute.select(sdQ_layout, mode=[0, 1]), (dq_m, dq_n))
-        tma_dk = tma_tensor_dk = tma_dv = tma_tensor_dv = None
+        tma_dk = tma_tensor_dk = tma_dv = tma_tensor_dv = dk = dv = None
         if const_expr(cfg.stores_dkv_by_tma):
             kv_wg_layout = wg_slice_layout(tile_k, tile_n, d)
             store_op = cpasync.CopyBulkTensorTileS2GOp()
-            tma_dk, tma_tensor_dk = cpasync.make_tiled_tma_atom(store_op, bshd_to_sdhb(mdK, varlen), kv_wg_layout,
-                                                                (64, d))
-            tma_dv, tma_tensor_dv = cpasync.make_tiled_tma_atom(store_op, bshd_to_sdhb(mdV, varlen), kv_wg_layout,
-                                                                (64, d))
+            dk, dv = bshd_to_sdhb(mdK, varlen), bshd_to_sdhb(mdV, varlen)
+            tma_dk, tma_tensor_dk = cpasync.make_tiled_tma_atom(store_op, dk, kv_wg_layout, (64, d))
+            tma_dv, tma_tensor_dv = cpasync.make_tiled_tma_atom(store_op, dv, kv_wg_layout, (64, d))
         self.qdo_bytes = 2 * cute.size_in_bytes(self.dtype, tile_q) + 2 * self.row_box * 4
         self.kv_bytes = 2 * cute.size_in_bytes(self.dtype, tile_k)
 
@@ -186,8 +185,9 @@ class HopperAttentionBackward(DeviceWorkTileList):
         elif const_expr(cfg.grid_costliest_first):
             grid = [k.shape[2] * num_batches * num_n_blocks, 1, 1]
         if const_expr(varlen):
-            self.describe_sequences(tma_q, tma_k, tma_v, tma_do, tma_dq, q, k, v, do, dq_acc, mCuSeqlensQ,
-                                    mCuSeqlensK, mSeqDescriptors, mErrors, max_seqlen_q, max_seqlen_k).launch(
+            self.describe_sequences(tma_q, tma_k, tma_v, tma_do, tma_dq, tma_dk, tma_dv, q, k, v, do, dq_acc, dk, dv,
+                                    mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, mErrors, max_seqlen_q,
+                                    max_seqlen_k).launch(
                 grid=[num_batches, 1, 1], block=[32, 1, 1], stream=stream)
         if const_expr(cfg.tiles_on_device):
             self.list_work_tiles(mCuSeqlensQ, mCuSeqlensK, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
@@ -204,11 +204,13 @@ class HopperAttentionBackward(DeviceWorkTileList):
 
     @cute.kernel
     def describe_sequences(self, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
-                           tma_do: cute.CopyAtom, tma_dq: cute.CopyAtom, q: cute.Tensor, k: cute.Tensor,
-                           v: cute.Tensor, do: cute.Tensor, dq_acc: cute.Tensor, mCuSeqlensQ: cute.Tensor,
+                           tma_do: cute.CopyAtom, tma_dq: cute.CopyAtom, tma_dk: Optional[cute.CopyAtom],
+                           tma_dv: Optional[cute.CopyAtom], q: cute.Tensor, k: cute.Tensor,
+                           v: cute.Tensor, do: cute.Tensor, dq_acc: cute.Tensor, dk: Optional[cute.Tensor],
+                           dv: Optional[cute.Tensor], mCuSeqlensQ: cute.Tensor,
                            mCuSeqlensK: cute.Tensor, mSeqDescriptors: cute.Tensor, mErrors: cute.Tensor,
                            max_seqlen_q: Int32, max_seqlen_k: Int32):
-        """One warp per sequence: the five descriptors of its rows (all tensors (S, D, H, 1))."""
+        """One warp per sequence: the five (seven) descriptors of its rows (all tensors (S, D, H, 1))."""
         batch = Int32(cute.arch.block_idx()[0])
         seq = SequenceInfo.create(batch, q.shape[0], k.shape[0], mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, max_seqlen_k)
         seq_desc.flag_bad_offsets(mCuSeqlensQ, mCuSeqlensK, batch, seq, q.shape[0], k.shape[0], mErrors)
@@ -220,6 +222,10 @@ class HopperAttentionBackward(DeviceWorkTileList):
                                                (tma_v, v, offset_k, len_k, seq_desc.V)):
             seq_desc.write_sequence_descriptor(atom, seq_desc.sequence_rows(t, offset, length, 0), mSeqDescriptors,
                                                batch, which)
+        if const_expr(self.cfg.stores_dkv_by_tma):
+            for atom, t, which in ((tma_dk, dk, seq_desc.DK), (tma_dv, dv, seq_desc.DV)):
+                seq_desc.write_sequence_descriptor(atom, seq_desc.sequence_rows(t, offset_k, len_k, 0),
+                                                   mSeqDescriptors, batch, which)
         cpasync.fence_tma_desc_release()
 
     @cute.kernel
@@ -285,7 +291,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
             else:
                 cute.arch.setmaxregister_increase(240)
                 self.consumer(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDelta, qdo_consumer,
-                              kv_consumer, mdK, mdV, tma_dk, mdK_tma, tma_dv, mdV_tma, scale_log2, out_scale,
+                              kv_consumer, mdK, mdV, tma_dk, mdK_tma, tma_dv, mdV_tma, mSeqDescriptors, scale_log2,
+                              out_scale,
                               score_scale, window_left, window_right, n_block, head_kv, batch, group, m_start, m_end,
                               seq, tidx - _WG)
 
@@ -461,7 +468,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
     @cute.jit
     def consumer(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDelta,
                  qdo_consumer: pipeline.PipelineConsumer, kv_consumer: pipeline.PipelineConsumer, mdK, mdV,
-                 tma_dk, mdK_tma, tma_dv, mdV_tma,
+                 tma_dk, mdK_tma, tma_dv, mdV_tma, mSeqDescriptors: Optional[cute.Tensor],
                  scale_log2: Float32, out_scale: Float32, score_scale: Float32, window_left, window_right, n_block,
                  head_kv, batch, group, m_start, m_end, seq: SequenceInfo, tidx: Int32):
         """Warpgroups 1 and 2: per query tile the five products and the element-wise work between
@@ -590,11 +597,17 @@ class HopperAttentionBackward(DeviceWorkTileList):
             # dV first, into this warpgroup's own rows of V (only its own dP^T products read them);
             # dK's rows of K are read by both warpgroups' dQ products, so both finish first
             staged = NamedBarrierBwd.DKV_STAGED + wg
+            desc_dk = desc_dv = None
+            row_batch = batch
+            if const_expr(cfg.varlen):  # the sequence's own descriptors: the stores stop at its end
+                desc_dk = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.DK)
+                desc_dv = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.DV)
+                row_batch = Int32(0)
             store_o_tma(dv_out, mma_dkv, 2, tidx, wg, staged, sV[None, None, 0], tma_dv, mdV_tma, n_block,
-                        head_kv, batch, None)
+                        head_kv, row_batch, None, desc_dv)
             cute.arch.barrier(barrier_id=NamedBarrierBwd.DS_READY, number_of_threads=2 * _WG)
             store_o_tma(dk_out, mma_dkv, 2, tidx, wg, staged, sK[None, None, 0], tma_dk, mdK_tma, n_block,
-                        head_kv, batch, None)
+                        head_kv, row_batch, None, desc_dk)
             drain_o_stores()
         else:
             tdKcdK = thr_dkv.partition_C(cute.make_identity_tensor((tile_n, d)))

@@ -360,13 +360,19 @@ class HopperBackwardConfig:
     #: the products are m64 x d rather than m128 x d/2; off until measured (``fmha_bwd_m128_rows``)
     dq_split_rows = False
     #: dK and dV staged in the K and V buffers with stmatrix and written by TMA stores (whole
-    #: lines) instead of every thread's pairs straight to global memory; dense only (a TMA box
-    #: would not stop at a packed sequence's end); off until measured (``fmha_bwd_tma_dkv``)
+    #: lines) instead of every thread's pairs straight to global memory (varlen: through two more
+    #: per-sequence descriptors, which stop at the sequence's end); off until measured
+    #: (``fmha_bwd_tma_dkv``)
     dkv_store_tma = False
 
     @property
     def stores_dkv_by_tma(self) -> bool:
-        return self.dkv_store_tma and not self.varlen
+        return self.dkv_store_tma
+
+    @property
+    def sequence_descriptors(self) -> int:
+        """Varlen: TMA descriptors per sequence (q, k, v, dO, the dQ accumulator; dK, dV)."""
+        return 7 if self.stores_dkv_by_tma else 5
 
     @property
     def dq_rows_per_warpgroup(self) -> int:

@@ -79,12 +79,13 @@ def store_o_direct(o_out: cute.Tensor, tOcO: cute.Tensor, mO: cute.Tensor, varle
 @cute.jit
 def store_o_tma(o_out: cute.Tensor, tiled_mma_pv: cute.TiledMma, num_wgs: cutlass.Constexpr, tidx: Int32,
                 wg: Int32, barrier_id: Int32, sO: cute.Tensor, tma_o: cute.CopyAtom, mO_tma: cute.Tensor, m_block: Int32,
-                head: Int32, batch: Int32, release_q):
+                head: Int32, batch: Int32, release_q, tma_desc_ptr=None):
     """Stage this warpgroup's O rows in ``sO`` and TMA-store them. ``sO`` is the tile's Q
     buffer, or a buffer of O's own when ``release_q`` is None. Q buffer: ``release_q`` runs on the
     storing thread once the TMA has read it, which frees it for the producer's next Q load. Own
     buffer: the store runs on while the next tile computes; the storing thread waits for its read
     only before the next tile's O overwrites it. ``barrier_id``: the warpgroup's own named barrier.
+    ``tma_desc_ptr``: a descriptor of the rows' own (a packed sequence's) instead of the atom's.
 
     The store is issued by the warpgroup's first warp as a whole (the TMA copy elects its own
     thread), under a warp-uniform condition: a branch on the thread index here made ptxas keep
@@ -108,7 +109,7 @@ def store_o_tma(o_out: cute.Tensor, tiled_mma_pv: cute.TiledMma, num_wgs: cutlas
         sO_wg = cute.local_tile(sO, wg_tile, (wg, 0))
         gO = cute.local_tile(mO_tma[None, None, head, batch], wg_tile, (m_block * num_wgs + wg, 0))
         tOsO, tOgO = tma_tiles(tma_o, sO_wg, gO)
-        cute.copy(tma_o, tOsO, tOgO)
+        cute.copy(tma_o, tOsO, tOgO, tma_desc_ptr=tma_desc_ptr)
         cute.arch.cp_async_bulk_commit_group()
         if const_expr(release_q is not None):
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # a no-op on the lanes that did not store
