@@ -151,7 +151,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
             cpasync.CopyReduceBulkTensorTileS2GOp(), dq_acc,
             cute.select(sdQ_layout, mode=[0, 1]), (dq_m, dq_n))
         tma_dk = tma_tensor_dk = tma_dv = tma_tensor_dv = dk = dv = None
-        if const_expr(cfg.stores_dkv_by_tma):
+        if const_expr(cfg.dkv_store_tma):
             kv_wg_layout = wg_slice_layout(tile_k, tile_n, d)
             store_op = cpasync.CopyBulkTensorTileS2GOp()
             dk, dv = bshd_to_sdhb(mdK, varlen), bshd_to_sdhb(mdV, varlen)
@@ -222,7 +222,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                                                (tma_v, v, offset_k, len_k, seq_desc.V)):
             seq_desc.write_sequence_descriptor(atom, seq_desc.sequence_rows(t, offset, length, 0), mSeqDescriptors,
                                                batch, which)
-        if const_expr(self.cfg.stores_dkv_by_tma):
+        if const_expr(self.cfg.dkv_store_tma):
             for atom, t, which in ((tma_dk, dk, seq_desc.DK), (tma_dv, dv, seq_desc.DV)):
                 seq_desc.write_sequence_descriptor(atom, seq_desc.sequence_rows(t, offset_k, len_k, 0),
                                                    mSeqDescriptors, batch, which)
@@ -248,7 +248,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
         if warp_idx == 0:
             for atom in (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_delta, tma_dq):
                 cpasync.prefetch_descriptor(atom)
-            if const_expr(self.cfg.stores_dkv_by_tma):
+            if const_expr(self.cfg.dkv_store_tma):
                 cpasync.prefetch_descriptor(tma_dk)
                 cpasync.prefetch_descriptor(tma_dv)
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
@@ -593,7 +593,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
         else:
             dk_out.store((acc_dk.load() * score_scale).to(self.dtype))
         dv_out.store((acc_dv.load() * out_scale).to(self.dtype))
-        if const_expr(cfg.stores_dkv_by_tma):
+        if const_expr(cfg.dkv_store_tma):
             # dV first, into this warpgroup's own rows of V (only its own dP^T products read them);
             # dK's rows of K are read by both warpgroups' dQ products, so both finish first
             staged = NamedBarrierBwd.DKV_STAGED + wg

@@ -366,13 +366,9 @@ class HopperBackwardConfig:
     dkv_store_tma = False
 
     @property
-    def stores_dkv_by_tma(self) -> bool:
-        return self.dkv_store_tma
-
-    @property
     def sequence_descriptors(self) -> int:
         """Varlen: TMA descriptors per sequence (q, k, v, dO, the dQ accumulator; dK, dV)."""
-        return 7 if self.stores_dkv_by_tma else 5
+        return 7 if self.dkv_store_tma else 5
 
     @property
     def dq_rows_per_warpgroup(self) -> int:
