@@ -16,7 +16,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def profile_point(p, fn, torch, steps: int = 20) -> str:
+def profile_point(fn, torch, steps: int = 20) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     import time
@@ -93,7 +93,7 @@ def main(argv=None):
                 continue
             fn = (lambda f=impls[name]: torch.autograd.grad(f(*leaves, p, cu), leaves, dout))
             try:
-                print(f"\n## {name}: {p.label()}\n\n{profile_point(p, fn, torch, args.steps)}", flush=True)
+                print(f"\n## {name}: {p.label()}\n\n{profile_point(fn, torch, args.steps)}", flush=True)
             except NotImplementedError as e:
                 print(f"\n## {name}: {p.label()}: n/a ({e})")
                 continue

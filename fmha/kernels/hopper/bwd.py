@@ -292,9 +292,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 cute.arch.setmaxregister_increase(240)
                 self.consumer(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDelta, qdo_consumer,
                               kv_consumer, mdK, mdV, tma_dk, mdK_tma, tma_dv, mdV_tma, mSeqDescriptors, scale_log2,
-                              out_scale,
-                              score_scale, window_left, window_right, n_block, head_kv, batch, group, m_start, m_end,
-                              seq, tidx - _WG)
+                              out_scale, score_scale, window_left, window_right, n_block, head_kv, batch, group,
+                              m_start, m_end, seq, tidx - _WG)
 
     @cute.jit
     def work_tile(self, mTileTable: Optional[cute.Tensor], mTileCount: Optional[cute.Tensor], num_heads_kv,
