@@ -84,20 +84,13 @@ def kernel_variant(mask_kwargs: Callable, fp8_only: bool = False, head_dims: tup
 
 # name -> overrides of HopperBackwardConfig's tile attributes, and the head dims timed
 BACKWARD_VARIANTS = {
-    "fmha_bwd_m128": dict(tile_m=128, head_dims=(64,)),  # 128 query rows per step (FA3's and FA4's at D <= 64)
-    # every sequence's K/V tiles start in tile order (costliest first under causal masks): a list
-    # schedule of the standard grid's causal points puts the current order's last wave 3-7% past
-    # the average load and this one's within 1.3% (docs/performance.md)
-    "fmha_bwd_lpt": dict(kv_tiles_costliest_first=True),
-    # FA3's and FA4's D=64 backward: 128 query rows, each warpgroup's dQ its 64 rows over the
-    # whole head dim (m64 x 64 reading half of dS) instead of all rows over half the head dim
-    "fmha_bwd_m128_rows": dict(tile_m=128, dq_split_rows=True, head_dims=(64,)),
-    # dK and dV staged in the K/V buffers and TMA-stored (whole lines), as the forward stores O
-    "fmha_bwd_tma_dkv": dict(dkv_store_tma=True),
-    # the three together, where each applies
-    "fmha_bwd_lpt_tma": dict(kv_tiles_costliest_first=True, dkv_store_tma=True, head_dims=(128,)),
-    "fmha_bwd_m128_rows_lpt_tma": dict(tile_m=128, dq_split_rows=True, kv_tiles_costliest_first=True,
-                                       dkv_store_tma=True, head_dims=(64,)),
+    # the D=64 tile before 128 query rows were adopted: 64 rows per step, dQ split by head dim
+    "fmha_bwd_m64": dict(tile_m=64, dq_split_rows=False, head_dims=(64,)),
+    # dK and dV by every thread's stores straight to global memory, as before D=128 staged them
+    # for TMA stores
+    "fmha_bwd_stg_dkv": dict(dkv_store_tma=False, head_dims=(128,)),
+    # dK and dV TMA-stored at D=64 too (with the 128-row tile)
+    "fmha_bwd_tma_dkv": dict(dkv_store_tma=True, head_dims=(64,)),
 }
 
 
@@ -112,8 +105,7 @@ def _backward_variant_class(**overrides):
     key = tuple(sorted(overrides.items()))
     cls = _BACKWARD_CLASSES.get(key)
     if cls is None:
-        unknown = [k for k in overrides if k not in ("tile_m", "tile_n", "kv_tiles_costliest_first", "dq_split_rows",
-                                                  "dkv_store_tma")]
+        unknown = [k for k in overrides if k not in ("tile_m", "tile_n", "dq_split_rows", "dkv_store_tma")]
         if unknown:
             raise ValueError(f"not a class attribute of the backward config: {unknown}")
         name = "HopperBackwardConfig_" + "_".join(f"{k}_{v}" for k, v in key)

@@ -164,8 +164,11 @@ def test_backward_compiles_with_wgmma_tma_and_a_dq_reduce_add(dtype, head_dim, m
     compile_backward(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = next(tmp_path.glob("*.ptx")).read_text()
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx)
-    assert f"m64n{HopperBackwardConfig.tile_m}k16" in wgmma and f"m64n{head_dim}k16" in wgmma
-    assert f"m64n{head_dim // 2}k16" in wgmma  # dQ: half the head dim per warpgroup
+    assert f"m64n{cfg.tile_m}k16" in wgmma and f"m64n{head_dim}k16" in wgmma
+    # dQ: each warpgroup's 64 query rows over the whole head dim (128-row tiles), else all rows
+    # over half of it
+    assert f"m64n{cfg.dq_cols_per_warpgroup}k16" in wgmma
+    assert cfg.dq_cols_per_warpgroup == (head_dim if head_dim == 64 else head_dim // 2)
     assert "cp.async.bulk.tensor" in ptx and "stmatrix" in ptx
     assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.add", ptx)
     assert not re.search(r"(red|atom)\.global(\.\w+)*\.add\.f32", ptx)
@@ -176,7 +179,8 @@ def test_backward_compiles_with_wgmma_tma_and_a_dq_reduce_add(dtype, head_dim, m
                          ids=lambda x: str(x).replace("torch.", ""))
 def test_varlen_backward_moves_every_tile_through_sequence_descriptors(dtype, head_dim, mask, tmp_path):
     """Varlen: a descriptor-writing kernel narrows five descriptors per sequence (q, k, v, dO and
-    the dQ accumulator), and every TMA load and the dQ reduce-add of the backward use them."""
+    the dQ accumulator; seven with D=128's TMA-stored dK and dV), and every TMA load and the dQ
+    reduce-add of the backward use them."""
     from fmha.kernels.hopper.backend import compile_backward
     from fmha.kernels.hopper.config import HopperBackwardConfig
     from kernel_configs import problem_for
@@ -186,9 +190,11 @@ def test_varlen_backward_moves_every_tile_through_sequence_descriptors(dtype, he
     compile_backward(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = next(tmp_path.glob("*.ptx")).read_text()
     describe, kernel = ptx.split(".entry")[1:3]
-    assert "describe_sequences" in describe and describe.count("tensormap.replace.tile.global_address") == 5
+    assert cfg.sequence_descriptors == (7 if head_dim == 128 else 5)
+    assert "describe_sequences" in describe
+    assert describe.count("tensormap.replace.tile.global_address") == cfg.sequence_descriptors
     fenced = set(re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.gpu \[(%rd\d+)\]", kernel))
-    assert len(fenced) == 5
+    assert len(fenced) == cfg.sequence_descriptors
     loads = re.findall(r"cp\.async\.bulk\.tensor\.(\d)d\.shared::cta\.global[^;]*\[(%rd\d+), \{", kernel)
     tiles = {desc for _, desc in loads if desc in fenced}
     rows = [desc for _, desc in loads if desc not in fenced]
@@ -349,24 +355,24 @@ def test_the_gpu_check_can_run_a_backward_variant(monkeypatch):
     from kernel_configs import problem_for
 
     monkeypatch.setattr(HopperBackwardConfig, "from_problem", HopperBackwardConfig.__dict__["from_problem"])
-    conftest.use_backward_variant("fmha_bwd_m128_rows")
+    assert HopperBackwardConfig.from_problem(problem_for(torch.bfloat16, 64, "causal")).tile_m == 128
+    conftest.use_backward_variant("fmha_bwd_m64")
     at64 = HopperBackwardConfig.from_problem(problem_for(torch.bfloat16, 64, "causal"))
-    assert at64.tile_m == 128 and at64.dq_split_rows and pickle.loads(pickle.dumps(at64)) == at64
+    assert at64.tile_m == 64 and not at64.dq_split_rows and pickle.loads(pickle.dumps(at64)) == at64
     assert type(HopperBackwardConfig.from_problem(problem_for(torch.bfloat16, 128, "causal"))) is HopperBackwardConfig
 
 
 def test_tma_stored_dkv_variant_narrows_two_more_descriptors_for_packed_batches(tmp_path):
-    """``fmha_bwd_tma_dkv`` on a packed batch: dK and dV go out by TMA stores through descriptors
+    """D=128 on a packed batch: dK and dV go out by TMA stores through descriptors
     narrowed to each sequence (seven per sequence instead of five), so a ragged K/V tile's store
     stops at its sequence's end."""
     from fmha.kernels.hopper.backend import compile_backward
     from fmha.kernels.hopper.config import HopperBackwardConfig
     from fmha.masking import MaskKind
 
-    base = HopperBackwardConfig(torch.bfloat16, 128, MaskKind.WINDOW, False, True, False, varlen=True,
-                                tiles_listed=True)
-    cfg = backward_variant_config(base, dkv_store_tma=True)
-    assert (base.sequence_descriptors, cfg.sequence_descriptors) == (5, 7)
+    cfg = HopperBackwardConfig(torch.bfloat16, 128, MaskKind.WINDOW, False, True, False, varlen=True,
+                               tiles_listed=True)
+    assert (backward_variant_config(cfg, dkv_store_tma=False).sequence_descriptors, cfg.sequence_descriptors) == (5, 7)
     compile_backward(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = next(tmp_path.glob("*.ptx")).read_text()
     assert ptx.count("tensormap.replace.tile.global_address") == 7

@@ -65,12 +65,3 @@ def test_the_report_names_points_whose_rounds_disagree(tmp_path, monkeypatch):
     noise = next(line for line in text.splitlines() if line.startswith("- noise"))
     assert "fmha B2 S8192 H16/16 D128 (8.0%)" in noise and "fa4 B2" not in noise
 
-
-
-def test_grid_tail_model_schedules_greedily():
-    from lab import grid_tail
-
-    assert grid_tail.makespan([4, 1, 1, 1, 1], sms=2) == 4  # 4 | 1+1+1+1
-    assert grid_tail.makespan([1, 1, 1, 1, 4], sms=2) == 6  # 1+1+4 | 1+1: the costly one started last
-    library, costliest_first = grid_tail.tails(16, 1024, 16)
-    assert costliest_first < library and costliest_first >= 1.0

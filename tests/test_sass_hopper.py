@@ -47,21 +47,33 @@ def _sass(cfg, tmp_root):
     return subprocess.run([NVDISASM, "-c", cubin], capture_output=True, text=True, check=True).stdout
 
 
-def _mainloops(cfg, tmp_root) -> list:
-    """Instruction lists of the K/V loops: the loops (backward branches to a label) that issue
-    wgmma and hold no smaller such loop (the whole tile loop holds them; the barrier-wait spins
-    inside them issue none)."""
-    ins, labels, loops = [], {}, []
-    for line in _sass(cfg, tmp_root).splitlines():
+def _instructions(sass: str) -> tuple:
+    """(the instructions in order, label -> index of the instruction it precedes)."""
+    ins, labels = [], {}
+    for line in sass.splitlines():
         if m := re.match(r"\s*(\.L_x_\d+):", line):
             labels[m.group(1)] = len(ins)
         elif m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;", line):
             ins.append(m.group(1))
+    return ins, labels
+
+
+def _innermost_wgmma_loops(ins, labels) -> list:
+    """(first, last) instruction of each loop (a backward branch to a label) that issues wgmma
+    and holds no smaller such loop."""
+    loops = []
     for i, text in enumerate(ins):
         m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)
         if m and labels.get(m.group(1), i + 1) <= i and any("HGMMA" in t for t in ins[labels[m.group(1)]:i]):
             loops.append((labels[m.group(1)], i))
-    inner = [(s, e) for s, e in loops if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in loops)]
+    return [(s, e) for s, e in loops if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in loops)]
+
+
+def _mainloops(cfg, tmp_root) -> list:
+    """Instruction lists of the K/V loops: the innermost loops that issue wgmma (the whole tile
+    loop holds them; the barrier-wait spins inside them issue none)."""
+    ins, labels = _instructions(_sass(cfg, tmp_root))
+    inner = _innermost_wgmma_loops(ins, labels)
     assert inner, "no K/V loop with wgmma found"
     return [ins[s:e + 1] for s, e in inner]
 
@@ -126,8 +138,8 @@ def test_masked_tiles_use_r2p(head_dim, tmp_root):
         assert sum(re.match(r"(@!?P\d\s+)?ISETP", t) is not None for t in body) < 16
 
 
-def _backward_sass(head_dim, causal, tmp_root) -> list:
-    """The backward kernel's instructions (dense bf16), in order."""
+def _backward_sass(head_dim, causal, tmp_root) -> tuple:
+    """The backward kernel's instructions (dense bf16) in order, and its labels."""
     from fmha.kernels.hopper.backend import compile_backward
     from fmha.kernels.hopper.config import HopperBackwardConfig
     from fmha.masking import MaskKind
@@ -138,8 +150,7 @@ def _backward_sass(head_dim, causal, tmp_root) -> list:
     os.makedirs(out, exist_ok=True)
     compile_backward(cfg, extra_options=f"--keep-cubin --dump-dir={out}")
     cubin = next(os.path.join(out, f) for f in os.listdir(out) if f.endswith(".cubin"))
-    sass = subprocess.run([NVDISASM, "-c", cubin], capture_output=True, text=True, check=True).stdout
-    return re.findall(r"/\*[0-9a-f]+\*/\s+(.*?)\s*;", sass)
+    return _instructions(subprocess.run([NVDISASM, "-c", cubin], capture_output=True, text=True, check=True).stdout)
 
 
 @pytest.mark.parametrize("head_dim,causal", [(64, False), (64, True), (128, False), (128, True)])
@@ -148,11 +159,15 @@ def test_backward_keeps_its_registers_and_reads_row_statistics_from_shared_memor
     registers in local memory (3.2 million requests at S=4k) and the exponentials waited on the
     loads (7-12% of the stall samples); TMA brings them to shared memory with Q and dO now, and
     each column's value is read where it is used."""
-    ins = _backward_sass(head_dim, causal, tmp_root)
-    spills = [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
+    ins, labels = _backward_sass(head_dim, causal, tmp_root)
+    spills = [i for i, t in enumerate(ins) if re.search(r"\b(LDL|STL)\b", t)]
     # D=128 with a mask keeps a few (7 loads and stores, from 38 with the statistics held in
-    # registers): a ratchet, so that it does not grow unnoticed
-    assert len(spills) <= (10 if head_dim == 128 and causal else 0)
+    # registers), D=64's 128-row tile one register per K/V tile (2-3): a ratchet, so that it
+    # does not grow unnoticed
+    assert len(spills) <= (10 if head_dim == 128 and causal else 3 if head_dim == 64 else 0)
+    if head_dim == 64:  # none in the query-tile loop (the shortest loop that issues wgmma)
+        first, last = min(_innermost_wgmma_loops(ins, labels), key=lambda loop: loop[1] - loop[0])
+        assert not [i for i in spills if first <= i <= last]
     assert not [t for t in ins if re.search(r"\bLDG\b", t)]
     assert sum("LDS" in t for t in ins) >= 16  # the row statistics, read where they are used
 
@@ -161,7 +176,7 @@ def test_backward_keeps_its_registers_and_reads_row_statistics_from_shared_memor
 def test_backward_exponentials_overlap_the_dp_product(head_dim, tmp_root):
     """S^T and dP^T are issued back to back; the exponentials of P^T run after the wait for S^T
     (``DEPBAR.LE gsb0, 0x1``) and before the wait for dP^T, not after both."""
-    ins = _backward_sass(head_dim, False, tmp_root)
+    ins, _ = _backward_sass(head_dim, False, tmp_root)
     exps = [i for i, t in enumerate(ins) if "MUFU.EX2" in t]
     assert exps
     wait_s = max(i for i, t in enumerate(ins) if "DEPBAR.LE gsb0, 0x1" in t and i < exps[0])

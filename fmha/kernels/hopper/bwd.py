@@ -182,8 +182,6 @@ class HopperAttentionBackward(DeviceWorkTileList):
         grid = [num_n_blocks, k.shape[2], num_batches]
         if const_expr(cfg.tiles_listed):
             grid = [k.shape[2] * mTileTable.shape[0], 1, 1]
-        elif const_expr(cfg.grid_costliest_first):
-            grid = [k.shape[2] * num_batches * num_n_blocks, 1, 1]
         if const_expr(varlen):
             self.describe_sequences(tma_q, tma_k, tma_v, tma_do, tma_dq, tma_dk, tma_dv, q, k, v, do, dq_acc, dk, dv,
                                     mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, mErrors, max_seqlen_q,
@@ -244,7 +242,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                sdQ_layout: cute.ComposedLayout, sRow_layout: cute.Layout):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, head_kv, batch = self.work_tile(mTileTable, mTileCount, mK.shape[2], mK.shape[3])
+        n_block, head_kv, batch = self.work_tile(mTileTable, mTileCount, mK.shape[2])
         if warp_idx == 0:
             for atom in (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_delta, tma_dq):
                 cpasync.prefetch_descriptor(atom)
@@ -296,14 +294,10 @@ class HopperAttentionBackward(DeviceWorkTileList):
                               m_start, m_end, seq, tidx - _WG)
 
     @cute.jit
-    def work_tile(self, mTileTable: Optional[cute.Tensor], mTileCount: Optional[cute.Tensor], num_heads_kv,
-                  num_batches):
+    def work_tile(self, mTileTable: Optional[cute.Tensor], mTileCount: Optional[cute.Tensor], num_heads_kv):
         """(K/V tile, K/V head, sequence) of this CTA: its block index, or its entry of the tile
         list (an entry past the list's count gets a tile past every sequence's end)."""
         n_block, head_kv, batch = cute.arch.block_idx()
-        if const_expr(self.cfg.grid_costliest_first):
-            head_kv, rest = n_block % num_heads_kv, n_block // num_heads_kv
-            batch, n_block = rest % num_batches, rest // num_batches
         if const_expr(self.cfg.tiles_listed):
             head_kv, entry = n_block % num_heads_kv, n_block // num_heads_kv
             count = mTileTable.shape[0]

@@ -347,23 +347,29 @@ class HopperBackwardConfig:
     #: the list is built on the GPU (the lengths were not read on the host)
     tiles_on_device: bool = False
 
-    #: query rows per step of the K/V tile's loop
-    tile_m = 64
     #: keys per CTA: 64 per consumer warpgroup
     tile_n = 128
-    #: dense grids in one dimension with K/V heads and sequences fastest, so that every sequence's
-    #: K/V tiles start in tile order, which under causal masks is costliest first (a smaller tail
-    #: of the last wave); off until measured (the lab variant ``fmha_bwd_lpt`` sets it)
-    kv_tiles_costliest_first = False
-    #: with 128 query rows per step, each consumer warpgroup computes dQ for its 64 query rows over
-    #: the whole head dim (instead of half the head dim for all rows): each reads half of dS and
-    #: the products are m64 x d rather than m128 x d/2; off until measured (``fmha_bwd_m128_rows``)
-    dq_split_rows = False
-    #: dK and dV staged in the K and V buffers with stmatrix and written by TMA stores (whole
-    #: lines) instead of every thread's pairs straight to global memory (varlen: through two more
-    #: per-sequence descriptors, which stop at the sequence's end); off until measured
-    #: (``fmha_bwd_tma_dkv``)
-    dkv_store_tma = False
+
+    @property
+    def tile_m(self) -> int:
+        """Query rows per step of the K/V tile's loop: 128 at D=64 (FA3's and FA4's; each load of
+        Q, dO, LSE and delta serves twice the work, and dK/dV of D=64 leave the registers for it);
+        64 elsewhere: beside D=128's dK and dV, 128-row S and dP tiles would not fit in registers."""
+        return 128 if self.head_dim == 64 else 64
+
+    @property
+    def dq_split_rows(self) -> bool:
+        """With 128 query rows per step each consumer warpgroup computes dQ for its 64 rows over
+        the whole head dim (m64 x d, reading half of dS) rather than all rows over half of it."""
+        return self.tile_m == 128
+
+    @property
+    def dkv_store_tma(self) -> bool:
+        """dK and dV staged in the K and V buffers with stmatrix and written by TMA stores (whole
+        lines) rather than by every thread's pairs straight to global memory (varlen: through two
+        more per-sequence descriptors, which stop at the sequence's end): at D=128, where each
+        thread held 64 pairs; at D=64 it lost at long non-causal rows (docs/performance.md)."""
+        return self.head_dim == 128
 
     @property
     def sequence_descriptors(self) -> int:
@@ -379,12 +385,6 @@ class HopperBackwardConfig:
     def dq_cols_per_warpgroup(self) -> int:
         """Head-dim columns of one warpgroup's dQ product."""
         return self.head_dim if self.dq_split_rows else self.head_dim // 2
-
-    @property
-    def grid_costliest_first(self) -> bool:
-        """Whether the kernel's grid is the one-dimensional costliest-first grid: dense and not
-        deterministic (whose waits need the grid order) only; varlen lists its tiles instead."""
-        return self.kv_tiles_costliest_first and not (self.varlen or self.deterministic)
 
     @property
     def ds_prescaled(self) -> bool:
