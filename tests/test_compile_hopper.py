@@ -340,7 +340,8 @@ def test_the_row_split_dq_needs_128_query_rows():
     from fmha.kernels.hopper.config import HopperBackwardConfig
     from fmha.masking import MaskKind
 
-    base = HopperBackwardConfig(torch.bfloat16, 64, MaskKind.NONE, False, False, False)
+    base = HopperBackwardConfig(torch.bfloat16, 128, MaskKind.NONE, False, False, False)
+    assert base.tile_m == 64 and not base.dq_split_rows
     with pytest.raises(ValueError, match="tile_m = 128"):
         HopperAttentionBackward(backward_variant_config(base, dq_split_rows=True))
 
