@@ -23,7 +23,8 @@ from .backends import (
 )
 from . import device_errors
 from .problem import AttentionProblem
-from .validation import ALIGN_BYTES, kernel_options, lse_shape, out_shape, validate, validate_backward
+from .validation import (ALIGN_BYTES, kernel_options, lse_shape, offsets_unchanged_since_read, out_shape, validate,
+                         validate_backward)
 
 __all__ = ["attention", "attention_varlen", "attention_backward", "FusedAttention"]
 
@@ -41,14 +42,46 @@ _PLAIN = (int, float, bool, str, type(None), torch.dtype)
 
 
 def _memo_key(tensors, args):
-    """Key of a dense call for ``recall_dispatch``, or None when an argument is not a plain value
-    (a tensor scale, a list window...): those take the full path, which also reports them."""
+    """Key of a call for ``recall_dispatch`` (its tensors' metadata and its plain arguments), or
+    None when an argument is not a plain value (a tensor scale, a list window...): those take the
+    full path, which also reports them."""
     for a in args:
         if type(a) not in _PLAIN and not (type(a) is tuple and all(type(e) in _PLAIN for e in a)):
             return None
     meta = tuple(None if t is None else (t.dtype, t.device, t.shape, t.stride()) for t in tensors)
     # types too: True and 1 are equal keys, but validation may accept only one of them
     return meta + args + tuple(map(type, args))
+
+
+def _recall(tensors, args, cu_seqlens=()):
+    """(key to remember the call under, (problem, runner) remembered for it or None).
+
+    Varlen calls key their offsets tensors' metadata too. A problem validated without reading
+    the offsets (``max_seqlen_*`` given) holds for any offsets of that metadata; one that read them
+    holds while the same tensors are unchanged, so its key adds their identities, and a hit counts
+    only while ``offsets_unchanged_since_read`` says so."""
+    key = _memo_key(tuple(tensors) + tuple(cu_seqlens), args)
+    if key is None or not cu_seqlens:
+        return key, (recall_dispatch(key) if key is not None else None)
+    hit = recall_dispatch(key)
+    if hit is not None:
+        return key, hit
+    key = key + tuple(map(id, cu_seqlens))
+    hit = recall_dispatch(key)
+    if hit is not None and all(isinstance(cu, torch.Tensor) and offsets_unchanged_since_read(cu)
+                               for cu in cu_seqlens):
+        return key, hit
+    return key, None
+
+
+def _remember(key, problem, runner, cu_seqlens=()):
+    """Remember a validated call (``_recall``): a varlen one that did not read its offsets under
+    the key without their identities."""
+    if key is None:
+        return
+    if cu_seqlens and problem.seqlens_q is None and problem.seqlens_k is None:
+        key = key[:-len(cu_seqlens)]
+    remember_dispatch(key, problem, runner)
 
 
 def _pointers_aligned(tensors) -> bool:
@@ -87,16 +120,17 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_s
              return_lse, out, lse, out_dtype, backend, persistent, tile_mn, **mask_and_scales):
     """Validate, dispatch and run one forward call (no autograd)."""
     key = None
-    if not varlen and all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        tensors = (q, k, v, out, lse)
-        if all(t is None or isinstance(t, torch.Tensor) for t in tensors[3:]):
-            key = _memo_key(tensors, (return_lse, out_dtype, backend, persistent, tile_mn)
-                            + tuple(mask_and_scales.values()))
-        hit = recall_dispatch(key) if key is not None else None
+    tensors = (q, k, v, out, lse)
+    cu_seqlens = (cu_seqlens_q, cu_seqlens_k) if varlen else ()
+    if (all(isinstance(t, torch.Tensor) for t in tensors[:3])
+            and all(t is None or isinstance(t, torch.Tensor) for t in tensors[3:] + cu_seqlens)):
+        key, hit = _recall(tensors, (return_lse, out_dtype, backend, persistent, tile_mn, varlen, max_seqlen_q,
+                                     max_seqlen_k) + tuple(mask_and_scales.values()), cu_seqlens)
         if hit is not None and _pointers_aligned((q, k, v, out)):
             problem, runner = hit
             out, lse = _allocate(q, problem, out, lse)
-            runner(problem, q, k, v, out, lse, None, None)
+            with _offsets_checked_on_device(problem):
+                runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
             return (out, lse) if return_lse else out
     check_backend_name(backend)
     problem = validate(
@@ -108,8 +142,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_s
     out, lse = _allocate(q, problem, out, lse)
     chosen = select_backend(backend, problem, options)
     runner = get_runner(chosen, problem, options)
-    if key is not None:
-        remember_dispatch(key, problem, runner)
+    _remember(key, problem, runner, cu_seqlens)
     with _offsets_checked_on_device(problem):
         runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     return (out, lse) if return_lse else out
@@ -190,12 +223,13 @@ def attention_backward(
     inputs that require grad records autograd on its own."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     tensors = (dout, q, k, v, out, lse, dlse, dq, dk, dv)
-    key = None
-    if not varlen and all(t is None or isinstance(t, torch.Tensor) for t in tensors):
+    cu_seqlens = (cu_seqlens_q, cu_seqlens_k) if varlen else ()
+    key = hit = None
+    if all(t is None or isinstance(t, torch.Tensor) for t in tensors + cu_seqlens):
         # a training loop repeats its calls: validation and dispatch are reused as the forward's are
-        key = _memo_key(tensors, ("backward", causal, window_size, mask_align, compressed_causal, softmax_scale,
-                                  scale_q, scale_k, scale_v, inv_scale_o, deterministic, backend))
-    hit = recall_dispatch(key) if key is not None else None
+        key, hit = _recall(tensors, ("backward", causal, window_size, mask_align, compressed_causal, softmax_scale,
+                                     scale_q, scale_k, scale_v, inv_scale_o, deterministic, backend, varlen,
+                                     max_seqlen_q, max_seqlen_k), cu_seqlens)
     if hit is not None and _pointers_aligned((dout, q, k, v, out, dq, dk, dv)):
         problem, runner = hit
     else:
@@ -212,8 +246,7 @@ def attention_backward(
         options = dataclasses.replace(kernel_options(), deterministic=deterministic)
         chosen = select_backward_backend(backend, problem, options)
         runner = get_backward_runner(chosen, problem, options)
-        if key is not None:
-            remember_dispatch(key, problem, runner)
+        _remember(key, problem, runner, cu_seqlens)
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv

@@ -285,11 +285,11 @@ def _self_checked(runner: Runner, kind: str, backend_obj, cfg, problem: Attentio
     return self_check.SelfCheckedRunner(runner, kind, backend_obj.name, cfg, fallback)
 
 
-# Dense and KV-cache calls repeat: a training or decoding loop calls with the same shapes, strides,
+# Calls repeat: a training or decoding loop calls with the same shapes, strides,
 # dtypes and arguments every step. What validation, backend selection and the runner lookup decide depends
 # on nothing else (data pointers aside, which the caller checks per call), so the API keys a
 # call that passed on exactly that and reuses the outcome; validation is most of the host cost
-# of a small call. Varlen calls are not memoized: they read cu_seqlens on the host.
+# of a small call. Varlen calls key their offsets too (``fmha.api._recall``).
 _dispatch_memo: Dict[Hashable, tuple] = {}
 _DISPATCH_MEMO_LIMIT = 1024
 

@@ -154,6 +154,15 @@ def _read_offsets(cu: torch.Tensor) -> List[int]:
     return offsets
 
 
+def offsets_unchanged_since_read(cu: torch.Tensor) -> bool:
+    """Whether ``cu`` is a tensor ``_read_offsets`` read, still at the version it read."""
+    seen = _OFFSETS_READ.get(id(cu))
+    try:
+        return seen is not None and seen[0]() is cu and seen[1] == cu._version and seen[2] == cu.data_ptr()
+    except RuntimeError:  # an inference tensor: no version counter
+        return False
+
+
 def _check_offsets_tensor(name: str, cu, q_dev: torch.device) -> None:
     """What can be checked of cu_seqlens without reading its values."""
     _require_tensor(name, cu)

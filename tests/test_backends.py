@@ -217,3 +217,81 @@ def test_every_reason_includes_the_backends_on_a_wrong_platform(monkeypatch):
     fa = fmha.FusedAttention(*qkv(), torch.empty(1, 32, 2, 64, dtype=torch.float16))
     with pytest.raises(fmha.UnsupportedError, match="inputs are on the CPU"):
         fa.check_support()
+
+
+def _counting_validate(monkeypatch, unread=False):
+    """Count fmha.api's validations; ``unread``: describe each call as one whose offsets stayed
+    on the GPU (what ``max_seqlen_*`` given on a CUDA device does), here on the CPU."""
+    from fmha import api
+
+    counts = {"forward": 0, "backward": 0}
+    real, real_backward = api.validate, api.validate_backward
+
+    def validate(*args, **kwargs):
+        counts["forward"] += 1
+        problem = real(*args, **kwargs)
+        return dataclasses.replace(problem, seqlens_q=None, seqlens_k=None) if unread else problem
+
+    def validate_backward(*args, **kwargs):
+        counts["backward"] += 1
+        return real_backward(*args, **kwargs)
+
+    monkeypatch.setattr(api, "validate", validate)
+    monkeypatch.setattr(api, "validate_backward", validate_backward)
+    return counts
+
+
+def _packed(total=32, d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(total, 2, d, generator=g).half() for _ in range(3)]
+
+
+def test_repeated_varlen_calls_reuse_their_validation_while_the_offsets_are_unchanged(fake, monkeypatch):
+    """The offsets were read on the host: a call with the same cu_seqlens tensor, unchanged, skips
+    validation; changed in place or replaced, it is read and checked again (bad offsets still fail)."""
+    counts = _counting_validate(monkeypatch)
+    q, k, v = _packed()
+    cu = torch.tensor([0, 5, 5, 32], dtype=torch.int32)
+
+    def check(cu):
+        o = fmha.attention_varlen(q, k, v, cu, cu, causal=True)
+        want = attention_reference(q, k, v, cu, cu, mask=MaskSpec.from_args(causal=True))[0].half()
+        assert torch.equal(o, want)
+
+    for _ in range(3):
+        check(cu)
+    assert counts["forward"] == 1 and fake.calls == 3
+    cu[1] = 3  # in place: torch counts the write
+    check(cu)
+    assert counts["forward"] == 2
+    check(cu.clone())  # a new tensor with the same offsets
+    assert counts["forward"] == 3
+    cu[2] = 40  # decreasing after it: rejected, however often the tensor passed before
+    with pytest.raises(ValueError, match="nondecreasing"):
+        fmha.attention_varlen(q, k, v, cu, cu, causal=True)
+    assert fake.calls == 5
+
+
+def test_varlen_calls_whose_offsets_stay_on_the_gpu_share_one_validation(fake, monkeypatch):
+    """With max_seqlen_q/k given the problem does not depend on the offsets' values: a training
+    loop's new cu_seqlens tensor each step validates once; another max length validates again."""
+    counts = _counting_validate(monkeypatch, unread=True)
+    q, k, v = _packed()
+    for offsets in ([0, 5, 5, 32], [0, 1, 31, 32], [0, 32, 32, 32]):
+        cu = torch.tensor(offsets, dtype=torch.int32)
+        o = fmha.attention_varlen(q, k, v, cu, cu.clone(), 32, 32)
+        assert torch.equal(o, attention_reference(q, k, v, cu, cu)[0].half())
+    assert counts["forward"] == 1 and fake.calls == 3
+    fmha.attention_varlen(q, k, v, cu, cu, 32, 40)
+    assert counts["forward"] == 2
+
+
+def test_repeated_varlen_backward_calls_reuse_their_validation(fake, monkeypatch):
+    counts = _counting_validate(monkeypatch)
+    q, k, v = _packed()
+    cu = torch.tensor([0, 5, 5, 32], dtype=torch.int32)
+    o, lse = fmha.attention_varlen(q, k, v, cu, cu, return_lse=True, backend="reference")
+    grads = [fmha.attention_backward(torch.ones_like(o), q, k, v, o, lse, cu, cu) for _ in range(3)]
+    assert counts["backward"] == 1 and all(torch.equal(a, b) for g in grads[1:] for a, b in zip(g, grads[0]))
+    fmha.attention_backward(torch.ones_like(o), q, k, v, o, lse, cu.clone(), cu)
+    assert counts["backward"] == 2
