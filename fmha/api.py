@@ -23,7 +23,7 @@ from .backends import (
 )
 from . import device_errors
 from .problem import AttentionProblem
-from .validation import (ALIGN_BYTES, kernel_options, lse_shape, offsets_unchanged_since_read, out_shape, validate,
+from .validation import (ALIGN_BYTES, kernel_options, lse_shape, offsets_read_record, out_shape, validate,
                          validate_backward)
 
 __all__ = ["attention", "attention_varlen", "attention_backward", "FusedAttention"]
@@ -57,30 +57,32 @@ def _recall(tensors, args, cu_seqlens=()):
     """(key to remember the call under, (problem, runner) remembered for it or None).
 
     Varlen calls key their offsets tensors' metadata too. A problem validated without reading
-    the offsets (``max_seqlen_*`` given) holds for any offsets of that metadata; one that read them
-    holds while the same tensors are unchanged, so its key adds their identities, and a hit counts
-    only while ``offsets_unchanged_since_read`` says so."""
+    the offsets (``max_seqlen_*`` given on a GPU) holds for any offsets of that metadata. One
+    that read them holds only while they are the very read it was validated on: its entry keeps
+    the read's records (``offsets_read_record``), and an in-place change, a new tensor (even one
+    at a reused address) or another call's re-read replaces them."""
     key = _memo_key(tuple(tensors) + tuple(cu_seqlens), args)
-    if key is None or not cu_seqlens:
-        return key, (recall_dispatch(key) if key is not None else None)
+    if key is None:
+        return None, None
     hit = recall_dispatch(key)
-    if hit is not None:
+    if hit is not None or not cu_seqlens:
         return key, hit
-    key = key + tuple(map(id, cu_seqlens))
-    hit = recall_dispatch(key)
-    if hit is not None and all(isinstance(cu, torch.Tensor) and offsets_unchanged_since_read(cu)
-                               for cu in cu_seqlens):
-        return key, hit
-    return key, None
+    guard = tuple(offsets_read_record(cu) for cu in cu_seqlens)
+    if any(record is None for record in guard):
+        return key, None
+    return key, recall_dispatch(key + ("offsets read",), guard)
 
 
 def _remember(key, problem, runner, cu_seqlens=()):
-    """Remember a validated call (``_recall``): a varlen one that did not read its offsets under
-    the key without their identities."""
+    """Remember a validated call under its ``_recall`` key; a varlen one that read its offsets
+    with the records of that read."""
     if key is None:
         return
-    if cu_seqlens and problem.seqlens_q is None and problem.seqlens_k is None:
-        key = key[:-len(cu_seqlens)]
+    if cu_seqlens and (problem.seqlens_q is not None or problem.seqlens_k is not None):
+        guard = tuple(offsets_read_record(cu) for cu in cu_seqlens)
+        if all(record is not None for record in guard):  # inference tensors are read every call
+            remember_dispatch(key + ("offsets read",), problem, runner, guard)
+        return
     remember_dispatch(key, problem, runner)
 
 

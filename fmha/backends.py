@@ -294,15 +294,19 @@ _dispatch_memo: Dict[Hashable, tuple] = {}
 _DISPATCH_MEMO_LIMIT = 1024
 
 
-def recall_dispatch(key: Hashable) -> Optional[tuple]:
-    """(problem, runner) remembered for a call key, or None."""
-    return _dispatch_memo.get(key)
+def recall_dispatch(key: Hashable, guard: tuple = ()) -> Optional[tuple]:
+    """(problem, runner) remembered for a call key with the same ``guard`` objects (compared by
+    identity: the records of what validation read), or None."""
+    entry = _dispatch_memo.get(key)
+    if entry is None or len(entry[2]) != len(guard) or any(a is not b for a, b in zip(entry[2], guard)):
+        return None
+    return entry[:2]
 
 
-def remember_dispatch(key: Hashable, problem: AttentionProblem, runner: Runner) -> None:
+def remember_dispatch(key: Hashable, problem: AttentionProblem, runner: Runner, guard: tuple = ()) -> None:
     if len(_dispatch_memo) >= _DISPATCH_MEMO_LIMIT:
         _dispatch_memo.clear()
-    _dispatch_memo[key] = (problem, runner)
+    _dispatch_memo[key] = (problem, runner, tuple(guard))
 
 
 def clear_cache() -> None:

@@ -154,13 +154,15 @@ def _read_offsets(cu: torch.Tensor) -> List[int]:
     return offsets
 
 
-def offsets_unchanged_since_read(cu: torch.Tensor) -> bool:
-    """Whether ``cu`` is a tensor ``_read_offsets`` read, still at the version it read."""
+def offsets_read_record(cu: torch.Tensor) -> Optional[tuple]:
+    """The record ``_read_offsets`` keeps of its current read of ``cu`` (a new object at every
+    read), or None when ``cu`` was not read at its current version."""
     seen = _OFFSETS_READ.get(id(cu))
     try:
-        return seen is not None and seen[0]() is cu and seen[1] == cu._version and seen[2] == cu.data_ptr()
-    except RuntimeError:  # an inference tensor: no version counter
-        return False
+        current = seen is not None and seen[0]() is cu and seen[1] == cu._version and seen[2] == cu.data_ptr()
+    except RuntimeError:  # an inference tensor: no version counter, never kept
+        return None
+    return seen if current else None
 
 
 def _check_offsets_tensor(name: str, cu, q_dev: torch.device) -> None:

@@ -98,8 +98,8 @@ _BACKWARD_CLASSES = {}  # overrides -> config subclass (one per variant: configs
 
 
 def _backward_variant_class(**overrides):
-    """The config subclass with ``overrides`` as class attributes, a module attribute of its own
-    name so that it pickles (the GPU check compiles configurations in worker processes)."""
+    """The config subclass with ``overrides`` as class attributes (they shadow the config's
+    properties of the same names), a module attribute of its own name so that it pickles (the GPU check compiles configurations in worker processes)."""
     from fmha.kernels.hopper.config import HopperBackwardConfig
 
     key = tuple(sorted(overrides.items()))
@@ -107,7 +107,8 @@ def _backward_variant_class(**overrides):
     if cls is None:
         unknown = [k for k in overrides if k not in ("tile_m", "tile_n", "dq_split_rows", "dkv_store_tma")]
         if unknown:
-            raise ValueError(f"not a class attribute of the backward config: {unknown}")
+            raise ValueError(f"not a tile choice of the backward config: {unknown}; variants set tile_m, tile_n, "
+                             f"dq_split_rows or dkv_store_tma")
         name = "HopperBackwardConfig_" + "_".join(f"{k}_{v}" for k, v in key)
         cls = _BACKWARD_CLASSES[key] = type(name, (HopperBackwardConfig,), dict(overrides, __module__=__name__,
                                                                                 __qualname__=name))
@@ -116,7 +117,7 @@ def _backward_variant_class(**overrides):
 
 
 def backward_variant_config(cfg, **overrides):
-    """``cfg`` (a HopperBackwardConfig) with class attributes (tiles, grid order) replaced, as a
+    """``cfg`` (a HopperBackwardConfig) with its tile choices (tiles, dQ split, dK/dV stores) replaced, as a
     subclass of HopperBackwardConfig (not of ``type(cfg)``: variants do not stack; list every
     override in one)."""
     cls = _backward_variant_class(**overrides)

@@ -35,6 +35,9 @@ class FakeKernel:
 
         def run(problem, q, k, v, out, lse, cu_q, cu_k):
             self.calls += 1
+            for lens, cu in ((problem.seqlens_q, cu_q), (problem.seqlens_k, cu_k)):
+                if lens is not None:  # a problem whose lengths were read: this call's offsets'
+                    assert list(lens) == cu.diff().tolist(), (lens, cu)
             o, l = attention_reference(q, k, v, cu_q, cu_k, mask=problem.mask,
                                        softmax_scale=problem.softmax_scale)
             out.copy_(o)
@@ -295,3 +298,38 @@ def test_repeated_varlen_backward_calls_reuse_their_validation(fake, monkeypatch
     assert counts["backward"] == 1 and all(torch.equal(a, b) for g in grads[1:] for a, b in zip(g, grads[0]))
     fmha.attention_backward(torch.ones_like(o), q, k, v, o, lse, cu.clone(), cu)
     assert counts["backward"] == 2
+
+
+def test_a_remembered_varlen_call_never_outlives_the_offsets_it_read(fake, monkeypatch):
+    """Two calls (another ``return_lse``) share one cu_seqlens tensor. A change to it read by one
+    of them must not let the other's remembered validation stand: bad offsets still fail, good
+    ones reach the kernel with their own lengths (the fake checks them against the offsets)."""
+    counts = _counting_validate(monkeypatch)
+    q, k, v = _packed()
+    cu = torch.tensor([0, 5, 5, 32], dtype=torch.int32)
+    fmha.attention_varlen(q, k, v, cu, cu)
+    fmha.attention_varlen(q, k, v, cu, cu, return_lse=True)
+    cu[1] = 3  # good offsets, read by the second call first
+    fmha.attention_varlen(q, k, v, cu, cu, return_lse=True)
+    fmha.attention_varlen(q, k, v, cu, cu)
+    assert counts["forward"] == 4 and fake.calls == 4
+    cu[2] = 40  # bad offsets, rejected by the second call first...
+    with pytest.raises(ValueError, match="nondecreasing"):
+        fmha.attention_varlen(q, k, v, cu, cu, return_lse=True)
+    with pytest.raises(ValueError, match="nondecreasing"):  # ...and by the first
+        fmha.attention_varlen(q, k, v, cu, cu)
+    assert fake.calls == 4
+
+
+def test_new_offsets_every_step_reach_the_kernel_with_their_own_lengths(fake, monkeypatch):
+    """A loop that builds a new cu_seqlens tensor each step (and drops the last, so its address
+    and id may come back) validates each new tensor and never reuses another's lengths."""
+    counts = _counting_validate(monkeypatch)
+    q, k, v = _packed()
+    for step in range(12):
+        cut = 1 + (7 * step) % 30
+        cu = torch.tensor([0, cut, 32], dtype=torch.int32)
+        o = fmha.attention_varlen(q, k, v, cu, cu, causal=True)
+        assert torch.equal(o, attention_reference(q, k, v, cu, cu, mask=MaskSpec.from_args(causal=True))[0].half())
+        del cu, o
+    assert counts["forward"] == 12 and fake.calls == 12

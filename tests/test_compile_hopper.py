@@ -363,7 +363,7 @@ def test_the_gpu_check_can_run_a_backward_variant(monkeypatch):
     assert type(HopperBackwardConfig.from_problem(problem_for(torch.bfloat16, 128, "causal"))) is HopperBackwardConfig
 
 
-def test_tma_stored_dkv_variant_narrows_two_more_descriptors_for_packed_batches(tmp_path):
+def test_tma_stored_dkv_narrow_two_more_descriptors_for_packed_batches(tmp_path):
     """D=128 on a packed batch: dK and dV go out by TMA stores through descriptors
     narrowed to each sequence (seven per sequence instead of five), so a ragged K/V tile's store
     stops at its sequence's end."""

@@ -167,6 +167,8 @@ def test_backward_keeps_its_registers_and_reads_row_statistics_from_shared_memor
     assert len(spills) <= (10 if head_dim == 128 and causal else 3 if head_dim == 64 else 0)
     if head_dim == 64:  # none in the query-tile loop (the shortest loop that issues wgmma)
         first, last = min(_innermost_wgmma_loops(ins, labels), key=lambda loop: loop[1] - loop[0])
+        # it is the query-tile loop: a thread's 64 exponentials of P^T (64 keys x 128 rows)
+        assert sum("MUFU.EX2" in t for t in ins[first:last + 1]) == 64
         assert not [i for i in spills if first <= i <= last]
     assert not [t for t in ins if re.search(r"\bLDG\b", t)]
     assert sum("LDS" in t for t in ins) >= 16  # the row statistics, read where they are used

@@ -16,7 +16,9 @@ whose mask keeps some key of the tile. Roles:
   dS^T = P^T * (dP^T * out_scale - delta) (bf16: times the score scale); dV += P^T dO and dK += dS^T Q from
   registers; dS^T is also stored to shared memory (two buffers, alternating with the stages),
   where both warpgroups read all 128 keys of it for dQ = dS K, each warpgroup half of the head
-  dim, which it stages for the writer.
+  dim (at D=64, with 128-row query tiles, ``dq_split_rows``: its 64 query rows over the whole
+  head dim), which it stages for the writer. At the end dK and dV go from registers to global
+  memory, or at D=128 (``dkv_store_tma``) through the freed K and V buffers by TMA stores.
 
 Before it, a row pass (``kernels/common/backward_rows.py``) turns the LSE into log2 units (+inf
 for rows that keep nothing, so their P is 0) and computes delta = (rowsum(dO * O) - dLSE) *
@@ -100,8 +102,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
         """Dense tensors: q/dO (B, S_q, H_q, D), k/v/dK/dV (B, S_k, H_k, D), LSE2/delta
         (B, H_q, S) fp32 with S >= S_q a multiple of 4 (rows past S_q are never used), dQacc
         (B, S_q, H_q, D) fp32 (zeroed). Varlen: (T, H, D) rows, LSE2/delta (1, H_q, T) with T >= T_q
-        a multiple of 4, cu_seqlens (B + 1,) and room for five descriptors per sequence (B, 5, 16)
-        int64; ``tiles_listed``: the (sequence, K/V tile) table (N, 2) int32, costliest first
+        a multiple of 4, cu_seqlens (B + 1,) and room for ``cfg.sequence_descriptors`` per sequence
+        (B, 5 or 7, 16) int64; ``tiles_listed``: the (sequence, K/V tile) table (N, 2) int32, costliest first
         (``fmha.work_tiles.kv_work_tile_table``), and with ``tiles_on_device`` room for it and its
         count (1,) int32, filled by the launch. ``deterministic``: semaphores (B, H_q, query tiles)
         int32, zeroed. delta comes

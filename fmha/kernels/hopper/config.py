@@ -368,7 +368,7 @@ class HopperBackwardConfig:
         """dK and dV staged in the K and V buffers with stmatrix and written by TMA stores (whole
         lines) rather than by every thread's pairs straight to global memory (varlen: through two
         more per-sequence descriptors, which stop at the sequence's end): at D=128, where each
-        thread held 64 pairs; at D=64 it lost at long non-causal rows (docs/performance.md)."""
+        thread held 64 pairs; at D=64 it measured no clear gain (docs/performance.md)."""
         return self.head_dim == 128
 
     @property
