@@ -99,7 +99,8 @@ _BACKWARD_CLASSES = {}  # overrides -> config subclass (one per variant: configs
 
 def _backward_variant_class(**overrides):
     """The config subclass with ``overrides`` as class attributes (they shadow the config's
-    properties of the same names), a module attribute of its own name so that it pickles (the GPU check compiles configurations in worker processes)."""
+    properties of the same names), a module attribute of its own name so that it pickles (the
+    GPU check compiles configurations in worker processes)."""
     from fmha.kernels.hopper.config import HopperBackwardConfig
 
     key = tuple(sorted(overrides.items()))
@@ -117,9 +118,9 @@ def _backward_variant_class(**overrides):
 
 
 def backward_variant_config(cfg, **overrides):
-    """``cfg`` (a HopperBackwardConfig) with its tile choices (tiles, dQ split, dK/dV stores) replaced, as a
-    subclass of HopperBackwardConfig (not of ``type(cfg)``: variants do not stack; list every
-    override in one)."""
+    """``cfg`` (a HopperBackwardConfig) with its tile choices (tiles, dQ split, dK/dV stores)
+    replaced, as a subclass of HopperBackwardConfig (not of ``type(cfg)``: variants do not stack;
+    list every override in one)."""
     cls = _backward_variant_class(**overrides)
     return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
 

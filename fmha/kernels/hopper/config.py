@@ -354,7 +354,8 @@ class HopperBackwardConfig:
     def tile_m(self) -> int:
         """Query rows per step of the K/V tile's loop: 128 at D=64 (FA3's and FA4's; each load of
         Q, dO, LSE and delta serves twice the work, and dK/dV of D=64 leave the registers for it);
-        64 elsewhere: beside D=128's dK and dV, 128-row S and dP tiles would not fit in registers."""
+        64 elsewhere (beside D=128's dK and dV, 128-row S and dP tiles would not fit in registers;
+        D=32 is not measured)."""
         return 128 if self.head_dim == 64 else 64
 
     @property
