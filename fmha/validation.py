@@ -133,27 +133,6 @@ def _check_layout(name: str, t: torch.Tensor) -> None:
 _OFFSETS_READ: dict = {}
 
 
-def _read_offsets(cu: torch.Tensor) -> List[int]:
-    """``cu.tolist()``, reused while ``cu`` is the same tensor at the same version (module
-    docstring). Inference tensors have no version counter: they are read every time."""
-    try:
-        version = cu._version
-    except RuntimeError:
-        return cu.tolist()
-    key = id(cu)
-    seen = _OFFSETS_READ.get(key)
-    if seen is not None and seen[0]() is cu and seen[1] == version and seen[2] == cu.data_ptr():
-        return seen[3]
-    offsets = cu.tolist()  # host sync, see module docstring
-
-    def forget(ref, key=key):
-        if _OFFSETS_READ.get(key, (None,))[0] is ref:
-            del _OFFSETS_READ[key]
-
-    _OFFSETS_READ[key] = (weakref.ref(cu, forget), version, cu.data_ptr(), offsets)
-    return offsets
-
-
 def offsets_read_record(cu: torch.Tensor) -> Optional[tuple]:
     """The record ``_read_offsets`` keeps of its current read of ``cu`` (a new object at every
     read), or None when ``cu`` was not read at its current version."""
@@ -163,6 +142,27 @@ def offsets_read_record(cu: torch.Tensor) -> Optional[tuple]:
     except RuntimeError:  # an inference tensor: no version counter, never kept
         return None
     return seen if current else None
+
+
+def _read_offsets(cu: torch.Tensor) -> List[int]:
+    """``cu.tolist()``, reused while ``cu`` is the same tensor at the same version (module
+    docstring). Inference tensors have no version counter: they are read every time."""
+    seen = offsets_read_record(cu)
+    if seen is not None:
+        return seen[3]
+    try:
+        version = cu._version
+    except RuntimeError:
+        return cu.tolist()
+    key = id(cu)
+    offsets = cu.tolist()  # host sync, see module docstring
+
+    def forget(ref, key=key):
+        if _OFFSETS_READ.get(key, (None,))[0] is ref:
+            del _OFFSETS_READ[key]
+
+    _OFFSETS_READ[key] = (weakref.ref(cu, forget), version, cu.data_ptr(), offsets)
+    return offsets
 
 
 def _check_offsets_tensor(name: str, cu, q_dev: torch.device) -> None:
