@@ -60,8 +60,12 @@ def _recall(tensors, args, cu_seqlens=()):
     the offsets (``max_seqlen_*`` given on a GPU) holds for any offsets of that metadata. One
     that read them holds only while they are the very read it was validated on: its entry keeps
     the read's records (``offsets_read_record``), and an in-place change, a new tensor (even one
-    at a reused address) or another call's re-read replaces them."""
-    key = _memo_key(tuple(tensors) + tuple(cu_seqlens), args)
+    at a reused address) or another call's re-read replaces them. A call with an argument in a
+    tensor's place that is not one gets no key (validation reports it)."""
+    tensors = tuple(tensors) + tuple(cu_seqlens)
+    if not all(t is None or isinstance(t, torch.Tensor) for t in tensors):
+        return None, None
+    key = _memo_key(tensors, args)
     if key is None:
         return None, None
     hit = recall_dispatch(key)
@@ -121,19 +125,16 @@ def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqle
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqlen_k,
              return_lse, out, lse, out_dtype, backend, persistent, tile_mn, **mask_and_scales):
     """Validate, dispatch and run one forward call (no autograd)."""
-    key = None
-    tensors = (q, k, v, out, lse)
     cu_seqlens = (cu_seqlens_q, cu_seqlens_k) if varlen else ()
-    if (all(isinstance(t, torch.Tensor) for t in tensors[:3])
-            and all(t is None or isinstance(t, torch.Tensor) for t in tensors[3:] + cu_seqlens)):
-        key, hit = _recall(tensors, (return_lse, out_dtype, backend, persistent, tile_mn, varlen, max_seqlen_q,
-                                     max_seqlen_k) + tuple(mask_and_scales.values()), cu_seqlens)
-        if hit is not None and _pointers_aligned((q, k, v, out)):
-            problem, runner = hit
-            out, lse = _allocate(q, problem, out, lse)
-            with _offsets_checked_on_device(problem):
-                runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-            return (out, lse) if return_lse else out
+    key, hit = _recall((q, k, v, out, lse), (return_lse, out_dtype, backend, persistent, tile_mn, varlen,
+                                             max_seqlen_q, max_seqlen_k) + tuple(mask_and_scales.values()),
+                       cu_seqlens)
+    if hit is not None and _pointers_aligned((q, k, v, out)):
+        problem, runner = hit
+        out, lse = _allocate(q, problem, out, lse)
+        with _offsets_checked_on_device(problem):
+            runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        return (out, lse) if return_lse else out
     check_backend_name(backend)
     problem = validate(
         q, k, v, varlen=varlen, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -226,12 +227,10 @@ def attention_backward(
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     tensors = (dout, q, k, v, out, lse, dlse, dq, dk, dv)
     cu_seqlens = (cu_seqlens_q, cu_seqlens_k) if varlen else ()
-    key = hit = None
-    if all(t is None or isinstance(t, torch.Tensor) for t in tensors + cu_seqlens):
-        # a training loop repeats its calls: validation and dispatch are reused as the forward's are
-        key, hit = _recall(tensors, ("backward", causal, window_size, mask_align, compressed_causal, softmax_scale,
-                                     scale_q, scale_k, scale_v, inv_scale_o, deterministic, backend, varlen,
-                                     max_seqlen_q, max_seqlen_k), cu_seqlens)
+    # a training loop repeats its calls: validation and dispatch are reused as the forward's are
+    key, hit = _recall(tensors, ("backward", causal, window_size, mask_align, compressed_causal, softmax_scale,
+                                 scale_q, scale_k, scale_v, inv_scale_o, deterministic, backend, varlen,
+                                 max_seqlen_q, max_seqlen_k), cu_seqlens)
     if hit is not None and _pointers_aligned((dout, q, k, v, out, dq, dk, dv)):
         problem, runner = hit
     else:
