@@ -149,6 +149,39 @@ def row_key_bounds(
     return lo, hi
 
 
+def first_row_past(
+    key: Any,
+    seqlen_q: Any,
+    seqlen_k: Any,
+    kind: MaskKind,
+    window_left: Any = None,
+    window_right: Any = None,
+    bottom_right: bool = False,
+    use_lo: bool = False,
+    imin: Callable = _py_min,
+    imax: Callable = _py_max,
+):
+    """The first query row whose band end (``use_lo``: start) from ``row_key_bounds`` is past key
+    ``key`` (``0 <= key < seqlen_k``); ``seqlen_q`` when no row's is. Bands never move left as the
+    row grows, so the rows past ``key`` are a suffix: this is that suffix's start in closed form,
+    what a binary search over ``row_key_bounds`` finds."""
+    if use_lo:  # lo > key
+        if kind != MaskKind.WINDOW or window_left is None:  # lo = 0
+            return 0 * key + seqlen_q
+        offset = seqlen_k - seqlen_q if bottom_right else 0
+        # max(row + offset - window_left, 0) > key >= 0
+        return imin(imax(key + window_left - offset + 1, 0), seqlen_q)
+    if kind == MaskKind.COMPRESSED_CAUSAL:
+        # min((row + 1) // c, seqlen_k) > key, with key < seqlen_k
+        c = imax(seqlen_q // imax(seqlen_k, 1), 1)
+        return imin(c * (key + 1) - 1, seqlen_q)
+    if kind != MaskKind.WINDOW or window_right is None:  # hi = seqlen_k > key
+        return 0 * key
+    offset = seqlen_k - seqlen_q if bottom_right else 0
+    # min(row + offset + window_right + 1, seqlen_k) > key, with key < seqlen_k
+    return imin(imax(key - offset - window_right, 0), seqlen_q)
+
+
 class KvTileSchedule(NamedTuple):
     """K/V tiles one block of query rows visits, in order: ``start`` is the first tile index,
     then ``leading_masked`` tiles that need the element-wise mask, ``unmasked`` tiles that every

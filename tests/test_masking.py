@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from fmha.masking import MaskKind, MaskSpec, kv_tile_schedule, row_key_bounds
+from fmha.masking import MaskKind, MaskSpec, first_row_past, kv_tile_schedule, row_key_bounds
 
 
 def spec_keeps(i, j, sq, sk, spec):
@@ -46,6 +46,22 @@ def test_row_bounds_match_spec():
             lo, hi = row_key_bounds(i, sq, sk, spec.kind, spec.window_left, spec.window_right, spec.bottom_right)
             kept = {j for j in range(sk) if spec_keeps(i, j, sq, sk, spec)}
             assert kept == set(range(lo, hi)), (sq, sk, spec, i)
+
+
+def test_first_row_past_matches_a_scan_of_the_bands():
+    """The backward kernel's query range per K/V tile: the closed form against every row's band."""
+    rng = random.Random(1)
+    for _ in range(600):
+        sq, sk = rng.randint(1, 90), rng.randint(1, 90)
+        spec = random_spec(rng, sq, sk)
+        bands = [row_key_bounds(i, sq, sk, spec.kind, spec.window_left, spec.window_right, spec.bottom_right)
+                 for i in range(sq)]
+        for key in range(sk):
+            for use_lo in (False, True):
+                want = next((i for i, band in enumerate(bands) if band[0 if use_lo else 1] > key), sq)
+                got = first_row_past(key, sq, sk, spec.kind, spec.window_left, spec.window_right, spec.bottom_right,
+                                     use_lo)
+                assert got == want, (sq, sk, spec, key, use_lo)
 
 
 @pytest.mark.parametrize("seed", range(6))

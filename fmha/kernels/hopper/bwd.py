@@ -53,7 +53,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from fmha.masking import MaskKind, row_key_bounds
+from fmha.masking import MaskKind, first_row_past, row_key_bounds
 
 from ..common import sequence_descriptors as seq_desc
 from ..common.fragments import as_operand_a, as_rows_cols, store_as_16bit_pairs
@@ -326,20 +326,11 @@ class HopperAttentionBackward(DeviceWorkTileList):
         return row_key_bounds(row, seqlen_q, seqlen_k, cfg.mask_kind, window_left, window_right, cfg.bottom_right,
                               imin=cutlass.min, imax=cutlass.max)
 
-    @cute.jit
-    def first_row(self, seqlen_q, seqlen_k, window_left, window_right, above: Int32, use_lo: cutlass.Constexpr):
-        """The first row whose band end (``use_lo``: start) is past ``above`` (bands never move
-        left as the row grows); ``seqlen_q`` when none is."""
-        lo_row, hi_row = Int32(0), seqlen_q
-        while lo_row < hi_row:
-            mid = (lo_row + hi_row) // 2
-            lo, hi = self.key_bounds(mid, seqlen_q, seqlen_k, window_left, window_right)
-            edge = lo if const_expr(use_lo) else hi
-            if edge > above:
-                hi_row = mid
-            else:
-                lo_row = mid + 1
-        return lo_row
+    def first_row_past(self, key, seqlen_q, seqlen_k, window_left, window_right, use_lo: bool):
+        """The first row whose band end (``use_lo``: start) is past ``key`` (closed form, no search)."""
+        cfg = self.cfg
+        return first_row_past(key, seqlen_q, seqlen_k, cfg.mask_kind, window_left, window_right, cfg.bottom_right,
+                              use_lo, imin=cutlass.min, imax=cutlass.max)
 
     @cute.jit
     def query_tiles(self, n_block, seqlen_q, seqlen_k, window_left, window_right):
@@ -350,8 +341,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
         if const_expr(self.cfg.mask_kind != MaskKind.NONE):
             n0 = n_block * self.tile_n
             n1 = cutlass.min(n0 + self.tile_n, seqlen_k)
-            first = self.first_row(seqlen_q, seqlen_k, window_left, window_right, n0, False)
-            end = self.first_row(seqlen_q, seqlen_k, window_left, window_right, n1 - 1, True)
+            first = self.first_row_past(n0, seqlen_q, seqlen_k, window_left, window_right, False)
+            end = self.first_row_past(n1 - 1, seqlen_q, seqlen_k, window_left, window_right, True)
             m_start = first // self.tile_m
             m_end = cutlass.max((end + self.tile_m - 1) // self.tile_m, m_start)
             if first >= end:
