@@ -71,6 +71,8 @@ from .wgmma import issue_gemm
 
 #: rows of fp32 in 16 bytes: a TMA box's first row is a multiple of it
 _ROW_ALIGN = 4
+#: query columns of a thread's S^T fragment whose LSE it holds in registers for a tile (D=128's 64-row tile)
+_HELD_COLUMNS = 16
 
 
 def _transposed(t: cute.Tensor) -> cute.Tensor:
@@ -511,6 +513,13 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 acc_dp = cute.make_rmem_tensor(s_shape, Float32)
                 issue_gemm(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, stage], True)
                 issue_gemm(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, stage], True)
+                # tiles start at multiples of 64 rows into the sequence
+                skip = seq.offset_q % _ROW_ALIGN
+                # the columns' LSE, loaded while the products run where registers allow (loaded at
+                # its use, each exponential waited on it); D=64's 32 columns would spill
+                held_lse = None
+                if const_expr(num_cols <= _HELD_COLUMNS):
+                    held_lse = self.column_rows(sLSE2, tScS, skip, stage)
                 warpgroup.wait_group(1)  # S^T is ready; dP^T still runs
                 s = as_rows_cols(acc_s)
                 # keys past the sequence (the last K/V tile's zero rows) are masked too: their P
@@ -524,10 +533,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 else:
                     if n0 + tile_n > seqlen_k:
                         self.apply_mask(s, tScS, m0, n0, seqlen_q, seqlen_k, window_left, window_right)
-                # each column's statistic is read where it is used (the tile's would hold 32 registers)
-                skip = seq.offset_q % _ROW_ALIGN  # tiles start at multiples of 64 rows into the sequence
                 for j in cutlass.range_constexpr(num_cols):
-                    lse2 = sLSE2[skip + tScS[0, j][1], stage]
+                    lse2 = held_lse[j] if const_expr(held_lse is not None) else sLSE2[skip + tScS[0, j][1], stage]
                     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                         s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2, fastmath=True)
                 # P of the rows past a ragged tile's sequence (their LSE rows are another
@@ -599,6 +606,15 @@ class HopperAttentionBackward(DeviceWorkTileList):
             tdKcdK = thr_dkv.partition_C(cute.make_identity_tensor((tile_n, d)))
             store_o_direct(dk_out, tdKcdK, mdK, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
             store_o_direct(dv_out, tdKcdK, mdV, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
+
+    @cute.jit
+    def column_rows(self, sRows: cute.Tensor, tScS: cute.Tensor, skip, stage) -> cute.Tensor:
+        """This thread's query columns' entries of a row statistic of ``stage``, into registers."""
+        num_cols = cute.size(tScS, mode=[1])
+        vals = cute.make_rmem_tensor((num_cols,), Float32)
+        for j in cutlass.range_constexpr(num_cols):
+            vals[j] = sRows[skip + tScS[0, j][1], stage]
+        return vals
 
     @cute.jit
     def wait_for_turn(self, mSemaphores: cute.Tensor, batch, head, m_block, n_block, has_predecessor):
