@@ -5,6 +5,7 @@
         python -m lab.profile_kernel --impl fmha --batch 1 --seqlen 16384 --heads 16 --head-dim 128
     ncu -i OUT/fmha.ncu-rep --page source --csv --print-source sass > OUT/fmha_sass.csv
     python -m lab.profile_kernel --summarize OUT/fmha_sass.csv     # stall reasons, hot spots
+    python -m lab.profile_kernel --summarize OUT/fmha_sass.csv --runs-per-cta 4096  # fixed vs per-tile costs
 
 The calls are the benchmark's own (``lab/bench.py``), so the kernel profiled is the one timed
 there: ``--impl`` takes any of its implementation names (fmha, fa4, fmha_<variant>, ...).
@@ -17,19 +18,25 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def summarize(csv_path: str, top: int = 20) -> str:
-    """Markdown: the kernel's warp-stall samples by reason, and the instructions with the most
-    samples (ncu's per-instruction source counters, exported as CSV)."""
+def _read_source_csv(csv_path: str):
+    """(rows, column index by header, count(row, header)) of ncu's per-instruction CSV export."""
     import csv
-    from collections import Counter
 
     with open(csv_path, newline="") as f:
         rows = list(csv.reader(f))
     header_at = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
     hdr, data = rows[header_at], [r for r in rows[header_at + 1:] if len(r) == len(rows[header_at])]
     col = {h: i for i, h in enumerate(hdr)}
-    reasons = [h for h in hdr if h.startswith("stall_") and "Not Issued" not in h]
-    count = lambda r, h: int((r[col[h]] or "0").replace(",", ""))
+    return data, col, lambda r, h: int((r[col[h]] or "0").replace(",", ""))
+
+
+def summarize(csv_path: str, top: int = 20) -> str:
+    """Markdown: the kernel's warp-stall samples by reason, and the instructions with the most
+    samples (ncu's per-instruction source counters, exported as CSV)."""
+    from collections import Counter
+
+    data, col, count = _read_source_csv(csv_path)
+    reasons = [h for h in col if h.startswith("stall_") and "Not Issued" not in h]
     by_reason = Counter({h[len("stall_"):]: sum(count(r, h) for r in data) for h in reasons})
     samples = sum(count(r, "Warp Stall Sampling (All Samples)") for r in data)
     executed = sum(count(r, "Instructions Executed") for r in data)
@@ -46,9 +53,33 @@ def summarize(csv_path: str, top: int = 20) -> str:
     return "\n".join(lines) + "\n"
 
 
+def runs_per_cta(csv_path: str, ctas: int, min_share: float = 0.3) -> str:
+    """Markdown: the kernel's code as runs of consecutive instructions that execute equally often
+    per CTA (warp executions / ``ctas``), with their share of the stall samples. Setup, epilogue
+    and per-role code run a fixed number of times per CTA (the warps that run it); the loops'
+    bodies run that times the tiles: a kernel whose time goes to per-CTA runs pays fixed costs."""
+    data, col, count = _read_source_csv(csv_path)
+    samples = sum(count(r, "Warp Stall Sampling (All Samples)") for r in data) or 1
+    runs = []
+    for i, r in enumerate(data):
+        per_cta = round(count(r, "Instructions Executed") / ctas, 1)
+        n = count(r, "Warp Stall Sampling (All Samples)")
+        if runs and runs[-1][0] == per_cta:
+            runs[-1][2] = i
+            runs[-1][3] += n
+        else:
+            runs.append([per_cta, i, i, n, r[col["Source"]].strip()])
+    lines = ["| instructions | executions per CTA | samples | first instruction |", "|---|---|---|---|"]
+    lines += [f"| {first}-{last} | {per_cta} | {100 * n / samples:.1f}% | `{src[:60]}` |"
+              for per_cta, first, last, n, src in runs if 100 * n / samples >= min_share]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--summarize", metavar="CSV", help="summarize an ncu SASS source export instead")
+    ap.add_argument("--runs-per-cta", type=int, metavar="CTAS",
+                    help="with --summarize: the code's runs by executions per CTA (the grid's CTA count)")
     ap.add_argument("--impl", default="fmha")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seqlen", type=int, default=16384)
@@ -62,7 +93,8 @@ def main(argv=None):
                     help="call the backward (autograd of the implementation's forward) instead")
     args = ap.parse_args(argv)
     if args.summarize:
-        print(summarize(args.summarize), end="")
+        print(runs_per_cta(args.summarize, args.runs_per_cta) if args.runs_per_cta else summarize(args.summarize),
+              end="")
         return
 
     import torch

@@ -65,3 +65,19 @@ def test_the_report_names_points_whose_rounds_disagree(tmp_path, monkeypatch):
     noise = next(line for line in text.splitlines() if line.startswith("- noise"))
     assert "fmha B2 S8192 H16/16 D128 (8.0%)" in noise and "fa4 B2" not in noise
 
+
+
+def test_profile_runs_group_instructions_by_executions_per_cta(tmp_path):
+    """``lab.profile_kernel --runs-per-cta``: consecutive instructions that run equally often per
+    CTA form one run, with their share of the stall samples."""
+    from lab.profile_kernel import runs_per_cta
+
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed"]
+    rows = [("0x0", "LDC R1", 10, 24), ("0x10", "S2R R0", 10, 24),  # setup: 12 warps x 2 CTAs
+            ("0x20", "HGMMA a", 60, 160), ("0x30", "HGMMA b", 0, 160),  # the loop: 8 warps x 10 tiles
+            ("0x40", "STG c", 20, 16)]  # epilogue: 8 warps
+    csv_path = tmp_path / "sass.csv"
+    csv_path.write_text("\n".join(",".join(f'"{v}"' for v in r) for r in [header, *rows]) + "\n")
+    table = runs_per_cta(str(csv_path), ctas=2).splitlines()[2:]
+    assert table == ["| 0-1 | 12.0 | 20.0% | `LDC R1` |", "| 2-3 | 80.0 | 60.0% | `HGMMA a` |",
+                     "| 4-4 | 8.0 | 20.0% | `STG c` |"]
