@@ -1,6 +1,7 @@
 """Where a training step's time goes (GPU): each kernel's time per step against the step's wall time.
 
     python -m lab.profile_step --filter "varlen19 T16384 max3566 H16/16 D128 causal" --impls fmha,fa4
+    python -m lab.profile_step --backward --filter "B32 S512 H32/32 D64 causal" --impls fmha,fa4  # the backward alone
 
 For every benchmark point the filter selects (``lab/bench.py``'s full grid) and each implementation,
 the step ``lab.bench --step`` times (forward + ``autograd.grad``) runs under ``torch.profiler``:
@@ -78,8 +79,11 @@ def main(argv=None):
     ap.add_argument("--impls", default="fmha,fa4")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--host", action="store_true", help="also the host's Python profile of the steps (cProfile, by own time)")
+    ap.add_argument("--backward", action="store_true",
+                    help="the backward alone (autograd.grad of one forward's output), as `lab.bench --backward` times it")
+    ap.add_argument("--variants", action="store_true", help="also the lab variants (lab/variants.py) as --impls")
     args = ap.parse_args(argv)
-    impls = _implementations(torch)
+    impls = _implementations(torch, variants=args.variants)
     wanted = args.filter.split("|")
     for p in build_grid("full") + [p for mode, p in SMALL_CASES if mode == "step"]:
         if not any(w in p.label() for w in wanted):
@@ -93,6 +97,9 @@ def main(argv=None):
                 continue
             fn = (lambda f=impls[name]: torch.autograd.grad(f(*leaves, p, cu), leaves, dout))
             try:
+                if args.backward:
+                    out = impls[name](*leaves, p, cu)
+                    fn = (lambda out=out: torch.autograd.grad(out, leaves, dout, retain_graph=True))
                 print(f"\n## {name}: {p.label()}\n\n{profile_point(fn, torch, args.steps)}", flush=True)
             except NotImplementedError as e:
                 print(f"\n## {name}: {p.label()}: n/a ({e})")
