@@ -64,6 +64,31 @@ def test_first_row_past_matches_a_scan_of_the_bands():
                 assert got == want, (sq, sk, spec, key, use_lo)
 
 
+def test_backward_query_ranges_invert_the_forward_schedules():
+    """The backward kernel's query tiles per K/V tile (``first_row_past``, as ``bwd.query_tiles``
+    uses it) are exactly the (query tile, K/V tile) pairs the forward's ``kv_tile_schedule``
+    visits: the K/V tiles that add into a query tile's dQ are the ones its forward visited."""
+    rng = random.Random(3)
+    for _ in range(1500):
+        tm, tn = rng.choice([(64, 128), (128, 128), (4, 8), (8, 4), (3, 5)])
+        sq, sk = rng.randint(1, 300), rng.randint(1, 300)
+        spec = random_spec(rng, sq, sk)
+        args = (sq, sk, spec.kind, spec.window_left, spec.window_right, spec.bottom_right)
+        pairs = set()
+        for n in range((sk + tn - 1) // tn):
+            first = first_row_past(n * tn, *args, use_lo=False)
+            end = first_row_past(min(n * tn + tn, sk) - 1, *args, use_lo=True)
+            if spec.kind == MaskKind.NONE:
+                first, end = 0, sq
+            if first < end:
+                pairs |= {(m, n) for m in range(first // tm, (end + tm - 1) // tm)}
+        want = set()
+        for m in range((sq + tm - 1) // tm):
+            sched = kv_tile_schedule(m, tm, tn, *args)
+            want |= {(m, n) for n in range(sched.start, sched.start + sched.total)}
+        assert pairs == want, (sq, sk, tm, tn, spec)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_tile_schedule_matches_brute_force(seed):
     rng = random.Random(seed)
