@@ -66,7 +66,6 @@ def test_the_report_names_points_whose_rounds_disagree(tmp_path, monkeypatch):
     assert "fmha B2 S8192 H16/16 D128 (8.0%)" in noise and "fa4 B2" not in noise
 
 
-
 def test_profile_runs_group_instructions_by_executions_per_cta(tmp_path):
     """``lab.profile_kernel --runs-per-cta``: consecutive instructions that run equally often per
     CTA form one run, with their share of the stall samples."""
