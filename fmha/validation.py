@@ -256,14 +256,16 @@ def _resolve_out_dtype(out_dtype, out, in_dtype: torch.dtype) -> torch.dtype:
     return out_dtype
 
 
-def _check_output(name, t, shape, dtype, q_dev) -> None:
+def _check_output(name, t, shape, dtype, q_dev, like: str = "") -> None:
+    """``like``: what the expected shape and dtype come from, named in the errors."""
     _require_tensor(name, t)
     _check_device(name, t, q_dev)
+    origin = f" ({like}'s)" if like else ""
     if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}{origin}")
     if t.dtype != dtype:
         raise TypeError(
-            f"{name} has dtype {_dtype_name(t.dtype)}, expected {_dtype_name(dtype)}"
+            f"{name} has dtype {_dtype_name(t.dtype)}, expected {_dtype_name(dtype)}{origin}"
         )
 
 
@@ -389,13 +391,13 @@ def validate_backward(dout, q, k, v, out, lse, *, dlse=None, dq=None, dk=None, d
     if problem.dtype == torch.float8_e4m3fn:
         raise TypeError("fp8 inputs have no backward: train in bfloat16 or float16 "
                         "(convert q, k, v with .to(torch.bfloat16))")
-    _check_output("dout", dout, tuple(out.shape), out.dtype, q.device)
+    _check_output("dout", dout, tuple(out.shape), out.dtype, q.device, like="out")
     _check_layout("dout", dout)
     if dlse is not None:
-        _check_output("dlse", dlse, tuple(lse.shape), torch.float32, q.device)
-    for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        _check_output("dlse", dlse, tuple(lse.shape), torch.float32, q.device, like="lse")
+    for name, grad, like, like_name in (("dq", dq, q, "q"), ("dk", dk, k, "k"), ("dv", dv, v, "v")):
         if grad is not None:
-            _check_output(name, grad, tuple(like.shape), like.dtype, q.device)
+            _check_output(name, grad, tuple(like.shape), like.dtype, q.device, like=like_name)
     return problem
 
 

@@ -230,12 +230,14 @@ def test_backward_argument_errors():
         fmha.attention_backward(o, q, k, v, o, None)
     with pytest.raises(ValueError, match="dout has shape"):
         fmha.attention_backward(o[:, :3], q, k, v, o, lse)
-    with pytest.raises(TypeError, match="dout has dtype"):
+    with pytest.raises(TypeError, match=r"dout has dtype float16, expected bfloat16 \(out's\)"):
         fmha.attention_backward(o.half(), q, k, v, o, lse)
+    with pytest.raises(TypeError, match=r"dout has dtype bfloat16, expected float16 \(out's\)"):
+        fmha.attention_backward(o, q, k, v, o.half(), lse)  # out in another dtype than dout: out's names it
     strided = torch.empty(o.shape[:-1] + (2 * o.shape[-1],), dtype=o.dtype)[..., ::2]
     with pytest.raises(ValueError, match="dout.*contiguous"):
         fmha.attention_backward(strided.copy_(o), q, k, v, o, lse)
-    with pytest.raises(ValueError, match="dk has shape"):
+    with pytest.raises(ValueError, match=r"dk has shape .*\(k's\)"):
         fmha.attention_backward(o, q, k, v, o, lse, dk=torch.empty_like(q))
     f8 = [t.to(torch.float8_e4m3fn) for t in (q, k, v)]
     o8, lse8 = fmha.attention(*f8, return_lse=True)
