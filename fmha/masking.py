@@ -120,6 +120,18 @@ def _py_max(a, b):
     return a if a >= b else b
 
 
+def _compression_ratio(seqlen_q: Any, seqlen_k: Any, imax: Callable):
+    """Compressed causal's queries per key, c = S_q // S_k; the guards keep the device free of
+    division by zero for empty sequences (validation rejects S_k == 0 or S_k > S_q where they
+    could matter)."""
+    return imax(seqlen_q // imax(seqlen_k, 1), 1)
+
+
+def _diagonal_offset(seqlen_q: Any, seqlen_k: Any, bottom_right: bool):
+    """The key of row 0's diagonal: S_k - S_q when aligned bottom-right, else 0."""
+    return seqlen_k - seqlen_q if bottom_right else 0
+
+
 def row_key_bounds(
     row: Any,
     seqlen_q: Any,
@@ -138,12 +150,9 @@ def row_key_bounds(
     if kind == MaskKind.NONE:
         return 0 * row, 0 * row + seqlen_k
     if kind == MaskKind.COMPRESSED_CAUSAL:
-        # c = S_q // S_k; guards keep the device free of division by zero for empty sequences
-        # (validation rejects S_k == 0 or S_k > S_q where they could matter).
-        c = imax(seqlen_q // imax(seqlen_k, 1), 1)
+        c = _compression_ratio(seqlen_q, seqlen_k, imax)
         return 0 * row, imin((row + 1) // c, seqlen_k)
-    offset = seqlen_k - seqlen_q if bottom_right else 0
-    diag = row + offset
+    diag = row + _diagonal_offset(seqlen_q, seqlen_k, bottom_right)
     lo = 0 * row if window_left is None else imax(diag - window_left, 0)
     hi = 0 * row + seqlen_k if window_right is None else imin(diag + window_right + 1, seqlen_k)
     return lo, hi
@@ -168,16 +177,16 @@ def first_row_past(
     if use_lo:  # lo > key
         if kind != MaskKind.WINDOW or window_left is None:  # lo = 0
             return 0 * key + seqlen_q
-        offset = seqlen_k - seqlen_q if bottom_right else 0
+        offset = _diagonal_offset(seqlen_q, seqlen_k, bottom_right)
         # max(row + offset - window_left, 0) > key >= 0
         return imin(imax(key + window_left - offset + 1, 0), seqlen_q)
     if kind == MaskKind.COMPRESSED_CAUSAL:
         # min((row + 1) // c, seqlen_k) > key, with key < seqlen_k
-        c = imax(seqlen_q // imax(seqlen_k, 1), 1)
+        c = _compression_ratio(seqlen_q, seqlen_k, imax)
         return imin(c * (key + 1) - 1, seqlen_q)
     if kind != MaskKind.WINDOW or window_right is None:  # hi = seqlen_k > key
         return 0 * key
-    offset = seqlen_k - seqlen_q if bottom_right else 0
+    offset = _diagonal_offset(seqlen_q, seqlen_k, bottom_right)
     # min(row + offset + window_right + 1, seqlen_k) > key, with key < seqlen_k
     return imin(imax(key - offset - window_right, 0), seqlen_q)
 
