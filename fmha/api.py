@@ -71,10 +71,8 @@ def _recall(tensors, args, cu_seqlens=()):
     hit = recall_dispatch(key)
     if hit is not None or not cu_seqlens:
         return key, hit
-    guard = tuple(offsets_read_record(cu) for cu in cu_seqlens)
-    if any(record is None for record in guard):
-        return key, None
-    return key, recall_dispatch(key + ("offsets read",), guard)
+    guard = _offsets_read_guard(cu_seqlens)
+    return key, (None if guard is None else recall_dispatch(key + ("offsets read",), guard))
 
 
 def _remember(key, problem, runner, cu_seqlens=()):
@@ -83,11 +81,18 @@ def _remember(key, problem, runner, cu_seqlens=()):
     if key is None:
         return
     if cu_seqlens and (problem.seqlens_q is not None or problem.seqlens_k is not None):
-        guard = tuple(offsets_read_record(cu) for cu in cu_seqlens)
-        if all(record is not None for record in guard):  # inference tensors are read every call
+        guard = _offsets_read_guard(cu_seqlens)
+        if guard is not None:  # inference tensors are read every call
             remember_dispatch(key + ("offsets read",), problem, runner, guard)
         return
     remember_dispatch(key, problem, runner)
+
+
+def _offsets_read_guard(cu_seqlens) -> Optional[tuple]:
+    """The records of the current host reads of each offsets tensor (``offsets_read_record``), or
+    None when one of them has none."""
+    guard = tuple(offsets_read_record(cu) for cu in cu_seqlens)
+    return None if any(record is None for record in guard) else guard
 
 
 def _pointers_aligned(tensors) -> bool:
