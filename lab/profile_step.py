@@ -95,11 +95,12 @@ def main(argv=None):
             if name not in impls:
                 print(f"\n## {name}: not available here")
                 continue
-            fn = (lambda f=impls[name]: torch.autograd.grad(f(*leaves, p, cu), leaves, dout))
             try:
-                if args.backward:
+                if args.backward:  # one forward; each step is its backward
                     out = impls[name](*leaves, p, cu)
                     fn = (lambda out=out: torch.autograd.grad(out, leaves, dout, retain_graph=True))
+                else:
+                    fn = (lambda f=impls[name]: torch.autograd.grad(f(*leaves, p, cu), leaves, dout))
                 print(f"\n## {name}: {p.label()}\n\n{profile_point(fn, torch, args.steps)}", flush=True)
             except NotImplementedError as e:
                 print(f"\n## {name}: {p.label()}: n/a ({e})")
