@@ -588,7 +588,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
         dv_out.store((acc_dv.load() * out_scale).to(self.dtype))
         if const_expr(cfg.dkv_store_tma):
             # dV first, into this warpgroup's own rows of V (only its own dP^T products read them);
-            # dK's rows of K are read by both warpgroups' dQ products, so both finish first
+            # dK's rows of K are read by both warpgroups' dQ products, so both finish first. Each
+            # buffer is staged once: dK is staged while dV's store still reads V's buffer
             staged = NamedBarrierBwd.DKV_STAGED + wg
             desc_dk = desc_dv = None
             row_batch = batch
@@ -597,10 +598,10 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 desc_dv = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.DV)
                 row_batch = Int32(0)
             store_o_tma(dv_out, mma_dkv, 2, tidx, wg, staged, sV[None, None, 0], tma_dv, mdV_tma, n_block,
-                        head_kv, row_batch, None, desc_dv)
+                        head_kv, row_batch, None, desc_dv, fresh_buffer=True)
             cute.arch.barrier(barrier_id=NamedBarrierBwd.DS_READY, number_of_threads=2 * _WG)
             store_o_tma(dk_out, mma_dkv, 2, tidx, wg, staged, sK[None, None, 0], tma_dk, mdK_tma, n_block,
-                        head_kv, row_batch, None, desc_dk)
+                        head_kv, row_batch, None, desc_dk, fresh_buffer=True)
             drain_o_stores()
         else:
             tdKcdK = thr_dkv.partition_C(cute.make_identity_tensor((tile_n, d)))
