@@ -91,6 +91,9 @@ BACKWARD_VARIANTS = {
     "fmha_bwd_stg_dkv": dict(dkv_store_tma=False, head_dims=(128,)),
     # dK and dV TMA-stored at D=64 too (with the 128-row tile)
     "fmha_bwd_tma_dkv": dict(dkv_store_tma=True, head_dims=(64,)),
+    # K/V tile n starts its query-tile walk n tiles in: the CTAs running at once add into
+    # different dQ tiles instead of all into the same one
+    "fmha_bwd_stagger": dict(staggered_walk=True),
 }
 
 
@@ -106,10 +109,10 @@ def _backward_variant_class(**overrides):
     key = tuple(sorted(overrides.items()))
     cls = _BACKWARD_CLASSES.get(key)
     if cls is None:
-        unknown = [k for k in overrides if k not in ("tile_m", "tile_n", "dq_split_rows", "dkv_store_tma")]
+        choices = ("tile_m", "tile_n", "dq_split_rows", "dkv_store_tma", "staggered_walk")
+        unknown = [k for k in overrides if k not in choices]
         if unknown:
-            raise ValueError(f"not a tile choice of the backward config: {unknown}; variants set tile_m, tile_n, "
-                             f"dq_split_rows or dkv_store_tma")
+            raise ValueError(f"not a tile choice of the backward config: {unknown}; variants set {', '.join(choices)}")
         name = "HopperBackwardConfig_" + "_".join(f"{k}_{v}" for k, v in key)
         cls = _BACKWARD_CLASSES[key] = type(name, (HopperBackwardConfig,), dict(overrides, __module__=__name__,
                                                                                 __qualname__=name))

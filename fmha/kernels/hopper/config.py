@@ -372,6 +372,9 @@ class HopperBackwardConfig:
         thread held 64 pairs; at D=64 it measured no clear gain (docs/performance.md)."""
         return self.head_dim == 128
 
+    #: every K/V tile walks its query tiles from the first (a lab variant staggers the starts)
+    staggered_walk = False
+
     @property
     def sequence_descriptors(self) -> int:
         """Varlen: TMA descriptors per sequence (q, k, v, dO, the dQ accumulator; dK, dV)."""
