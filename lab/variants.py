@@ -94,6 +94,8 @@ BACKWARD_VARIANTS = {
     # K/V tile n starts its query-tile walk n tiles in: the CTAs running at once add into
     # different dQ tiles instead of all into the same one
     "fmha_bwd_stagger": dict(staggered_walk=True),
+    # dK staged only after dV's TMA store has read V's buffer (the order before the overlap)
+    "fmha_bwd_dkv_serial": dict(dk_staged_under_dv_store=False, head_dims=(128,)),
 }
 
 
@@ -109,7 +111,7 @@ def _backward_variant_class(**overrides):
     key = tuple(sorted(overrides.items()))
     cls = _BACKWARD_CLASSES.get(key)
     if cls is None:
-        choices = ("tile_m", "tile_n", "dq_split_rows", "dkv_store_tma", "staggered_walk")
+        choices = ("tile_m", "tile_n", "dq_split_rows", "dkv_store_tma", "staggered_walk", "dk_staged_under_dv_store")
         unknown = [k for k in overrides if k not in choices]
         if unknown:
             raise ValueError(f"not a tile choice of the backward config: {unknown}; variants set {', '.join(choices)}")

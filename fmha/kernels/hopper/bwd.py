@@ -601,10 +601,10 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 desc_dv = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.DV)
                 row_batch = Int32(0)
             store_o_tma(dv_out, mma_dkv, 2, tidx, wg, staged, sV[None, None, 0], tma_dv, mdV_tma, n_block,
-                        head_kv, row_batch, None, desc_dv, fresh_buffer=True)
+                        head_kv, row_batch, None, desc_dv, fresh_buffer=cfg.dk_staged_under_dv_store)
             cute.arch.barrier(barrier_id=NamedBarrierBwd.DS_READY, number_of_threads=2 * _WG)
             store_o_tma(dk_out, mma_dkv, 2, tidx, wg, staged, sK[None, None, 0], tma_dk, mdK_tma, n_block,
-                        head_kv, row_batch, None, desc_dk, fresh_buffer=True)
+                        head_kv, row_batch, None, desc_dk, fresh_buffer=cfg.dk_staged_under_dv_store)
             drain_o_stores()
         else:
             tdKcdK = thr_dkv.partition_C(cute.make_identity_tensor((tile_n, d)))

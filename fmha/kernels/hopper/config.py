@@ -374,6 +374,9 @@ class HopperBackwardConfig:
 
     #: every K/V tile walks its query tiles from the first (a lab variant staggers the starts)
     staggered_walk = False
+    #: dK is staged in K's buffer while dV's TMA store still reads V's (each buffer is staged
+    #: once); a lab variant waits for dV's store first, as before
+    dk_staged_under_dv_store = True
 
     @property
     def sequence_descriptors(self) -> int:
