@@ -523,6 +523,12 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 held_lse = None
                 if const_expr(num_cols <= _HELD_COLUMNS):
                     held_lse = self.column_rows(sLSE2, tScS, skip, stage)
+                    if const_expr(not cfg.exps_before_dp_wait):
+                        # rows past a ragged tile's sequence: an LSE of +inf makes their P 0, with
+                        # no branch after the exponentials
+                        for j in cutlass.range_constexpr(num_cols):
+                            held_lse[j] = Float32(cutlass.select_(m0 + tScS[0, j][1] >= seqlen_q,
+                                                                  Float32(math.inf), held_lse[j]))
                 warpgroup.wait_group(1)  # S^T is ready; dP^T still runs
                 s = as_rows_cols(acc_s)
                 # keys past the sequence (the last K/V tile's zero rows) are masked too: their P
@@ -543,7 +549,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 # P of the rows past a ragged tile's sequence (their LSE rows are another
                 # sequence's or padding) to 0; the branch also keeps ptxas from moving the wait
                 # for dP^T above the exponentials, as it does in straight-line code
-                if m0 + tile_m > seqlen_q:
+                if const_expr(cfg.exps_before_dp_wait or held_lse is None) and m0 + tile_m > seqlen_q:
                     for j in cutlass.range_constexpr(num_cols):
                         if m0 + tScS[0, j][1] >= seqlen_q:
                             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
