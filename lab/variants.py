@@ -97,8 +97,12 @@ BACKWARD_VARIANTS = {
     # dK staged only after dV's TMA store has read V's buffer (the order before the overlap)
     "fmha_bwd_dkv_serial": dict(dk_staged_under_dv_store=False, head_dims=(128,)),
     # D=128: no branch between the exponentials and dS, so that ptxas interleaves them (it then
-    # waits for dP^T first); ncu at S=1k causal: 1.4k samples of MUFU waits against FA4's 0.1k
-    "fmha_bwd_exp_interleave": dict(exps_before_dp_wait=False, head_dims=(128,)),
+    # waits for dP^T first); ncu at S=1k causal: 1.4k samples of MUFU waits against FA4's 0.1k.
+    # With dS stored after dV's product is issued: with it stored before, ptxas spills (10 at
+    # D=128 non-causal), without, none
+    "fmha_bwd_exp_interleave": dict(exps_before_dp_wait=False, ds_stored_before_dv=False, head_dims=(128,)),
+    # D=128: dS^T stored after dV's product is issued, the order before
+    "fmha_bwd_ds_after_dv": dict(ds_stored_before_dv=False, head_dims=(128,)),
 }
 
 
@@ -115,7 +119,7 @@ def _backward_variant_class(**overrides):
     cls = _BACKWARD_CLASSES.get(key)
     if cls is None:
         choices = ("tile_m", "tile_n", "dq_split_rows", "dkv_store_tma", "staggered_walk", "dk_staged_under_dv_store",
-                   "exps_before_dp_wait")
+                   "exps_before_dp_wait", "ds_stored_before_dv")
         unknown = [k for k in overrides if k not in choices]
         if unknown:
             raise ValueError(f"not a tile choice of the backward config: {unknown}; variants set {', '.join(choices)}")

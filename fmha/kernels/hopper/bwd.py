@@ -567,10 +567,13 @@ class HopperAttentionBackward(DeviceWorkTileList):
                         dp[r, j] = s[r, j] * (dp[r, j] * dp_scale - delta)
                 ds16 = cute.make_rmem_tensor(s_shape, self.dtype)
                 store_as_16bit_pairs(ds16, acc_dp)
-                issue_gemm(mma_dkv, acc_dv, as_operand_a(p16), tVrdO[None, None, None, stage], False)
                 # dS^T of both warpgroups (all the tile's keys) for the dQ product; the buffer
                 # alternates with the stage, so the other warpgroup may still read the last one
-                cute.copy(st_atom, thr_st.retile(ds16), tdSsdS[None, None, None, stage])
+                if const_expr(cfg.ds_stored_before_dv):
+                    cute.copy(st_atom, thr_st.retile(ds16), tdSsdS[None, None, None, stage])
+                issue_gemm(mma_dkv, acc_dv, as_operand_a(p16), tVrdO[None, None, None, stage], False)
+                if const_expr(not cfg.ds_stored_before_dv):
+                    cute.copy(st_atom, thr_st.retile(ds16), tdSsdS[None, None, None, stage])
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=NamedBarrierBwd.DS_READY, number_of_threads=2 * _WG)
                 acc_dq = cute.make_rmem_tensor(
