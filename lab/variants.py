@@ -91,9 +91,6 @@ BACKWARD_VARIANTS = {
     "fmha_bwd_stg_dkv": dict(dkv_store_tma=False, head_dims=(128,)),
     # dK and dV TMA-stored at D=64 too (with the 128-row tile)
     "fmha_bwd_tma_dkv": dict(dkv_store_tma=True, head_dims=(64,)),
-    # K/V tile n starts its query-tile walk n tiles in: the CTAs running at once add into
-    # different dQ tiles instead of all into the same one
-    "fmha_bwd_stagger": dict(staggered_walk=True),
     # dK staged only after dV's TMA store has read V's buffer (the order before the overlap)
     "fmha_bwd_dkv_serial": dict(dk_staged_under_dv_store=False, head_dims=(128,)),
     # D=128: no branch between the exponentials and dS, so that ptxas interleaves them (it then
@@ -118,7 +115,7 @@ def _backward_variant_class(**overrides):
     key = tuple(sorted(overrides.items()))
     cls = _BACKWARD_CLASSES.get(key)
     if cls is None:
-        choices = ("tile_m", "tile_n", "dq_split_rows", "dkv_store_tma", "staggered_walk", "dk_staged_under_dv_store",
+        choices = ("tile_m", "tile_n", "dq_split_rows", "dkv_store_tma", "dk_staged_under_dv_store",
                    "exps_before_dp_wait", "ds_stored_before_dv")
         unknown = [k for k in overrides if k not in choices]
         if unknown:

@@ -351,17 +351,14 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 m_end = m_start
         return m_start, m_end
 
-    def query_tile_at(self, i, m_start, m_end, n_block):
+    def query_tile_at(self, i, m_start, m_end):
         """The ``i``-th query tile a CTA visits (``m_start <= i < m_end``). Deterministic: from
         the last down, so that under causal masks every K/V tile starts on the same query tile
         and each waits for its predecessor's add of that tile only briefly; walking up, K/V tile
         n would start on query tile n, which tile n - 1 reaches second, and the waits would add up
-        along the diagonal. ``staggered_walk``: K/V tile n starts n tiles into its range and wraps
-        around, so that the CTAs running at once add into different dQ tiles."""
+        along the diagonal."""
         if const_expr(self.cfg.deterministic):
             return m_end - 1 - (i - m_start)
-        if const_expr(self.cfg.staggered_walk):
-            return m_start + (i - m_start + n_block) % (m_end - m_start)
         return i
 
     @cute.jit
@@ -392,7 +389,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
             tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
             tdOsdO, tdOgdO = tma_tiles(tma_do, sdO, gdO)
             for i in cutlass.range(m_start, m_end, unroll=1):
-                m_block = self.query_tile_at(i, m_start, m_end, n_block)
+                m_block = self.query_tile_at(i, m_start, m_end)
                 handle = qdo_producer.acquire_and_advance()
                 cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, handle.index], tma_bar_ptr=handle.barrier,
                           tma_desc_ptr=desc_q)
@@ -437,7 +434,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                                   (cfg.dq_rows_per_warpgroup, cfg.dq_cols_per_warpgroup), (None, None))
             tdQs, tdQg = tma_tiles(tma_dq, sdQ, gdQ)
             for i in cutlass.range(m_start, m_end, unroll=1):
-                m_block = self.query_tile_at(i, m_start, m_end, n_block)
+                m_block = self.query_tile_at(i, m_start, m_end)
                 turn = None
                 if const_expr(cfg.deterministic):
                     has_predecessor = prev_start <= m_block and m_block < prev_end
@@ -508,7 +505,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
         kv_handle = kv_consumer.wait_and_advance()
         for g in cutlass.range(group, unroll=1):
             for i in cutlass.range(m_start, m_end, unroll=1):
-                m_block = self.query_tile_at(i, m_start, m_end, n_block)
+                m_block = self.query_tile_at(i, m_start, m_end)
                 m0 = m_block * tile_m
                 handle = qdo_consumer.wait_and_advance()
                 stage = handle.index

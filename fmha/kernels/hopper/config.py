@@ -372,8 +372,6 @@ class HopperBackwardConfig:
         thread held 64 pairs; at D=64 it measured no clear gain (docs/performance.md)."""
         return self.head_dim == 128
 
-    #: every K/V tile walks its query tiles from the first (a lab variant staggers the starts)
-    staggered_walk = False
     #: dK is staged in K's buffer while dV's TMA store still reads V's (each buffer is staged
     #: once); a lab variant waits for dV's store first, as before
     dk_staged_under_dv_store = True
