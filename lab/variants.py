@@ -91,6 +91,15 @@ BACKWARD_VARIANTS = {
     "fmha_bwd_stg_dkv": dict(dkv_store_tma=False, head_dims=(128,)),
     # dK and dV TMA-stored at D=64 too (with the 128-row tile)
     "fmha_bwd_tma_dkv": dict(dkv_store_tma=True, head_dims=(64,)),
+    # dK staged only after dV's TMA store has read V's buffer (the order before the overlap)
+    "fmha_bwd_dkv_serial": dict(dk_staged_under_dv_store=False, head_dims=(128,)),
+    # D=128: no branch between the exponentials and dS, so that ptxas interleaves them (it then
+    # waits for dP^T first); ncu at S=1k causal: 1.4k samples of MUFU waits against FA4's 0.1k.
+    # With dS stored after dV's product is issued: with it stored before, ptxas spills (10 at
+    # D=128 non-causal), without, none
+    "fmha_bwd_exp_interleave": dict(exps_before_dp_wait=False, ds_stored_before_dv=False, head_dims=(128,)),
+    # D=128: dS^T stored after dV's product is issued, the order before
+    "fmha_bwd_ds_after_dv": dict(ds_stored_before_dv=False, head_dims=(128,)),
 }
 
 
@@ -106,10 +115,11 @@ def _backward_variant_class(**overrides):
     key = tuple(sorted(overrides.items()))
     cls = _BACKWARD_CLASSES.get(key)
     if cls is None:
-        unknown = [k for k in overrides if k not in ("tile_m", "tile_n", "dq_split_rows", "dkv_store_tma")]
+        choices = ("tile_m", "tile_n", "dq_split_rows", "dkv_store_tma", "dk_staged_under_dv_store",
+                   "exps_before_dp_wait", "ds_stored_before_dv")
+        unknown = [k for k in overrides if k not in choices]
         if unknown:
-            raise ValueError(f"not a tile choice of the backward config: {unknown}; variants set tile_m, tile_n, "
-                             f"dq_split_rows or dkv_store_tma")
+            raise ValueError(f"not a tile choice of the backward config: {unknown}; variants set {', '.join(choices)}")
         name = "HopperBackwardConfig_" + "_".join(f"{k}_{v}" for k, v in key)
         cls = _BACKWARD_CLASSES[key] = type(name, (HopperBackwardConfig,), dict(overrides, __module__=__name__,
                                                                                 __qualname__=name))

@@ -520,6 +520,12 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 held_lse = None
                 if const_expr(num_cols <= _HELD_COLUMNS):
                     held_lse = self.column_rows(sLSE2, tScS, skip, stage)
+                    if const_expr(not cfg.exps_before_dp_wait):
+                        # rows past a ragged tile's sequence: an LSE of +inf makes their P 0, with
+                        # no branch after the exponentials
+                        for j in cutlass.range_constexpr(num_cols):
+                            held_lse[j] = Float32(cutlass.select_(m0 + tScS[0, j][1] >= seqlen_q,
+                                                                  Float32(math.inf), held_lse[j]))
                 warpgroup.wait_group(1)  # S^T is ready; dP^T still runs
                 s = as_rows_cols(acc_s)
                 # keys past the sequence (the last K/V tile's zero rows) are masked too: their P
@@ -540,7 +546,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 # P of the rows past a ragged tile's sequence (their LSE rows are another
                 # sequence's or padding) to 0; the branch also keeps ptxas from moving the wait
                 # for dP^T above the exponentials, as it does in straight-line code
-                if m0 + tile_m > seqlen_q:
+                if const_expr(cfg.exps_before_dp_wait or held_lse is None) and m0 + tile_m > seqlen_q:
                     for j in cutlass.range_constexpr(num_cols):
                         if m0 + tScS[0, j][1] >= seqlen_q:
                             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
@@ -558,10 +564,13 @@ class HopperAttentionBackward(DeviceWorkTileList):
                         dp[r, j] = s[r, j] * (dp[r, j] * dp_scale - delta)
                 ds16 = cute.make_rmem_tensor(s_shape, self.dtype)
                 store_as_16bit_pairs(ds16, acc_dp)
-                issue_gemm(mma_dkv, acc_dv, as_operand_a(p16), tVrdO[None, None, None, stage], False)
                 # dS^T of both warpgroups (all the tile's keys) for the dQ product; the buffer
                 # alternates with the stage, so the other warpgroup may still read the last one
-                cute.copy(st_atom, thr_st.retile(ds16), tdSsdS[None, None, None, stage])
+                if const_expr(cfg.ds_stored_before_dv):
+                    cute.copy(st_atom, thr_st.retile(ds16), tdSsdS[None, None, None, stage])
+                issue_gemm(mma_dkv, acc_dv, as_operand_a(p16), tVrdO[None, None, None, stage], False)
+                if const_expr(not cfg.ds_stored_before_dv):
+                    cute.copy(st_atom, thr_st.retile(ds16), tdSsdS[None, None, None, stage])
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=NamedBarrierBwd.DS_READY, number_of_threads=2 * _WG)
                 acc_dq = cute.make_rmem_tensor(
@@ -588,7 +597,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
         dv_out.store((acc_dv.load() * out_scale).to(self.dtype))
         if const_expr(cfg.dkv_store_tma):
             # dV first, into this warpgroup's own rows of V (only its own dP^T products read them);
-            # dK's rows of K are read by both warpgroups' dQ products, so both finish first
+            # dK's rows of K are read by both warpgroups' dQ products, so both finish first. Each
+            # buffer is staged once: dK is staged while dV's store still reads V's buffer
             staged = NamedBarrierBwd.DKV_STAGED + wg
             desc_dk = desc_dv = None
             row_batch = batch
@@ -597,10 +607,10 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 desc_dv = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.DV)
                 row_batch = Int32(0)
             store_o_tma(dv_out, mma_dkv, 2, tidx, wg, staged, sV[None, None, 0], tma_dv, mdV_tma, n_block,
-                        head_kv, row_batch, None, desc_dv)
+                        head_kv, row_batch, None, desc_dv, fresh_buffer=cfg.dk_staged_under_dv_store)
             cute.arch.barrier(barrier_id=NamedBarrierBwd.DS_READY, number_of_threads=2 * _WG)
             store_o_tma(dk_out, mma_dkv, 2, tidx, wg, staged, sK[None, None, 0], tma_dk, mdK_tma, n_block,
-                        head_kv, row_batch, None, desc_dk)
+                        head_kv, row_batch, None, desc_dk, fresh_buffer=cfg.dk_staged_under_dv_store)
             drain_o_stores()
         else:
             tdKcdK = thr_dkv.partition_C(cute.make_identity_tensor((tile_n, d)))

@@ -372,6 +372,23 @@ class HopperBackwardConfig:
         thread held 64 pairs; at D=64 it measured no clear gain (docs/performance.md)."""
         return self.head_dim == 128
 
+    #: dK is staged in K's buffer while dV's TMA store still reads V's (each buffer is staged
+    #: once); a lab variant waits for dV's store first, as before
+    dk_staged_under_dv_store = True
+    #: the ragged-tile branch after the exponentials keeps ptxas from hoisting the wait for dP^T
+    #: above them (the exponentials overlap the dP product, back to back on the MUFU pipe); a lab
+    #: variant drops it at D=128 (ragged rows by an LSE of +inf): the wait goes first and the
+    #: exponentials interleave with dS's arithmetic and P's conversion, as in FA4's SASS
+    exps_before_dp_wait = True
+
+    @property
+    def ds_stored_before_dv(self) -> bool:
+        """dS^T goes to shared memory before dV's product is issued, so that the fence after them
+        has less to wait for (ncu: 2% of the samples on it at D=128, where FA4 orders them so); at
+        D=128 ptxas then also keeps every register (7 local-memory instructions before), at D=64
+        it would spill 5-8 more."""
+        return self.head_dim == 128
+
     @property
     def sequence_descriptors(self) -> int:
         """Varlen: TMA descriptors per sequence (q, k, v, dO, the dQ accumulator; dK, dV)."""

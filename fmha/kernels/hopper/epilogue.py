@@ -79,20 +79,22 @@ def store_o_direct(o_out: cute.Tensor, tOcO: cute.Tensor, mO: cute.Tensor, varle
 @cute.jit
 def store_o_tma(o_out: cute.Tensor, tiled_mma_pv: cute.TiledMma, num_wgs: cutlass.Constexpr, tidx: Int32,
                 wg: Int32, barrier_id: Int32, sO: cute.Tensor, tma_o: cute.CopyAtom, mO_tma: cute.Tensor, m_block: Int32,
-                head: Int32, batch: Int32, release_q, tma_desc_ptr=None):
+                head: Int32, batch: Int32, release_q, tma_desc_ptr=None, fresh_buffer: cutlass.Constexpr = False):
     """Stage this warpgroup's O rows in ``sO`` and TMA-store them. ``sO`` is the tile's Q
     buffer, or a buffer of O's own when ``release_q`` is None. Q buffer: ``release_q`` runs on the
     storing thread once the TMA has read it, which frees it for the producer's next Q load. Own
     buffer: the store runs on while the next tile computes; the storing thread waits for its read
     only before the next tile's O overwrites it. ``barrier_id``: the warpgroup's own named barrier.
     ``tma_desc_ptr``: a descriptor of the rows' own (a packed sequence's) instead of the atom's.
+    ``fresh_buffer``: no store of this warpgroup reads ``sO`` (its first use as a staging buffer),
+    so the staging starts without waiting for one; the stores still in flight are left running.
 
     The store is issued by the warpgroup's first warp as a whole (the TMA copy elects its own
     thread), under a warp-uniform condition: a branch on the thread index here made ptxas keep
     the K/V stage index of the mainloop in ordinary registers (two ``R2UR`` per K/V tile at
     D=64)."""
     storing_warp = _is_storing_warp()
-    if const_expr(release_q is None):
+    if const_expr(release_q is None and not fresh_buffer):
         if storing_warp:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous tile's store
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WARPGROUP_THREADS)
