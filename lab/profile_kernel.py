@@ -6,6 +6,7 @@
     ncu -i OUT/fmha.ncu-rep --page source --csv --print-source sass > OUT/fmha_sass.csv
     python -m lab.profile_kernel --summarize OUT/fmha_sass.csv     # stall reasons, hot spots
     python -m lab.profile_kernel --summarize OUT/fmha_sass.csv --runs-per-cta 4096  # fixed vs per-tile costs
+    python -m lab.profile_kernel --summarize OUT/fmha_sass.csv --phases 593:1078     # a loop cut at its waits
 
 The calls are the benchmark's own (``lab/bench.py``), so the kernel profiled is the one timed
 there: ``--impl`` takes any of its implementation names (fmha, fa4, fmha_<variant>, ...).
@@ -75,11 +76,41 @@ def runs_per_cta(csv_path: str, ctas: int, min_share: float = 0.3) -> str:
     return "\n".join(lines) + "\n"
 
 
+_SYNCHRONIZING = ("DEPBAR", "BAR.", "FENCE", "SYNCS", "MEMBAR", "BRA", "UBLKRED", "UTMA")
+
+
+def phases(csv_path: str, first: int, last: int) -> str:
+    """Markdown: instructions ``first``..``last`` (a loop's body, from ``--runs-per-cta``) cut at
+    every synchronizing instruction (waits, barriers, fences, branches), with the samples of the
+    stretch of work before each cut and of the cut itself: where two kernels' loops differ."""
+    data, col, count = _read_source_csv(csv_path)
+    lines = ["| instructions | samples | what runs there |", "|---|---|---|"]
+    start, samples, ops = first, 0, {}
+    for i in range(first, last + 1):
+        src = data[i][col["Source"]].strip()
+        n = count(data[i], "Warp Stall Sampling (All Samples)")
+        if any(s in src for s in _SYNCHRONIZING):
+            if i > start:
+                top = ", ".join(f"{k} x{v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:5])
+                lines.append(f"| {start}-{i - 1} | {samples} | {top} |")
+            lines.append(f"| {i} | {n} | `{src[:60]}` |")
+            start, samples, ops = i + 1, 0, {}
+        else:
+            samples += n
+            op = next(t for t in src.split() if not t.startswith("@")).split(".")[0]
+            ops[op] = ops.get(op, 0) + 1
+    if last >= start:
+        lines.append(f"| {start}-{last} | {samples} | |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--summarize", metavar="CSV", help="summarize an ncu SASS source export instead")
     ap.add_argument("--runs-per-cta", type=int, metavar="CTAS",
                     help="with --summarize: the code's runs by executions per CTA (the grid's CTA count)")
+    ap.add_argument("--phases", metavar="FIRST:LAST",
+                    help="with --summarize: instructions FIRST..LAST cut at their synchronizations")
     ap.add_argument("--impl", default="fmha")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seqlen", type=int, default=16384)
@@ -93,8 +124,11 @@ def main(argv=None):
                     help="call the backward (autograd of the implementation's forward) instead")
     args = ap.parse_args(argv)
     if args.summarize:
-        print(runs_per_cta(args.summarize, args.runs_per_cta) if args.runs_per_cta else summarize(args.summarize),
-              end="")
+        if args.phases:
+            print(phases(args.summarize, *map(int, args.phases.split(":"))), end="")
+        else:
+            print(runs_per_cta(args.summarize, args.runs_per_cta) if args.runs_per_cta else summarize(args.summarize),
+                  end="")
         return
 
     import torch

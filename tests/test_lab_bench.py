@@ -80,3 +80,20 @@ def test_profile_runs_group_instructions_by_executions_per_cta(tmp_path):
     table = runs_per_cta(str(csv_path), ctas=2).splitlines()[2:]
     assert table == ["| 0-1 | 12.0 | 20.0% | `LDC R1` |", "| 2-3 | 80.0 | 60.0% | `HGMMA a` |",
                      "| 4-4 | 8.0 | 20.0% | `STG c` |"]
+
+
+def test_profile_phases_cut_a_loop_at_its_synchronizations(tmp_path):
+    """``lab.profile_kernel --phases``: the work between two waits is one row with its samples
+    summed; each wait, barrier or fence is a row of its own."""
+    from lab.profile_kernel import phases
+
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed"]
+    rows = [("0x0", "HGMMA.64x64x16 a", 5, 8), ("0x10", "UIADD3 b", 1, 8),
+            ("0x20", "WARPGROUP.DEPBAR.LE gsb0, 0x0", 40, 8),
+            ("0x30", "MUFU.EX2 R1, R1", 7, 8), ("0x40", "@P0 MUFU.EX2 R2, R2", 3, 8),
+            ("0x50", "FENCE.VIEW.ASYNC.S", 9, 8)]
+    csv_path = tmp_path / "sass.csv"
+    csv_path.write_text("\n".join(",".join(f'"{v}"' for v in r) for r in [header, *rows]) + "\n")
+    table = phases(str(csv_path), 0, 5).splitlines()[2:]
+    assert table == ["| 0-1 | 6 | HGMMA x1, UIADD3 x1 |", "| 2 | 40 | `WARPGROUP.DEPBAR.LE gsb0, 0x0` |",
+                     "| 3-4 | 10 | MUFU x2 |", "| 5 | 9 | `FENCE.VIEW.ASYNC.S` |"]
