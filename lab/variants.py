@@ -93,16 +93,11 @@ BACKWARD_VARIANTS = {
     "fmha_bwd_tma_dkv": dict(dkv_store_tma=True, head_dims=(64,)),
     # dK staged only after dV's TMA store has read V's buffer (the order before the overlap)
     "fmha_bwd_dkv_serial": dict(dk_staged_under_dv_store=False, head_dims=(128,)),
-    # no branch between the exponentials and dS, so that ptxas interleaves them (it then waits
-    # for dP^T first); ncu at D=128 S=1k causal: 1.4k samples of MUFU waits against FA4's 0.1k.
+    # D=128: no branch between the exponentials and dS, so that ptxas interleaves them (it then
+    # waits for dP^T first); ncu at S=1k causal: 1.4k samples of MUFU waits against FA4's 0.1k.
     # With dS stored after dV's product is issued: with it stored before, ptxas spills (10 at
-    # D=128 non-causal), without, none at D=128; at D=64 11 local-memory instructions per tile
-    "fmha_bwd_exp_interleave": dict(exp_columns_before_dp_wait=0, ds_stored_before_dv=False, head_dims=(64, 128)),
-    # D=64: 8 of a thread's 32 columns before the wait for dP^T (under the dP product), the rest
-    # interleaved after it; ncu at S=4k: 22k more samples of MUFU waits than FA4's, whose SASS
-    # takes 12 of its 64 exponentials before that wait. Local memory: 3 instructions per query
-    # tile (the interleave at D=64: 11)
-    "fmha_bwd_exp_split": dict(exp_columns_before_dp_wait=8, head_dims=(64,)),
+    # D=128 non-causal), without, none
+    "fmha_bwd_exp_interleave": dict(exps_before_dp_wait=False, ds_stored_before_dv=False, head_dims=(128,)),
     # D=128: dS^T stored after dV's product is issued, the order before
     "fmha_bwd_ds_after_dv": dict(ds_stored_before_dv=False, head_dims=(128,)),
 }
@@ -121,7 +116,7 @@ def _backward_variant_class(**overrides):
     cls = _BACKWARD_CLASSES.get(key)
     if cls is None:
         choices = ("tile_m", "tile_n", "dq_split_rows", "dkv_store_tma", "dk_staged_under_dv_store",
-                   "exp_columns_before_dp_wait", "ds_stored_before_dv")
+                   "exps_before_dp_wait", "ds_stored_before_dv")
         unknown = [k for k in overrides if k not in choices]
         if unknown:
             raise ValueError(f"not a tile choice of the backward config: {unknown}; variants set {', '.join(choices)}")

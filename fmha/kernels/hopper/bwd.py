@@ -518,15 +518,14 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 # the columns' LSE, loaded while the products run where registers allow (loaded at
                 # its use, each exponential waited on it); D=64's 32 columns would spill
                 held_lse = None
-                early = num_cols if const_expr(cfg.exp_columns_before_dp_wait is None) else min(
-                    cfg.exp_columns_before_dp_wait, num_cols)
                 if const_expr(num_cols <= _HELD_COLUMNS):
                     held_lse = self.column_rows(sLSE2, tScS, skip, stage)
-                    # the columns taken after dP^T's wait: rows past a ragged tile's sequence get an
-                    # LSE of +inf, which makes their P 0 with no branch after the exponentials
-                    for j in cutlass.range_constexpr(early, num_cols):
-                        held_lse[j] = Float32(cutlass.select_(m0 + tScS[0, j][1] >= seqlen_q,
-                                                              Float32(math.inf), held_lse[j]))
+                    if const_expr(not cfg.exps_before_dp_wait):
+                        # rows past a ragged tile's sequence: an LSE of +inf makes their P 0, with
+                        # no branch after the exponentials
+                        for j in cutlass.range_constexpr(num_cols):
+                            held_lse[j] = Float32(cutlass.select_(m0 + tScS[0, j][1] >= seqlen_q,
+                                                                  Float32(math.inf), held_lse[j]))
                 warpgroup.wait_group(1)  # S^T is ready; dP^T still runs
                 s = as_rows_cols(acc_s)
                 # keys past the sequence (the last K/V tile's zero rows) are masked too: their P
@@ -540,30 +539,21 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 else:
                     if n0 + tile_n > seqlen_k:
                         self.apply_mask(s, tScS, m0, n0, seqlen_q, seqlen_k, window_left, window_right)
-                self.exponentiate(s, held_lse, sLSE2, tScS, skip, stage, m0, seqlen_q, scale_log2, 0, early)
+                for j in cutlass.range_constexpr(num_cols):
+                    lse2 = held_lse[j] if const_expr(held_lse is not None) else sLSE2[skip + tScS[0, j][1], stage]
+                    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                        s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2, fastmath=True)
                 # P of the rows past a ragged tile's sequence (their LSE rows are another
                 # sequence's or padding) to 0; the branch also keeps ptxas from moving the wait
-                # for dP^T above these exponentials, as it does in straight-line code
-                if const_expr(early > 0) and m0 + tile_m > seqlen_q:
-                    for j in cutlass.range_constexpr(early):
+                # for dP^T above the exponentials, as it does in straight-line code
+                if const_expr(cfg.exps_before_dp_wait or held_lse is None) and m0 + tile_m > seqlen_q:
+                    for j in cutlass.range_constexpr(num_cols):
                         if m0 + tScS[0, j][1] >= seqlen_q:
                             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                                 s[r, j] = Float32(0.0)
-                # the other columns follow the wait for dP^T, interleaved with dS's arithmetic and P's
-                # packing. With held LSE values they are written before it (ptxas moves the wait up);
-                # read at their use, after it, or ptxas hoists the reads above it and spills
-                late_first = held_lse is not None
-                if const_expr(late_first):
-                    self.exponentiate(s, held_lse, sLSE2, tScS, skip, stage, m0, seqlen_q, scale_log2, early,
-                                      num_cols)
                 p16 = cute.make_rmem_tensor(s_shape, self.dtype)
-                if const_expr(late_first or early == num_cols):
-                    store_as_16bit_pairs(p16, acc_s)
+                store_as_16bit_pairs(p16, acc_s)
                 warpgroup.wait_group(0)
-                if const_expr(not late_first and early < num_cols):
-                    self.exponentiate(s, held_lse, sLSE2, tScS, skip, stage, m0, seqlen_q, scale_log2, early,
-                                      num_cols)
-                    store_as_16bit_pairs(p16, acc_s)
                 dp = as_rows_cols(acc_dp)
                 for j in cutlass.range_constexpr(num_cols):
                     # 0 past the sequence: P is 0 there, and so is dP (dO's rows read as zeros),
@@ -626,25 +616,6 @@ class HopperAttentionBackward(DeviceWorkTileList):
             tdKcdK = thr_dkv.partition_C(cute.make_identity_tensor((tile_n, d)))
             store_o_direct(dk_out, tdKcdK, mdK, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
             store_o_direct(dv_out, tdKcdK, mdV, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
-
-    @cute.jit
-    def exponentiate(self, s: cute.Tensor, held_lse, sLSE2: cute.Tensor, tScS: cute.Tensor, skip, stage, m0,
-                     seqlen_q, scale_log2, first: cutlass.Constexpr[int], end: cutlass.Constexpr[int]):
-        """P^T = 2^(S^T * scale_log2 - LSE2) for this thread's columns ``first`` .. ``end - 1``. The
-        columns taken after dP^T's wait (past the early ones) give the rows past a ragged tile's
-        sequence an LSE of +inf (held values have it already), so that their P is 0 without a
-        branch after them."""
-        early = self.cfg.exp_columns_before_dp_wait
-        for j in cutlass.range_constexpr(first, end):
-            col = tScS[0, j][1]
-            if const_expr(held_lse is not None):
-                lse2 = held_lse[j]
-            else:
-                lse2 = sLSE2[skip + col, stage]
-                if const_expr(early is not None and j >= early):
-                    lse2 = Float32(cutlass.select_(m0 + col >= seqlen_q, Float32(math.inf), lse2))
-            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2, fastmath=True)
 
     @cute.jit
     def column_rows(self, sRows: cute.Tensor, tScS: cute.Tensor, skip, stage) -> cute.Tensor:

@@ -375,11 +375,11 @@ class HopperBackwardConfig:
     #: dK is staged in K's buffer while dV's TMA store still reads V's (each buffer is staged
     #: once); a lab variant waits for dV's store first, as before
     dk_staged_under_dv_store = True
-    #: columns of P^T exponentiated before the wait for dP^T (None: all, overlapping the dP
-    #: product back to back on the MUFU pipe; the ragged-tile branch after them keeps ptxas from
-    #: hoisting the wait). The rest follow the wait, interleaved with dS's arithmetic and P's
-    #: packing as in FA4's SASS (lab variants)
-    exp_columns_before_dp_wait = None
+    #: the ragged-tile branch after the exponentials keeps ptxas from hoisting the wait for dP^T
+    #: above them (the exponentials overlap the dP product, back to back on the MUFU pipe); a lab
+    #: variant drops it at D=128 (ragged rows by an LSE of +inf): the wait goes first and the
+    #: exponentials interleave with dS's arithmetic and P's conversion, as in FA4's SASS
+    exps_before_dp_wait = True
 
     @property
     def ds_stored_before_dv(self) -> bool:
