@@ -398,6 +398,7 @@ def validate_backward(dout, q, k, v, out, lse, *, dlse=None, dq=None, dk=None, d
     for name, grad, like, like_name in (("dq", dq, q, "q"), ("dk", dk, k, "k"), ("dv", dv, v, "v")):
         if grad is not None:
             _check_output(name, grad, tuple(like.shape), like.dtype, q.device, like=like_name)
+            _check_layout(name, grad)  # the kernel writes dk and dv (and may write dq) in place
     return problem
 
 

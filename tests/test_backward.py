@@ -239,6 +239,13 @@ def test_backward_argument_errors():
         fmha.attention_backward(strided.copy_(o), q, k, v, o, lse)
     with pytest.raises(ValueError, match=r"dk has shape .*\(k's\)"):
         fmha.attention_backward(o, q, k, v, o, lse, dk=torch.empty_like(q))
+    # gradient buffers the kernel writes in place: the inputs' layout rules, before any launch
+    with pytest.raises(ValueError, match=r"dv head dim is not contiguous.*call \.contiguous\(\)"):
+        fmha.attention_backward(o, q, k, v, o, lse,
+                                dv=torch.empty(v.shape[:-1] + (2 * v.shape[-1],), dtype=v.dtype)[..., ::2])
+    offset = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
+    with pytest.raises(ValueError, match=r"dq data pointer is not 16-byte aligned"):
+        fmha.attention_backward(o, q, k, v, o, lse, dq=offset)
     f8 = [t.to(torch.float8_e4m3fn) for t in (q, k, v)]
     o8, lse8 = fmha.attention(*f8, return_lse=True)
     with pytest.raises(TypeError, match="fp8 inputs have no backward"):
