@@ -98,6 +98,11 @@ BACKWARD_VARIANTS = {
     # With dS stored after dV's product is issued: with it stored before, ptxas spills (10 at
     # D=128 non-causal), without, none
     "fmha_bwd_exp_interleave": dict(exps_before_dp_wait=False, ds_stored_before_dv=False, head_dims=(128,)),
+    # dQ staged in the order of the MMA's fragments with 16-byte stores and added by one bulk
+    # reduce per warpgroup (FA4's layout; ncu at S=4k: our 16 STS.64 per thread and tile held
+    # 42.0k samples with their fence at D=128 against FA4's 24.5k); the accumulator is zeroed by
+    # torch and converted by torch ops for now (dq_layout.py)
+    "fmha_bwd_dq_fragments": dict(dq_fragment_order=True),
     # D=128: dS^T stored after dV's product is issued, the order before
     "fmha_bwd_ds_after_dv": dict(ds_stored_before_dv=False, head_dims=(128,)),
 }
@@ -116,7 +121,7 @@ def _backward_variant_class(**overrides):
     cls = _BACKWARD_CLASSES.get(key)
     if cls is None:
         choices = ("tile_m", "tile_n", "dq_split_rows", "dkv_store_tma", "dk_staged_under_dv_store",
-                   "exps_before_dp_wait", "ds_stored_before_dv")
+                   "exps_before_dp_wait", "ds_stored_before_dv", "dq_fragment_order")
         unknown = [k for k in overrides if k not in choices]
         if unknown:
             raise ValueError(f"not a tile choice of the backward config: {unknown}; variants set {', '.join(choices)}")

@@ -507,15 +507,20 @@ def backward_config(case: Case, torch):
 @contextlib.contextmanager
 def _poisoned_dq_accumulator(torch):
     """The Hopper backward's fp32 dQ accumulator handed out filled with NaN: a row the row pass
-    fails to zero turns dQ to NaN."""
+    fails to zero turns dQ to NaN (the fragment-ordered accumulator is allocated zeroed)."""
     from fmha.kernels.hopper.backend import HopperBackwardRunner
 
     plain = HopperBackwardRunner.dq_accumulator
-    HopperBackwardRunner.dq_accumulator = staticmethod(lambda q: plain(q).fill_(math.nan))
+
+    def poisoned(self, problem, q):
+        acc = plain(self, problem, q)
+        return acc if self.cfg.dq_fragment_order else acc.fill_(math.nan)
+
+    HopperBackwardRunner.dq_accumulator = poisoned
     try:
         yield
     finally:
-        HopperBackwardRunner.dq_accumulator = staticmethod(plain)
+        HopperBackwardRunner.dq_accumulator = plain
 
 
 def run_backward_case(case: Case, torch, device="cuda", backend="kernel") -> dict:

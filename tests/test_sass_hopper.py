@@ -138,15 +138,19 @@ def test_masked_tiles_use_r2p(head_dim, tmp_root):
         assert sum(re.match(r"(@!?P\d\s+)?ISETP", t) is not None for t in body) < 16
 
 
-def _backward_sass(head_dim, causal, tmp_root) -> tuple:
-    """The backward kernel's instructions (dense bf16) in order, and its labels."""
+def _backward_sass(head_dim, causal, tmp_root, **variant) -> tuple:
+    """The backward kernel's instructions (dense bf16) in order, and its labels; ``variant``:
+    overrides of its config (``lab.variants``)."""
     from fmha.kernels.hopper.backend import compile_backward
     from fmha.kernels.hopper.config import HopperBackwardConfig
     from fmha.masking import MaskKind
+    from lab.variants import backward_variant_config
 
     cfg = HopperBackwardConfig(torch.bfloat16, head_dim, MaskKind.WINDOW if causal else MaskKind.NONE, False, causal,
                                False)
-    out = os.path.join(tmp_root, f"bwd{head_dim}{int(causal)}")
+    if variant:
+        cfg = backward_variant_config(cfg, **variant)
+    out = os.path.join(tmp_root, f"bwd{head_dim}{int(causal)}" + "".join(f"_{k}{v}" for k, v in variant.items()))
     os.makedirs(out, exist_ok=True)
     compile_backward(cfg, extra_options=f"--keep-cubin --dump-dir={out}")
     cubin = next(os.path.join(out, f) for f in os.listdir(out) if f.endswith(".cubin"))
@@ -211,3 +215,13 @@ def test_backward_stages_dk_while_dv_is_stored(tmp_root):
     dk_staged = min(i for i, t in enumerate(ins) if t.startswith("STSM") and i > dv_store)
     assert not [t for t in ins[dv_store:dk_staged] if "DEPBAR.LE SB0" in t]
     assert [t for t in ins[dk_staged:] if "DEPBAR.LE SB0, 0x0" in t]  # the stores are drained before exit
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_backward_dq_fragments_stage_with_16_byte_stores(head_dim, tmp_root):
+    """Variant ``fmha_bwd_dq_fragments``: a thread stages its 32 dQ values as 8 conflict-free
+    16-byte stores (the row-major tile took 16 8-byte ones) and the writer adds each warpgroup's
+    block with one bulk reduce (``UBLKRED``) instead of a TMA tile reduce (``UTMAREDG``)."""
+    ins, _ = _backward_sass(head_dim, False, tmp_root, dq_fragment_order=True)
+    assert sum("STS.128" in t for t in ins) == 8 and not any("STS.64" in t for t in ins)
+    assert sum("UBLKRED" in t for t in ins) == 2 and not any("UTMAREDG" in t for t in ins)

@@ -31,6 +31,9 @@ class BackwardRowsConfig:
     head_dim: int
     varlen: bool
     has_dlse: bool
+    #: zeroes the rows of a (B, S, H, D) / (T, H, D) dQ accumulator (the main kernel's other
+    #: accumulator layout comes zeroed)
+    zeroes_dq: bool = True
 
     @property
     def threads_per_row(self) -> int:
@@ -51,7 +54,7 @@ class BackwardRows:
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: Optional[cute.Tensor],
-                 mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, delta_scale: Float32,
+                 mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: Optional[cute.Tensor], delta_scale: Float32,
                  stream: cuda.CUstream):
         """O, dO, dQaccum: (B, S, H, D) or varlen (T, H, D); LSE, dLSE, LSE2, delta: (B, H, S) or (H, T)."""
         if const_expr(self.cfg.varlen):
@@ -64,7 +67,8 @@ class BackwardRows:
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: Optional[cute.Tensor],
-               mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, delta_scale: Float32, rows: Int32):
+               mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: Optional[cute.Tensor], delta_scale: Float32,
+               rows: Int32):
         group = self.cfg.threads_per_row
         piece = LOAD_BYTES // self.cfg.dtype.itemsize  # elements of O per thread
         tidx, _, _ = cute.arch.thread_idx()
@@ -74,20 +78,21 @@ class BackwardRows:
         partial = Float32(0.0)
         if row < rows:
             if const_expr(self.cfg.varlen):
-                o_row, do_row, dq_row = mO[row, head, None], mdO[row, head, None], mdQaccum[row, head, None]
+                o_row, do_row = mO[row, head, None], mdO[row, head, None]
             else:
-                o_row, do_row, dq_row = (mO[batch, row, head, None], mdO[batch, row, head, None],
-                                         mdQaccum[batch, row, head, None])
+                o_row, do_row = mO[batch, row, head, None], mdO[batch, row, head, None]
             o_piece, do_piece = (cute.local_tile(t, (piece,), (lane,)) for t in (o_row, do_row))
             o = cute.make_rmem_tensor(o_piece.layout, o_piece.element_type)
             do = cute.make_rmem_tensor(do_piece.layout, do_piece.element_type)
             cute.autovec_copy(o_piece, o)
             cute.autovec_copy(do_piece, do)
             partial = (o.load().to(Float32) * do.load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            dq_piece = cute.local_tile(dq_row, (piece,), (lane,))
-            zeros = cute.make_rmem_tensor(dq_piece.layout, Float32)
-            zeros.fill(0.0)
-            cute.autovec_copy(zeros, dq_piece)
+            if const_expr(mdQaccum is not None):
+                dq_row = mdQaccum[row, head, None] if const_expr(self.cfg.varlen) else mdQaccum[batch, row, head, None]
+                dq_piece = cute.local_tile(dq_row, (piece,), (lane,))
+                zeros = cute.make_rmem_tensor(dq_piece.layout, Float32)
+                zeros.fill(0.0)
+                cute.autovec_copy(zeros, dq_piece)
         # every lane of the warp takes part (a row's group never straddles a warp)
         for i in cutlass.range_constexpr(group.bit_length() - 1):
             partial = partial + cute.arch.shuffle_sync_bfly(partial, offset=group >> (i + 1))

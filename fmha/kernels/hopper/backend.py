@@ -16,6 +16,7 @@ from fmha.masking import MaskKind, MaskSpec
 from fmha.problem import AttentionProblem, KernelOptions
 from fmha.work_tiles import kv_work_tile_table, work_tile_table
 
+from . import dq_layout
 from .config import (HopperBackwardConfig, HopperForwardConfig, decode_config, decode_tile, why_unsupported,
                      why_unsupported_backward, why_unsupported_decode)
 from .v_staging import stage_v_fp8
@@ -308,7 +309,10 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
     q, k, v, do, dk, dv = (fake_rows(t, rank, d) for _ in range(6))
     # read by TMA: rows 16-byte aligned
     lse2, delta = (fake_rows(cutlass.Float32, 3, None, align_bytes=16) for _ in range(2))  # (B or 1, H, S)
-    dq_acc = fake_rows(cutlass.Float32, rank, d)
+    if cfg.dq_fragment_order:  # (B, H, tiles, tile floats) or varlen (H, tiles, tile floats): dq_layout.py
+        dq_acc = fake_rows(cutlass.Float32, rank, cfg.tile_m * d)
+    else:
+        dq_acc = fake_rows(cutlass.Float32, rank, d)
     cu_q = cu_k = descriptors = errors = semaphores = tiles = count = None
     if cfg.tiles_listed:
         tiles = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=4)
@@ -343,7 +347,7 @@ def compile_backward_rows(cfg, extra_options: str = ""):
     rank = 3 if cfg.varlen else 4
     o, do = (fake_rows(cutlass_dtype(cfg.dtype), rank, cfg.head_dim) for _ in range(2))
     lse, dlse, lse2, delta = (fake_rows(cutlass.Float32, rank - 1, None, align_bytes=4) for _ in range(4))
-    dq_accum = fake_rows(cutlass.Float32, rank, cfg.head_dim)
+    dq_accum = fake_rows(cutlass.Float32, rank, cfg.head_dim) if cfg.zeroes_dq else None
     return compile_for(ARCH, BackwardRows(cfg), o, do, lse, dlse if cfg.has_dlse else None, lse2, delta, dq_accum,
                        cutlass.Float32(1.0), extra_options=extra_options)
 
@@ -362,13 +366,16 @@ class HopperBackwardRunner:
         if compiled is None:
             from ..common.backward_rows import BackwardRowsConfig
 
-            cfg = BackwardRowsConfig(self.cfg.dtype, self.cfg.head_dim, self.cfg.varlen, has_dlse)
+            cfg = BackwardRowsConfig(self.cfg.dtype, self.cfg.head_dim, self.cfg.varlen, has_dlse,
+                                     zeroes_dq=not self.cfg.dq_fragment_order)
             compiled = self._row_passes[has_dlse] = disk_cache.load_or_compile(cfg, compile_backward_rows)
         return compiled
 
-    @staticmethod
-    def dq_accumulator(q):
-        """The fp32 dQ the kernel adds into; the row pass zeroes it."""
+    def dq_accumulator(self, problem: AttentionProblem, q):
+        """The fp32 dQ the kernel adds into: q's layout, zeroed by the row pass; or the order of
+        the MMA's fragments (``dq_layout.py``), zeroed here."""
+        if self.cfg.dq_fragment_order:
+            return dq_layout.allocate(self.cfg, q, problem.batch, problem.num_heads_q, problem.seqlen_q)
         return torch.empty(q.shape, dtype=torch.float32, device=q.device)
 
     def __call__(self, problem: AttentionProblem, dout, q, k, v, out, lse, dlse, dq, dk, dv,
@@ -384,8 +391,9 @@ class HopperBackwardRunner:
         rows = lse.shape[-1]
         padded = torch.empty(lse.shape[:-1] + (2, -(-rows // 4) * 4), dtype=torch.float32, device=lse.device)
         lse2, delta = padded.select(-2, 0), padded.select(-2, 1)
-        dq_acc = self.dq_accumulator(q)
-        self.row_pass(dlse is not None)(out, dout, lse, dlse, lse2[..., :rows], delta[..., :rows], dq_acc,
+        dq_acc = self.dq_accumulator(problem, q)
+        self.row_pass(dlse is not None)(out, dout, lse, dlse, lse2[..., :rows], delta[..., :rows],
+                                        None if self.cfg.dq_fragment_order else dq_acc,
                                         problem.score_scale if self.cfg.ds_prescaled else 1.0)
         if self.cfg.varlen:  # (H, T) -> (1, H, T): the kernel reads both layouts as (B, H, S)
             lse2, delta = lse2.unsqueeze(0), delta.unsqueeze(0)
@@ -417,7 +425,10 @@ class HopperBackwardRunner:
             m.window_left if self.cfg.window_left_bounded else None,
             m.window_right if self.cfg.window_right_bounded else None,
         )
-        dq.copy_(dq_acc)  # scaled by the kernel
+        if self.cfg.dq_fragment_order:
+            dq_layout.copy_to_dq(dq_acc, dq, self.cfg, cu_seqlens_q)
+        else:
+            dq.copy_(dq_acc)  # scaled by the kernel
 
 
 class HopperBackend:

@@ -61,7 +61,7 @@ from ..common.layouts import bshd_to_sdhb, rows_first
 from ..common.pipelines import release_by_one_lane
 from ..common.device_tile_list import COST_BINS, DeviceWorkTileList, cost_bins_bytes
 from ..common.seqinfo import SequenceInfo
-from ..common.tma import tma_tiles
+from ..common.tma import bulk_reduce_add_f32, tma_tiles
 from .barriers import NamedBarrierBwd
 from .config import HopperBackwardConfig
 from .epilogue import drain_o_stores, store_o_direct, store_o_tma, wg_slice_layout
@@ -116,7 +116,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
         self.dtype = mQ.element_type
         d, tile_m, tile_n = cfg.head_dim, self.tile_m, self.tile_n
         q, k, v, do = (bshd_to_sdhb(t, varlen) for t in (mQ, mK, mV, mdO))
-        dq_acc = bshd_to_sdhb(mdQacc, varlen)
+        dq_acc = mdQacc if const_expr(cfg.dq_fragment_order) else bshd_to_sdhb(mdQacc, varlen)
         lse2, delta = (rows_first(t) for t in (mLSE2, mDelta))
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         # S^T = K Q^T and dP^T = V dO^T: M = keys (64 per warpgroup), N = queries, K = head dim
@@ -136,7 +136,10 @@ class HopperAttentionBackward(DeviceWorkTileList):
         # the other still reads this one's
         sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, d, tile_m), self.dtype, 2)
         # each warpgroup's half of the dQ tile, added by its own reduce-add
-        sdQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (dq_m, tile_n, dq_n), Float32, 2)
+        if const_expr(cfg.dq_fragment_order):  # (4 floats, thread, chunk) per warpgroup (dq_layout.py)
+            sdQ_layout = cute.make_layout((4, _WG, dq_n // 8, 2), stride=(1, 4, 4 * _WG, dq_m * dq_n))
+        else:
+            sdQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (dq_m, tile_n, dq_n), Float32, 2)
         # a tile's LSE and delta rows: TMA boxes start on 16-byte boundaries, so a packed sequence's
         # tile loads from the row below it that is a multiple of 4, four rows more than a tile
         sRow_layout = cute.make_layout((self.row_box, 2), stride=(1, -(-self.row_box // 32) * 32))  # 128-byte stages
@@ -151,9 +154,12 @@ class HopperAttentionBackward(DeviceWorkTileList):
         row_box = cute.make_layout(self.row_box)
         tma_lse, tma_tensor_lse = cpasync.make_tiled_tma_atom(load_op, lse2, row_box, (self.row_box,))
         tma_delta, tma_tensor_delta = cpasync.make_tiled_tma_atom(load_op, delta, row_box, (self.row_box,))
-        tma_dq, tma_tensor_dq = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), dq_acc,
-            cute.select(sdQ_layout, mode=[0, 1]), (dq_m, dq_n))
+        tma_dq = None
+        tma_tensor_dq = dq_acc
+        if const_expr(not cfg.dq_fragment_order):
+            tma_dq, tma_tensor_dq = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), dq_acc,
+                cute.select(sdQ_layout, mode=[0, 1]), (dq_m, dq_n))
         tma_dk = tma_tensor_dk = tma_dv = tma_tensor_dv = dk = dv = None
         if const_expr(cfg.dkv_store_tma):
             kv_wg_layout = wg_slice_layout(tile_k, tile_n, d)
@@ -206,7 +212,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
 
     @cute.kernel
     def describe_sequences(self, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
-                           tma_do: cute.CopyAtom, tma_dq: cute.CopyAtom, tma_dk: Optional[cute.CopyAtom],
+                           tma_do: cute.CopyAtom, tma_dq: Optional[cute.CopyAtom], tma_dk: Optional[cute.CopyAtom],
                            tma_dv: Optional[cute.CopyAtom], q: cute.Tensor, k: cute.Tensor,
                            v: cute.Tensor, do: cute.Tensor, dq_acc: cute.Tensor, dk: Optional[cute.Tensor],
                            dv: Optional[cute.Tensor], mCuSeqlensQ: cute.Tensor,
@@ -219,11 +225,13 @@ class HopperAttentionBackward(DeviceWorkTileList):
         offset_q, len_q, offset_k, len_k = seq_desc.sequence_extents(seq)
         for atom, t, offset, length, which in ((tma_q, q, offset_q, len_q, seq_desc.Q),
                                                (tma_do, do, offset_q, len_q, seq_desc.DO),
-                                               (tma_dq, dq_acc, offset_q, len_q, seq_desc.DQ),
                                                (tma_k, k, offset_k, len_k, seq_desc.K),
                                                (tma_v, v, offset_k, len_k, seq_desc.V)):
             seq_desc.write_sequence_descriptor(atom, seq_desc.sequence_rows(t, offset, length, 0), mSeqDescriptors,
                                                batch, which)
+        if const_expr(not self.cfg.dq_fragment_order):
+            seq_desc.write_sequence_descriptor(tma_dq, seq_desc.sequence_rows(dq_acc, offset_q, len_q, 0),
+                                               mSeqDescriptors, batch, seq_desc.DQ)
         if const_expr(self.cfg.dkv_store_tma):
             for atom, t, which in ((tma_dk, dk, seq_desc.DK), (tma_dv, dv, seq_desc.DV)):
                 seq_desc.write_sequence_descriptor(atom, seq_desc.sequence_rows(t, offset_k, len_k, 0),
@@ -235,7 +243,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
                tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
                tma_lse: cute.CopyAtom, mLSE2: cute.Tensor, tma_delta: cute.CopyAtom, mDelta: cute.Tensor,
-               tma_dq: cute.CopyAtom, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+               tma_dq: Optional[cute.CopyAtom], mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                tma_dk: Optional[cute.CopyAtom], mdK_tma: Optional[cute.Tensor], tma_dv: Optional[cute.CopyAtom],
                mdV_tma: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                mSeqDescriptors: Optional[cute.Tensor], mSemaphores: Optional[cute.Tensor],
@@ -243,13 +251,15 @@ class HopperAttentionBackward(DeviceWorkTileList):
                max_seqlen_k: Int32, scale_log2: Float32, out_scale: Float32, score_scale: Float32,
                window_left: Optional[Int32], window_right: Optional[Int32],
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
-               sdQ_layout: cute.ComposedLayout, sRow_layout: cute.Layout):
+               sdQ_layout, sRow_layout: cute.Layout):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = self.work_tile(mTileTable, mTileCount, mK.shape[2])
         if warp_idx == 0:
-            for atom in (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_delta, tma_dq):
+            for atom in (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_delta):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(not self.cfg.dq_fragment_order):
+                cpasync.prefetch_descriptor(tma_dq)
             if const_expr(self.cfg.dkv_store_tma):
                 cpasync.prefetch_descriptor(tma_dk)
                 cpasync.prefetch_descriptor(tma_dv)
@@ -268,7 +278,10 @@ class HopperAttentionBackward(DeviceWorkTileList):
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        if const_expr(self.cfg.dq_fragment_order):
+            sdQ = storage.sdQ.get_tensor(sdQ_layout)
+        else:
+            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
         sLSE2 = storage.sLSE2.get_tensor(sRow_layout)
         sDelta = storage.sDelta.get_tensor(sRow_layout)
         pipeline.pipeline_init_wait()
@@ -414,9 +427,14 @@ class HopperAttentionBackward(DeviceWorkTileList):
         cfg = self.cfg
         desc_dq = None
         row_batch = batch
+        first_tile = Int32(0)  # the sequence's first tile of the fragment-ordered accumulator
         if const_expr(cfg.varlen):
-            desc_dq = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.DQ)
+            if const_expr(cfg.dq_fragment_order):
+                first_tile = (seq.offset_q + batch * self.tile_m) // self.tile_m  # dq_layout.first_tile
+            else:
+                desc_dq = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.DQ)
             row_batch = Int32(0)
+        block = cfg.dq_rows_per_warpgroup * cfg.dq_cols_per_warpgroup
         # deterministic: the query tiles that K/V tile n_block - 1 adds into (none for tile 0)
         prev_start, prev_end = Int32(0), Int32(0)
         if const_expr(cfg.deterministic):
@@ -430,9 +448,11 @@ class HopperAttentionBackward(DeviceWorkTileList):
         t = Int32(0)
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
-            gdQ = cute.local_tile(mdQacc[None, None, head, row_batch],
-                                  (cfg.dq_rows_per_warpgroup, cfg.dq_cols_per_warpgroup), (None, None))
-            tdQs, tdQg = tma_tiles(tma_dq, sdQ, gdQ)
+            tdQs = tdQg = None
+            if const_expr(not cfg.dq_fragment_order):
+                gdQ = cute.local_tile(mdQacc[None, None, head, row_batch],
+                                      (cfg.dq_rows_per_warpgroup, cfg.dq_cols_per_warpgroup), (None, None))
+                tdQs, tdQg = tma_tiles(tma_dq, sdQ, gdQ)
             for i in cutlass.range(m_start, m_end, unroll=1):
                 m_block = self.query_tile_at(i, m_start, m_end)
                 turn = None
@@ -441,8 +461,18 @@ class HopperAttentionBackward(DeviceWorkTileList):
                     turn = self.wait_for_turn(mSemaphores, batch, head, m_block, n_block, has_predecessor)
                 for wg in cutlass.range_constexpr(2):
                     cute.arch.barrier(barrier_id=NamedBarrierBwd.DQ_FULL + wg, number_of_threads=_WG + 32)
-                    half = tdQg[None, 2 * m_block + wg, 0] if const_expr(cfg.dq_split_rows) else tdQg[None, m_block, wg]
-                    cute.copy(tma_dq, tdQs[None, wg], half, tma_desc_ptr=desc_dq)
+                    if const_expr(cfg.dq_fragment_order):
+                        if const_expr(cfg.varlen):
+                            tile = mdQacc[head, first_tile + m_block, None]
+                        else:
+                            tile = mdQacc[batch, head, m_block, None]
+                        with cute.arch.elect_one():
+                            bulk_reduce_add_f32(tile.iterator + wg * block, sdQ[None, None, None, wg].iterator,
+                                                block * 4)
+                    else:
+                        half = (tdQg[None, 2 * m_block + wg, 0] if const_expr(cfg.dq_split_rows)
+                                else tdQg[None, m_block, wg])
+                        cute.copy(tma_dq, tdQs[None, wg], half, tma_desc_ptr=desc_dq)
                     cute.arch.cp_async_bulk_commit_group()
                 if const_expr(cfg.deterministic):
                     self.pass_turn(turn, n_block)
@@ -493,7 +523,11 @@ class HopperAttentionBackward(DeviceWorkTileList):
         acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tile_n, d)), Float32)
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
-        tdQsdQ = thr_dq.partition_C(sdQ[None, None, wg])
+        if const_expr(cfg.dq_fragment_order):
+            # this thread's accumulator registers 4k..4k+3 as chunk k: one 16-byte store each
+            tdQsdQ = sdQ[None, tidx % _WG, None, wg]
+        else:
+            tdQsdQ = thr_dq.partition_C(sdQ[None, None, wg])
         # dS^T from the accumulator registers into shared memory, 8x8 blocks at a time
         st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_st = cute.make_tiled_copy_C(st_atom, mma_sdp).get_slice(tidx)
@@ -582,7 +616,10 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 cute.arch.barrier(barrier_id=NamedBarrierBwd.DQ_EMPTY + wg, number_of_threads=_WG + 32)
                 if const_expr(not cfg.ds_prescaled):
                     acc_dq.store(acc_dq.load() * score_scale)
-                cute.autovec_copy(acc_dq, tdQsdQ)
+                if const_expr(cfg.dq_fragment_order):
+                    cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout(tdQsdQ.shape)), tdQsdQ)
+                else:
+                    cute.autovec_copy(acc_dq, tdQsdQ)
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=NamedBarrierBwd.DQ_FULL + wg, number_of_threads=_WG + 32)
                 warpgroup.wait_group(0)

@@ -372,6 +372,10 @@ class HopperBackwardConfig:
         thread held 64 pairs; at D=64 it measured no clear gain (docs/performance.md)."""
         return self.head_dim == 128
 
+    #: dQ staged and added in the order of the MMA's fragments (``dq_layout.py``: 16-byte stores,
+    #: one bulk reduce per warpgroup, FA4's layout) rather than as row-major tiles by a TMA
+    #: reduce-add; a lab variant until timed
+    dq_fragment_order = False
     #: dK is staged in K's buffer while dV's TMA store still reads V's (each buffer is staged
     #: once); a lab variant waits for dV's store first, as before
     dk_staged_under_dv_store = True
@@ -391,7 +395,8 @@ class HopperBackwardConfig:
 
     @property
     def sequence_descriptors(self) -> int:
-        """Varlen: TMA descriptors per sequence (q, k, v, dO, the dQ accumulator; dK, dV)."""
+        """Varlen: TMA descriptors per sequence (q, k, v, dO, the dQ accumulator; dK, dV; the
+        fragment-ordered accumulator's slot stays unused)."""
         return 7 if self.dkv_store_tma else 5
 
     @property
