@@ -103,6 +103,10 @@ BACKWARD_VARIANTS = {
     # 42.0k samples with their fence at D=128 against FA4's 24.5k); the accumulator is zeroed by
     # torch and converted by torch ops for now (dq_layout.py)
     "fmha_bwd_dq_fragments": dict(dq_fragment_order=True),
+    # D=128: 80 query rows per step (FA3's and FA4's tile without a causal mask; ncu at S=4k, FA4's
+    # loop runs 416 steps per CTA to our 512 at about our cost per step), dQ computed transposed
+    # into the fragment-ordered accumulator
+    "fmha_bwd_m80": dict(tile_m=80, dq_fragment_order=True, head_dims=(128,)),
     # D=128: dS^T stored after dV's product is issued, the order before
     "fmha_bwd_ds_after_dv": dict(ds_stored_before_dv=False, head_dims=(128,)),
 }

@@ -11,8 +11,13 @@ from fmha.kernels.hopper.config import HopperBackwardConfig
 from fmha.masking import MaskKind
 
 
-def _cfg(head_dim, varlen=False):
-    return HopperBackwardConfig(torch.bfloat16, head_dim, MaskKind.NONE, False, False, False, varlen=varlen)
+def _cfg(head_dim, varlen=False, tile_m=None):
+    cfg = HopperBackwardConfig(torch.bfloat16, head_dim, MaskKind.NONE, False, False, False, varlen=varlen)
+    if tile_m is not None:  # the 80-row tile of lab variant fmha_bwd_m80
+        from lab.variants import backward_variant_config
+
+        cfg = backward_variant_config(cfg, tile_m=tile_m, dq_fragment_order=True)
+    return cfg
 
 
 def _fragment_position(t: int, v: int) -> tuple:
@@ -30,23 +35,26 @@ def _stage_like_the_kernel(tile: torch.Tensor, cfg) -> torch.Tensor:
         for t in range(128):
             for v in range(rows * cols // 128):
                 r, c = _fragment_position(t, v)
-                row, col = (wg * rows + r, c) if cfg.dq_split_rows else (r, wg * cols + c)
+                if cfg.dq_transposed:  # dQ^T: the MMA's rows are head dims, its columns query rows
+                    row, col = c, wg * cols + r
+                else:
+                    row, col = (wg * rows + r, c) if cfg.dq_split_rows else (r, wg * cols + c)
                 flat[wg * rows * cols + ((v // 4) * 128 + t) * 4 + v % 4] = tile[row, col]
     return flat
 
 
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_tile_rows_undo_the_staging_order(head_dim):
-    cfg = _cfg(head_dim)
+@pytest.mark.parametrize("head_dim,tile_m", [(32, None), (64, None), (128, None), (128, 80)])
+def test_tile_rows_undo_the_staging_order(head_dim, tile_m):
+    cfg = _cfg(head_dim, tile_m=tile_m)
     tiles = torch.randn(2, 3, cfg.tile_m, head_dim)  # (heads, tiles, rows, D)
     acc = torch.stack([torch.stack([_stage_like_the_kernel(t, cfg) for t in h]) for h in tiles])
     assert not acc.isnan().any()  # every float of the tile is some thread's register
     assert torch.equal(dq_layout.tile_rows(acc, cfg), tiles.reshape(2, 3 * cfg.tile_m, head_dim))
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_dense_copy_to_dq(head_dim):
-    cfg = _cfg(head_dim)
+@pytest.mark.parametrize("head_dim,tile_m", [(64, None), (128, None), (128, 80)])
+def test_dense_copy_to_dq(head_dim, tile_m):
+    cfg = _cfg(head_dim, tile_m=tile_m)
     batch, seqlen, heads = 2, 2 * cfg.tile_m - 5, 3
     q = torch.empty(batch, seqlen, heads, head_dim)
     acc = dq_layout.allocate(cfg, q, batch, heads, seqlen)
@@ -65,8 +73,8 @@ def test_varlen_sequences_own_separate_tiles():
     """Every sequence's rows land in tiles of their own, inside the allocation, and the copy back
     reads each packed row from its own place (empty and one-row sequences included)."""
     rng = random.Random(0)
-    for head_dim in (64, 128):
-        cfg = _cfg(head_dim, varlen=True)
+    for head_dim, tile_m in ((64, None), (128, None), (128, 80)):
+        cfg = _cfg(head_dim, varlen=True, tile_m=tile_m)
         for _ in range(8):
             lengths = [rng.choice([0, 1, rng.randrange(1, 300)]) for _ in range(rng.randrange(1, 7))]
             cu = [0]

@@ -225,3 +225,15 @@ def test_backward_dq_fragments_stage_with_16_byte_stores(head_dim, tmp_root):
     ins, _ = _backward_sass(head_dim, False, tmp_root, dq_fragment_order=True)
     assert sum("STS.128" in t for t in ins) == 8 and not any("STS.64" in t for t in ins)
     assert sum("UBLKRED" in t for t in ins) == 2 and not any("UTMAREDG" in t for t in ins)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_80_row_tile_keeps_its_registers(causal, tmp_root):
+    """Variant ``fmha_bwd_m80`` (D=128): 80 query rows per step, S^T and dP^T as 64x80 MMAs, dQ^T
+    over 128 keys as 64x80 MMAs and dV/dK over the 80 rows as 64x128 ones, every register kept
+    (S^T, dP^T and dQ^T hold 40 values per thread beside dK/dV's 128), dQ^T staged as 10 16-byte
+    stores."""
+    ins, _ = _backward_sass(128, causal, tmp_root, tile_m=80, dq_fragment_order=True)
+    assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
+    assert sum("HGMMA.64x80x16" in t for t in ins) == 3 * 8 and sum("HGMMA.64x128x16" in t for t in ins) == 2 * 5
+    assert sum("MUFU.EX2" in t for t in ins) == 40 and sum("STS.128" in t for t in ins) == 10

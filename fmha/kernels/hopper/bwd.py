@@ -87,6 +87,9 @@ class HopperAttentionBackward(DeviceWorkTileList):
         if cfg.dq_split_rows and cfg.tile_m != 2 * 64:
             raise ValueError(f"dq_split_rows gives each consumer warpgroup 64 query rows of dQ: it needs tile_m = 128, "
                              f"got {cfg.tile_m}")
+        if cfg.dq_transposed and not cfg.dq_fragment_order:
+            raise ValueError(f"a {cfg.tile_m}-row query tile computes dQ transposed, which only the fragment-ordered "
+                             f"dQ accumulator takes: set dq_fragment_order")
         self.cfg = cfg
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.row_box = cfg.tile_m + _ROW_ALIGN
@@ -126,10 +129,11 @@ class HopperAttentionBackward(DeviceWorkTileList):
         mma_dkv = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (2, 1, 1),
                                                    (64, d), warpgroup.OperandSource.RMEM)
         # dQ = dS K, one warpgroup per half of the head dim (or of the query rows,
-        # ``dq_split_rows``): M = queries, N = head dim, K = keys
+        # ``dq_split_rows``): M = queries, N = head dim, K = keys. ``dq_transposed``: dQ^T = K^T dS^T,
+        # M = the warpgroup's half of the head dim, N = queries
         dq_m, dq_n = cfg.dq_rows_per_warpgroup, cfg.dq_cols_per_warpgroup
         mma_dq = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, 1, 1),
-                                                  (64, dq_n))
+                                                  (64, dq_m if cfg.dq_transposed else dq_n))
         sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), self.dtype, 2)
         sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), self.dtype, 1)
         # dS^T double-buffered with the Q/dO stages: a warpgroup may write the next tile's while
@@ -137,7 +141,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
         sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, d, tile_m), self.dtype, 2)
         # each warpgroup's half of the dQ tile, added by its own reduce-add
         if const_expr(cfg.dq_fragment_order):  # (4 floats, thread, chunk) per warpgroup (dq_layout.py)
-            sdQ_layout = cute.make_layout((4, _WG, dq_n // 8, 2), stride=(1, 4, 4 * _WG, dq_m * dq_n))
+            chunks = (dq_m if cfg.dq_transposed else dq_n) // 8  # the MMA's N / 8
+            sdQ_layout = cute.make_layout((4, _WG, chunks, 2), stride=(1, 4, 4 * _WG, dq_m * dq_n))
         else:
             sdQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (dq_m, tile_n, dq_n), Float32, 2)
         # a tile's LSE and delta rows: TMA boxes start on 16-byte boundaries, so a packed sequence's
@@ -507,7 +512,13 @@ class HopperAttentionBackward(DeviceWorkTileList):
         tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         tVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sdO)))
         tKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sQ)))
-        if const_expr(cfg.dq_split_rows):
+        if const_expr(cfg.dq_transposed):
+            # this warpgroup's half of the head dim of K^T (dQ^T's A operand: d x keys), all of dS^T
+            # (its B operand: rows x keys)
+            sK_half = cute.local_tile(_transposed(sK)[None, None, 0], (d // 2, tile_n), (wg, 0))
+            tQrK = wg_dq.make_fragment_A(wg_dq.partition_A(sK_half))
+            tQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(_transposed(sdS)))
+        elif const_expr(cfg.dq_split_rows):
             # this warpgroup's query rows of dS (dQ's A operand: rows x keys), all of K
             dS_rows = cute.local_tile(_transposed(sdS), (cfg.dq_rows_per_warpgroup, tile_n), (wg, 0, None))
             tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(dS_rows))
@@ -547,7 +558,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 acc_dp = cute.make_rmem_tensor(s_shape, Float32)
                 issue_gemm(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, stage], True)
                 issue_gemm(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, stage], True)
-                # tiles start at multiples of 64 rows into the sequence
+                # tiles start at multiples of tile_m (of 4) rows into the sequence
                 skip = seq.offset_q % _ROW_ALIGN
                 # the columns' LSE, loaded while the products run where registers allow (loaded at
                 # its use, each exponential waited on it); D=64's 32 columns would spill
@@ -607,9 +618,14 @@ class HopperAttentionBackward(DeviceWorkTileList):
                     cute.copy(st_atom, thr_st.retile(ds16), tdSsdS[None, None, None, stage])
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=NamedBarrierBwd.DS_READY, number_of_threads=2 * _WG)
-                acc_dq = cute.make_rmem_tensor(
-                    thr_dq.partition_shape_C((cfg.dq_rows_per_warpgroup, cfg.dq_cols_per_warpgroup)), Float32)
-                issue_gemm(mma_dq, acc_dq, tQrdS[None, None, None, stage], tQrK, True)
+                if const_expr(cfg.dq_transposed):
+                    acc_dq = cute.make_rmem_tensor(
+                        thr_dq.partition_shape_C((cfg.dq_cols_per_warpgroup, cfg.dq_rows_per_warpgroup)), Float32)
+                    issue_gemm(mma_dq, acc_dq, tQrK, tQrdS[None, None, None, stage], True)
+                else:
+                    acc_dq = cute.make_rmem_tensor(
+                        thr_dq.partition_shape_C((cfg.dq_rows_per_warpgroup, cfg.dq_cols_per_warpgroup)), Float32)
+                    issue_gemm(mma_dq, acc_dq, tQrdS[None, None, None, stage], tQrK, True)
                 issue_gemm(mma_dkv, acc_dk, as_operand_a(ds16), tKrQ[None, None, None, stage], False)
                 warpgroup.wait_group(1)  # dV and dQ are done; dK still runs
                 # stage this warpgroup's half of dQ once the writer's last add has read it

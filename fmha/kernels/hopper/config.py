@@ -400,6 +400,13 @@ class HopperBackwardConfig:
         return 7 if self.dkv_store_tma else 5
 
     @property
+    def dq_transposed(self) -> bool:
+        """A query tile that 64-row MMAs do not split (FA3's and FA4's 80 rows at D=128): dQ^T = K^T
+        dS^T, each warpgroup its half of the head dim as M over all the tile's rows (needs
+        ``dq_fragment_order``)."""
+        return self.tile_m % 64 != 0
+
+    @property
     def dq_rows_per_warpgroup(self) -> int:
         """Query rows of one warpgroup's dQ product (all rows when it is split by head dim)."""
         return self.tile_m // 2 if self.dq_split_rows else self.tile_m

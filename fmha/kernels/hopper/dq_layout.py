@@ -58,13 +58,16 @@ def tile_rows(acc: torch.Tensor, cfg) -> torch.Tensor:
     d, rows, cols = cfg.head_dim, cfg.dq_rows_per_warpgroup, cfg.dq_cols_per_warpgroup
     lead = acc.shape[:-1]
     n = len(lead)
-    # (block, chunk, warp, row in 8, column pair, row half, column in pair)
+    # (block, chunk, warp, MMA row in 8, column pair, row half, column in pair); the MMA's rows are
+    # 4 warps x 16, its columns chunks x 8
     blk, k, w, r8, q, h, e = range(n, n + 7)
-    if cfg.dq_split_rows:  # block = which 64 of the tile's rows
-        order = (blk, w, h, r8, k, q, e)
+    if cfg.dq_transposed:  # the MMA's rows are the block's half of the head dim, its columns the tile's rows
+        order, chunks = (k, q, e, blk, w, h, r8), rows // 8
+    elif cfg.dq_split_rows:  # block = which 64 of the tile's rows
+        order, chunks = (blk, w, h, r8, k, q, e), cols // 8
     else:  # block = which half of the head dim
-        order = (w, h, r8, blk, k, q, e)
-    frag = acc.view(*lead, 2, cols // 8, rows // 16, 8, 4, 2, 2).permute(*range(n), *order)
+        order, chunks = (w, h, r8, blk, k, q, e), cols // 8
+    frag = acc.view(*lead, 2, chunks, 4, 8, 4, 2, 2).permute(*range(n), *order)
     return frag.reshape(*lead[:-1], lead[-1] * cfg.tile_m, d)
 
 
