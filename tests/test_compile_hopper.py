@@ -378,3 +378,20 @@ def test_tma_stored_dkv_narrow_two_more_descriptors_for_packed_batches(tmp_path)
     ptx = next(tmp_path.glob("*.ptx")).read_text()
     assert ptx.count("tensormap.replace.tile.global_address") == 7
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.tile", ptx)) == 4  # dK, dV: 2 boxes each
+
+
+@pytest.mark.parametrize("name", ["fmha_bwd_dq_fragments", "fmha_bwd_m80"])
+def test_dq_conversion_compiles_for_the_fragment_variants(name):
+    """The pass that turns the fragment-ordered dQ accumulator into dQ (``dq_convert.py``) builds
+    for every head dim, dtype and layout the variants use, dense and packed."""
+    from fmha.kernels.hopper.backend import compile_dq_convert
+    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.kernels.hopper.dq_convert import DqConvertConfig
+    from fmha.masking import MaskKind
+
+    overrides = dict(BACKWARD_VARIANTS[name])
+    for d in overrides.pop("head_dims", (32, 64, 128)):
+        for dtype in (torch.bfloat16, torch.float16):
+            for varlen in (False, True):
+                base = HopperBackwardConfig(dtype, d, MaskKind.NONE, False, False, False, varlen=varlen)
+                compile_dq_convert(DqConvertConfig.of(backward_variant_config(base, **overrides)))

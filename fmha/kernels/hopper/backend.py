@@ -338,6 +338,19 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
     )
 
 
+def compile_dq_convert(cfg, extra_options: str = ""):
+    """Compile the conversion of the fragment-ordered dQ accumulator (``dq_convert.py``) for sm_90a."""
+    import cutlass
+
+    from .dq_convert import DqConvert
+
+    rank = 3 if cfg.varlen else 4
+    acc = fake_rows(cutlass.Float32, rank, cfg.tile_m * cfg.head_dim)
+    dq = fake_rows(cutlass_dtype(cfg.dtype), rank, cfg.head_dim)
+    cu_q = fake_vector(cutlass.Int32) if cfg.varlen else None
+    return compile_for(ARCH, DqConvert(cfg), acc, dq, cu_q, cutlass.Int32(1), extra_options=extra_options)
+
+
 def compile_backward_rows(cfg, extra_options: str = ""):
     """Compile the backward's row pass (``kernels/common/backward_rows.py``) for sm_90a."""
     import cutlass
@@ -360,6 +373,7 @@ class HopperBackwardRunner:
         self.cfg = cfg
         self.compiled = compiled
         self._row_passes = {}
+        self._dq_convert = None
 
     def row_pass(self, has_dlse: bool) -> Callable:
         compiled = self._row_passes.get(has_dlse)
@@ -370,6 +384,13 @@ class HopperBackwardRunner:
                                      zeroes_dq=not self.cfg.dq_fragment_order)
             compiled = self._row_passes[has_dlse] = disk_cache.load_or_compile(cfg, compile_backward_rows)
         return compiled
+
+    def dq_convert(self) -> Callable:
+        if self._dq_convert is None:
+            from .dq_convert import DqConvertConfig
+
+            self._dq_convert = disk_cache.load_or_compile(DqConvertConfig.of(self.cfg), compile_dq_convert)
+        return self._dq_convert
 
     def dq_accumulator(self, problem: AttentionProblem, q):
         """The fp32 dQ the kernel adds into: q's layout, zeroed by the row pass; or the order of
@@ -426,7 +447,7 @@ class HopperBackwardRunner:
             m.window_right if self.cfg.window_right_bounded else None,
         )
         if self.cfg.dq_fragment_order:
-            dq_layout.copy_to_dq(dq_acc, dq, self.cfg, cu_seqlens_q)
+            self.dq_convert()(dq_acc, dq, cu_seqlens_q if self.cfg.varlen else None, problem.seqlen_q)
         else:
             dq.copy_(dq_acc)  # scaled by the kernel
 

@@ -72,8 +72,9 @@ def tile_rows(acc: torch.Tensor, cfg) -> torch.Tensor:
 
 
 def copy_to_dq(acc: torch.Tensor, dq: torch.Tensor, cfg, cu_seqlens_q=None):
-    """dq (q's dtype, (B, S, H, D) or varlen (T, H, D)) = the accumulator's rows. Varlen: each
-    packed row's place in the accumulator is computed on the device (no read of the offsets)."""
+    """dq (q's dtype, (B, S, H, D) or varlen (T, H, D)) = the accumulator's rows, by torch ops:
+    the reference of the conversion kernel (``dq_convert.py``). Varlen: each packed row's place in
+    the accumulator is computed on the device (no read of the offsets)."""
     rows = tile_rows(acc, cfg)
     if not cfg.varlen:
         dq.copy_(rows[:, :, :dq.shape[1]].permute(0, 2, 1, 3))
