@@ -71,6 +71,8 @@ from .wgmma import issue_gemm
 
 #: rows of fp32 in 16 bytes: a TMA box's first row is a multiple of it
 _ROW_ALIGN = 4
+#: bytes of shared memory one CTA may use on SM90 (227 KB)
+_SMEM_LIMIT = 232448
 #: query columns of a thread's S^T fragment whose LSE it holds in registers for a tile (D=128's 64-row tile)
 _HELD_COLUMNS = 16
 
@@ -90,6 +92,9 @@ class HopperAttentionBackward(DeviceWorkTileList):
         if cfg.dq_transposed and not cfg.dq_fragment_order:
             raise ValueError(f"a {cfg.tile_m}-row query tile computes dQ transposed, which only the fragment-ordered "
                              f"dQ accumulator takes: set dq_fragment_order")
+        if cfg.dq_transposed and cfg.dq_cols_per_warpgroup != 64:
+            raise ValueError(f"dQ^T takes each warpgroup's half of the head dim as the MMA's 64 rows: a {cfg.tile_m}-row "
+                             f"query tile needs head_dim 128, got {cfg.head_dim}")
         self.cfg = cfg
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.row_box = cfg.tile_m + _ROW_ALIGN
@@ -188,6 +193,9 @@ class HopperAttentionBackward(DeviceWorkTileList):
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
+        if const_expr(SharedStorage.size_in_bytes() > _SMEM_LIMIT):
+            raise ValueError(f"the backward's shared memory ({SharedStorage.size_in_bytes()} bytes at tile_m "
+                             f"{tile_m}, head_dim {d}) exceeds the {_SMEM_LIMIT} a Hopper CTA may use")
         self.shared_storage = SharedStorage
         seqlen_k = max_seqlen_k if const_expr(varlen) else k.shape[0]
         num_n_blocks = (seqlen_k + tile_n - 1) // tile_n
