@@ -100,8 +100,8 @@ BACKWARD_VARIANTS = {
     "fmha_bwd_exp_interleave": dict(exps_before_dp_wait=False, ds_stored_before_dv=False, head_dims=(128,)),
     # dQ staged in the order of the MMA's fragments with 16-byte stores and added by one bulk
     # reduce per warpgroup (FA4's layout; ncu at S=4k: our 16 STS.64 per thread and tile held
-    # 42.0k samples with their fence at D=128 against FA4's 24.5k); the accumulator is zeroed by
-    # torch (the row pass does not know its layout yet) and converted by dq_convert.py
+    # 42.0k samples with their fence at D=128 against FA4's 24.5k); the row pass zeroes the
+    # accumulator in that order and dq_convert.py converts it
     "fmha_bwd_dq_fragments": dict(dq_fragment_order=True),
     # D=128: 80 query rows per step (FA3's and FA4's tile without a causal mask; ncu at S=4k, FA4's
     # loop runs 416 steps per CTA to our 512 at about our cost per step), dQ computed transposed

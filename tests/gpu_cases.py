@@ -506,15 +506,14 @@ def backward_config(case: Case, torch):
 
 @contextlib.contextmanager
 def _poisoned_dq_accumulator(torch):
-    """The Hopper backward's fp32 dQ accumulator handed out filled with NaN: a row the row pass
-    fails to zero turns dQ to NaN (the fragment-ordered accumulator is allocated zeroed)."""
+    """The Hopper backward's fp32 dQ accumulator (either layout) handed out filled with NaN: a
+    row the row pass fails to zero turns dQ to NaN."""
     from fmha.kernels.hopper.backend import HopperBackwardRunner
 
     plain = HopperBackwardRunner.dq_accumulator
 
     def poisoned(self, problem, q):
-        acc = plain(self, problem, q)
-        return acc if self.cfg.dq_fragment_order else acc.fill_(math.nan)
+        return plain(self, problem, q).fill_(math.nan)
 
     HopperBackwardRunner.dq_accumulator = poisoned
     try:

@@ -382,16 +382,24 @@ def test_tma_stored_dkv_narrow_two_more_descriptors_for_packed_batches(tmp_path)
 
 @pytest.mark.parametrize("name", ["fmha_bwd_dq_fragments", "fmha_bwd_m80"])
 def test_dq_conversion_compiles_for_the_fragment_variants(name):
-    """The pass that turns the fragment-ordered dQ accumulator into dQ (``dq_convert.py``) builds
-    for every head dim, dtype and layout the variants use, dense and packed."""
+    """The passes around the fragment-ordered dQ accumulator, the row pass that zeroes it and the
+    conversion into dQ (``dq_convert.py``), build for every head dim, dtype and layout the variants
+    use, dense and packed."""
     from fmha.kernels.hopper.backend import compile_dq_convert
     from fmha.kernels.hopper.config import HopperBackwardConfig
     from fmha.kernels.hopper.dq_convert import DqConvertConfig
     from fmha.masking import MaskKind
+
+    from fmha.kernels.common.backward_rows import BackwardRowsConfig
+    from fmha.kernels.hopper import dq_layout
+    from fmha.kernels.hopper.backend import compile_backward_rows
 
     overrides = dict(BACKWARD_VARIANTS[name])
     for d in overrides.pop("head_dims", (32, 64, 128)):
         for dtype in (torch.bfloat16, torch.float16):
             for varlen in (False, True):
                 base = HopperBackwardConfig(dtype, d, MaskKind.NONE, False, False, False, varlen=varlen)
-                compile_dq_convert(DqConvertConfig.of(backward_variant_config(base, **overrides)))
+                cfg = backward_variant_config(base, **overrides)
+                compile_dq_convert(DqConvertConfig.of(cfg))
+                # and the row pass that zeroes the accumulator in that order
+                compile_backward_rows(BackwardRowsConfig(dtype, d, varlen, False, dq_layout.geometry(cfg)))

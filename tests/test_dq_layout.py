@@ -95,3 +95,23 @@ def test_varlen_sequences_own_separate_tiles():
             for b, n in enumerate(lengths):
                 start = dq_layout.first_tile(cu[b], b, cfg.tile_m) * cfg.tile_m
                 assert torch.equal(dq[cu[b]:cu[b] + n], rows[:, start:start + n].permute(1, 0, 2))
+
+
+@pytest.mark.parametrize("head_dim,tile_m", [(32, None), (64, None), (128, None), (128, 80)])
+def test_the_row_pass_zeroes_each_rows_own_values(head_dim, tile_m):
+    """``backward_rows.fragment_offset`` (what the row pass zeroes, and where): every (row, column)
+    of a tile at a distinct offset, the one the host's un-permute reads it from; a thread's 8
+    columns at one 8-byte pair per quad thread where the MMA's rows are the tile's."""
+    from fmha.kernels.common.backward_rows import FragmentOrder, fragment_offset
+
+    cfg = _cfg(head_dim, tile_m=tile_m)
+    f = FragmentOrder(*dq_layout.geometry(cfg))
+    flat = torch.arange(cfg.tile_m * head_dim, dtype=torch.float64)
+    rows = dq_layout.tile_rows(flat.view(1, -1), cfg)
+    offsets = {}
+    for r in range(cfg.tile_m):
+        for c in range(head_dim):
+            at = fragment_offset(f, r, c)
+            assert rows[r, c] == at and offsets.setdefault(at, (r, c)) == (r, c)
+            if not cfg.dq_transposed and c % 2 == 0:
+                assert at % 2 == 0 and fragment_offset(f, r, c + 1) == at + 1

@@ -31,9 +31,11 @@ class BackwardRowsConfig:
     head_dim: int
     varlen: bool
     has_dlse: bool
-    #: zeroes the rows of a (B, S, H, D) / (T, H, D) dQ accumulator (the main kernel's other
-    #: accumulator layout comes zeroed)
-    zeroes_dq: bool = True
+    #: the dQ accumulator's layout: () its rows in q's layout, (B, S, H, D) / (T, H, D); else the
+    #: geometry of the Hopper backward's fragment-ordered one (``FragmentOrder``): (B, H, tiles,
+    #: tile_m * D) / (H, tiles, tile_m * D), varlen sequence b's tiles from (cu_seqlens[b] + b *
+    #: tile_m) // tile_m (``kernels/hopper/dq_layout.py``)
+    dq_fragments: tuple = ()
 
     @property
     def threads_per_row(self) -> int:
@@ -47,6 +49,34 @@ class BackwardRowsConfig:
                              f"of two up to 32, got head_dim {self.head_dim} of {self.dtype}")
 
 
+@dataclass(frozen=True)
+class FragmentOrder:
+    """Where a row's dQ values sit in a tile of the fragment-ordered accumulator: two blocks of
+    ``block_rows x block_cols`` (one per consumer warpgroup of the MMA that made them), each 16-byte
+    chunk k of MMA thread t at (k * 128 + t) * 4. The MMA's rows are the tile's rows (the blocks
+    split the head dim, or with ``split_rows`` the rows), or with ``transposed`` the head dim."""
+
+    tile_m: int
+    block_rows: int
+    block_cols: int
+    split_rows: bool
+    transposed: bool
+
+
+def fragment_offset(f: FragmentOrder, row, col):
+    """The float offset, within its tile, of (tile row ``row``, head-dim column ``col``); plain
+    arithmetic, so the same function serves Python ints (tests) and the kernel's values. An m64
+    wgmma accumulator holds (MMA row m, column n) in thread 32 (m // 16) + 4 (m % 8) + (n % 8) // 2,
+    register 4 (n // 8) + 2 ((m // 8) % 2) + n % 2: chunk n // 8 of that thread."""
+    if f.transposed:
+        blk, m, n = col // f.block_cols, col % f.block_cols, row
+    else:
+        blk = row // f.block_rows if f.split_rows else col // f.block_cols
+        m, n = row % f.block_rows, col % f.block_cols
+    thread = 32 * (m // 16) + 4 * (m % 8) + (n % 8) // 2
+    return blk * f.block_rows * f.block_cols + ((n // 8) * 128 + thread) * 4 + 2 * ((m // 8) % 2) + n % 2
+
+
 class BackwardRows:
     def __init__(self, cfg: BackwardRowsConfig):
         self.cfg = cfg
@@ -54,21 +84,22 @@ class BackwardRows:
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: Optional[cute.Tensor],
-                 mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: Optional[cute.Tensor], delta_scale: Float32,
-                 stream: cuda.CUstream):
-        """O, dO, dQaccum: (B, S, H, D) or varlen (T, H, D); LSE, dLSE, LSE2, delta: (B, H, S) or (H, T)."""
+                 mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor],
+                 delta_scale: Float32, stream: cuda.CUstream):
+        """O, dO: (B, S, H, D) or varlen (T, H, D); LSE, dLSE, LSE2, delta: (B, H, S) or (H, T); dQaccum:
+        see ``dq_fragments``; cu_seqlens (B + 1,): varlen with fragment order only."""
         if const_expr(self.cfg.varlen):
             rows, heads, batches = mO.shape[0], mO.shape[1], 1
         else:
             rows, heads, batches = mO.shape[1], mO.shape[2], mO.shape[0]
-        self.kernel(mO, mdO, mLSE, mdLSE, mLSE2, mDelta, mdQaccum, delta_scale, rows).launch(
+        self.kernel(mO, mdO, mLSE, mdLSE, mLSE2, mDelta, mdQaccum, mCuSeqlensQ, delta_scale, rows).launch(
             grid=[(rows + self.rows_per_cta - 1) // self.rows_per_cta, heads, batches], block=[THREADS_PER_CTA, 1, 1],
             stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: Optional[cute.Tensor],
-               mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: Optional[cute.Tensor], delta_scale: Float32,
-               rows: Int32):
+               mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor],
+               delta_scale: Float32, rows: Int32):
         group = self.cfg.threads_per_row
         piece = LOAD_BYTES // self.cfg.dtype.itemsize  # elements of O per thread
         tidx, _, _ = cute.arch.thread_idx()
@@ -87,7 +118,9 @@ class BackwardRows:
             cute.autovec_copy(o_piece, o)
             cute.autovec_copy(do_piece, do)
             partial = (o.load().to(Float32) * do.load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            if const_expr(mdQaccum is not None):
+            if const_expr(self.cfg.dq_fragments):
+                self.zero_fragment_row(mdQaccum, mCuSeqlensQ, row, head, batch, lane * piece)
+            else:
                 dq_row = mdQaccum[row, head, None] if const_expr(self.cfg.varlen) else mdQaccum[batch, row, head, None]
                 dq_piece = cute.local_tile(dq_row, (piece,), (lane,))
                 zeros = cute.make_rmem_tensor(dq_piece.layout, Float32)
@@ -107,3 +140,33 @@ class BackwardRows:
             if lse == -Float32(math.inf):
                 lse2 = Float32(math.inf)
             mLSE2[at] = lse2
+
+    @cute.jit
+    def zero_fragment_row(self, mdQaccum: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor], row, head, batch, col0):
+        """Zero the 8 values of columns ``col0 ..`` of query row ``row`` in the fragment-ordered
+        accumulator (the rows past a sequence's end in its last tile are never read: left as they are)."""
+        f = FragmentOrder(*self.cfg.dq_fragments)
+        if const_expr(self.cfg.varlen):
+            # the sequence of this packed row: the last b with cu_seqlens[b] <= row (empty ones skipped)
+            lo, hi = Int32(0), Int32(mCuSeqlensQ.shape[0] - 2)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if mCuSeqlensQ[mid] <= row:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            start = mCuSeqlensQ[lo]
+            padded = (start + lo * f.tile_m) // f.tile_m * f.tile_m + (row - start)
+            tile = mdQaccum[head, padded // f.tile_m, None]
+        else:
+            padded = row
+            tile = mdQaccum[batch, head, padded // f.tile_m, None]
+        r = padded % f.tile_m
+        if const_expr(f.transposed):  # the 8 head dims are 8 MMA rows: 8 threads' registers
+            for i in cutlass.range_constexpr(8):
+                tile[fragment_offset(f, r, col0 + i)] = Float32(0.0)
+        else:  # the 8 columns are 2 registers of each thread of a quad
+            zeros = cute.make_rmem_tensor((2,), Float32)
+            zeros.fill(0.0)
+            for q in cutlass.range_constexpr(4):
+                cute.autovec_copy(zeros, cute.local_tile(tile, (2,), (fragment_offset(f, r, col0 + 2 * q) // 2,)))

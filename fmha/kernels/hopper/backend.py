@@ -360,9 +360,13 @@ def compile_backward_rows(cfg, extra_options: str = ""):
     rank = 3 if cfg.varlen else 4
     o, do = (fake_rows(cutlass_dtype(cfg.dtype), rank, cfg.head_dim) for _ in range(2))
     lse, dlse, lse2, delta = (fake_rows(cutlass.Float32, rank - 1, None, align_bytes=4) for _ in range(4))
-    dq_accum = fake_rows(cutlass.Float32, rank, cfg.head_dim) if cfg.zeroes_dq else None
+    if cfg.dq_fragments:  # (B, H, tiles, tile floats) or varlen (H, tiles, tile floats)
+        dq_accum = fake_rows(cutlass.Float32, rank, cfg.dq_fragments[0] * cfg.head_dim)
+    else:
+        dq_accum = fake_rows(cutlass.Float32, rank, cfg.head_dim)
+    cu_q = fake_vector(cutlass.Int32) if cfg.varlen and cfg.dq_fragments else None
     return compile_for(ARCH, BackwardRows(cfg), o, do, lse, dlse if cfg.has_dlse else None, lse2, delta, dq_accum,
-                       cutlass.Float32(1.0), extra_options=extra_options)
+                       cu_q, cutlass.Float32(1.0), extra_options=extra_options)
 
 
 class HopperBackwardRunner:
@@ -380,8 +384,8 @@ class HopperBackwardRunner:
         if compiled is None:
             from ..common.backward_rows import BackwardRowsConfig
 
-            cfg = BackwardRowsConfig(self.cfg.dtype, self.cfg.head_dim, self.cfg.varlen, has_dlse,
-                                     zeroes_dq=not self.cfg.dq_fragment_order)
+            fragments = dq_layout.geometry(self.cfg) if self.cfg.dq_fragment_order else ()
+            cfg = BackwardRowsConfig(self.cfg.dtype, self.cfg.head_dim, self.cfg.varlen, has_dlse, fragments)
             compiled = self._row_passes[has_dlse] = disk_cache.load_or_compile(cfg, compile_backward_rows)
         return compiled
 
@@ -393,10 +397,10 @@ class HopperBackwardRunner:
         return self._dq_convert
 
     def dq_accumulator(self, problem: AttentionProblem, q):
-        """The fp32 dQ the kernel adds into: q's layout, zeroed by the row pass; or the order of
-        the MMA's fragments (``dq_layout.py``), zeroed here."""
+        """The fp32 dQ the kernel adds into, in q's layout or in the order of the MMA's fragments
+        (``dq_layout.py``); the row pass zeroes it."""
         if self.cfg.dq_fragment_order:
-            return dq_layout.allocate(self.cfg, q, problem.batch, problem.num_heads_q, problem.seqlen_q)
+            return dq_layout.allocate(self.cfg, q, problem.batch, problem.num_heads_q, problem.seqlen_q, zeroed=False)
         return torch.empty(q.shape, dtype=torch.float32, device=q.device)
 
     def __call__(self, problem: AttentionProblem, dout, q, k, v, out, lse, dlse, dq, dk, dv,
@@ -413,8 +417,8 @@ class HopperBackwardRunner:
         padded = torch.empty(lse.shape[:-1] + (2, -(-rows // 4) * 4), dtype=torch.float32, device=lse.device)
         lse2, delta = padded.select(-2, 0), padded.select(-2, 1)
         dq_acc = self.dq_accumulator(problem, q)
-        self.row_pass(dlse is not None)(out, dout, lse, dlse, lse2[..., :rows], delta[..., :rows],
-                                        None if self.cfg.dq_fragment_order else dq_acc,
+        self.row_pass(dlse is not None)(out, dout, lse, dlse, lse2[..., :rows], delta[..., :rows], dq_acc,
+                                        cu_seqlens_q if self.cfg.varlen and self.cfg.dq_fragment_order else None,
                                         problem.score_scale if self.cfg.ds_prescaled else 1.0)
         if self.cfg.varlen:  # (H, T) -> (1, H, T): the kernel reads both layouts as (B, H, S)
             lse2, delta = lse2.unsqueeze(0), delta.unsqueeze(0)

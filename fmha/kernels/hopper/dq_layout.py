@@ -43,14 +43,20 @@ def varlen_tiles(total_q: int, batch: int, tile_m: int) -> int:
     return total_q // tile_m + batch + 1
 
 
-def allocate(cfg, q: torch.Tensor, batch: int, heads: int, seqlen_q: int) -> torch.Tensor:
-    """The zeroed accumulator for ``q`` ((B, S, H, D), or varlen (T, H, D) with ``batch``
-    sequences)."""
+def geometry(cfg) -> tuple:
+    """The row pass's ``dq_fragments`` (``kernels/common/backward_rows.FragmentOrder``) of ``cfg``:
+    it zeroes each row's values in the accumulator."""
+    return (cfg.tile_m, cfg.dq_rows_per_warpgroup, cfg.dq_cols_per_warpgroup, cfg.dq_split_rows, cfg.dq_transposed)
+
+
+def allocate(cfg, q: torch.Tensor, batch: int, heads: int, seqlen_q: int, zeroed: bool = True) -> torch.Tensor:
+    """The accumulator for ``q`` ((B, S, H, D), or varlen (T, H, D) with ``batch`` sequences);
+    zeroed, or left for the row pass to zero."""
     if cfg.varlen:
         shape = (heads, varlen_tiles(q.shape[0], batch, cfg.tile_m), tile_floats(cfg))
     else:
         shape = (batch, heads, -(-seqlen_q // cfg.tile_m), tile_floats(cfg))
-    return torch.zeros(shape, dtype=torch.float32, device=q.device)
+    return (torch.zeros if zeroed else torch.empty)(shape, dtype=torch.float32, device=q.device)
 
 
 def tile_rows(acc: torch.Tensor, cfg) -> torch.Tensor:
