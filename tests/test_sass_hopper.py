@@ -237,3 +237,14 @@ def test_backward_80_row_tile_keeps_its_registers(causal, tmp_root):
     assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
     assert sum("HGMMA.64x80x16" in t for t in ins) == 3 * 8 and sum("HGMMA.64x128x16" in t for t in ins) == 2 * 5
     assert sum("MUFU.EX2" in t for t in ins) == 40 and sum("STS.128" in t for t in ins) == 10
+
+
+def test_backward_dv_early_issues_dv_before_the_dp_wait(tmp_root):
+    """Variant ``fmha_bwd_dv_early`` (D=128): dV's four 64x128x16 MMAs are issued between the wait
+    for S^T and the wait for dP^T (which then leaves one group, dV, running), so the tensor cores
+    run dV while dS is computed; no local memory without a mask."""
+    ins, _ = _backward_sass(128, False, tmp_root, dv_issued_before_ds=True)
+    waits = [i for i, t in enumerate(ins) if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in t]
+    dv = [i for i, t in enumerate(ins) if "HGMMA.64x128x16" in t]
+    assert len(dv) == 8 and waits[0] < dv[0] < dv[3] < waits[1] < dv[4]  # this tile's dV, then dK
+    assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]

@@ -376,6 +376,9 @@ class HopperBackwardConfig:
     #: one bulk reduce per warpgroup, FA4's layout) rather than as row-major tiles by a TMA
     #: reduce-add; a lab variant until timed
     dq_fragment_order = False
+    #: dV's product issued as soon as P is packed, before the wait for dP^T, so that it runs
+    #: while dS is computed (a lab variant; dV otherwise follows dS's arithmetic)
+    dv_issued_before_ds = False
     #: dK is staged in K's buffer while dV's TMA store still reads V's (each buffer is staged
     #: once); a lab variant waits for dV's store first, as before
     dk_staged_under_dv_store = True
