@@ -391,7 +391,6 @@ def test_dq_conversion_compiles_for_the_fragment_variants(name):
     from fmha.masking import MaskKind
 
     from fmha.kernels.common.backward_rows import BackwardRowsConfig
-    from fmha.kernels.hopper import dq_layout
     from fmha.kernels.hopper.backend import compile_backward_rows
 
     overrides = dict(BACKWARD_VARIANTS[name])
@@ -402,4 +401,4 @@ def test_dq_conversion_compiles_for_the_fragment_variants(name):
                 cfg = backward_variant_config(base, **overrides)
                 compile_dq_convert(DqConvertConfig.of(cfg))
                 # and the row pass that zeroes the accumulator in that order
-                compile_backward_rows(BackwardRowsConfig(dtype, d, varlen, False, dq_layout.geometry(cfg)))
+                compile_backward_rows(BackwardRowsConfig(dtype, d, varlen, False, cfg.tile_m))

@@ -98,20 +98,40 @@ def test_varlen_sequences_own_separate_tiles():
 
 
 @pytest.mark.parametrize("head_dim,tile_m", [(32, None), (64, None), (128, None), (128, 80)])
-def test_the_row_pass_zeroes_each_rows_own_values(head_dim, tile_m):
-    """``backward_rows.fragment_offset`` (what the row pass zeroes, and where): every (row, column)
-    of a tile at a distinct offset, the one the host's un-permute reads it from; a thread's 8
-    columns at one 8-byte pair per quad thread where the MMA's rows are the tile's."""
-    from fmha.kernels.common.backward_rows import FragmentOrder, fragment_offset
+@pytest.mark.parametrize("varlen", [False, True])
+def test_the_row_pass_zeroes_every_value_the_conversion_reads(head_dim, tile_m, varlen):
+    """``backward_rows.tile_rows_zeroed`` (what the row pass zeroes, row by row, in contiguous
+    spans that ignore the fragments' order): replayed on a NaN-filled accumulator, every value the
+    conversion reads for a real row is zeroed, with lengths that are not multiples of the tile,
+    and empty and one-row sequences."""
+    from fmha.kernels.common.backward_rows import tile_rows_zeroed
 
-    cfg = _cfg(head_dim, tile_m=tile_m)
-    f = FragmentOrder(*dq_layout.geometry(cfg))
-    flat = torch.arange(cfg.tile_m * head_dim, dtype=torch.float64)
-    rows = dq_layout.tile_rows(flat.view(1, -1), cfg)
-    offsets = {}
-    for r in range(cfg.tile_m):
-        for c in range(head_dim):
-            at = fragment_offset(f, r, c)
-            assert rows[r, c] == at and offsets.setdefault(at, (r, c)) == (r, c)
-            if not cfg.dq_transposed and c % 2 == 0:
-                assert at % 2 == 0 and fragment_offset(f, r, c + 1) == at + 1
+    cfg = _cfg(head_dim, varlen=varlen, tile_m=tile_m)
+    tm, heads = cfg.tile_m, 2
+    if varlen:
+        lengths = [0, 1, tm, 3 * tm + 7, 0, tm - 1, 1, 2 * tm + 1]
+        cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+        q = torch.empty(int(cu[-1]), heads, head_dim)
+        seqs = [(b, int(cu[b]), n) for b, n in enumerate(lengths)]
+        batch, seqlen = len(lengths), None
+    else:
+        batch, seqlen = 3, 2 * tm + 5
+        q = torch.empty(batch, seqlen, heads, head_dim)
+        seqs = [(b, 0, seqlen) for b in range(batch)]
+
+    def converted(tails: bool) -> torch.Tensor:
+        acc = dq_layout.allocate(cfg, q, batch, heads, seqlen, zeroed=False).fill_(float("nan"))
+        spans = acc.view(*acc.shape[:-1], tm, head_dim)  # a tile as tm spans of D floats
+        for b, start, n in seqs:
+            for row in range(n):
+                padded = (dq_layout.first_tile(start, b, tm) * tm if varlen else 0) + row
+                first, stop = tile_rows_zeroed(padded % tm, int(tails and row == n - 1), tm)
+                tile = spans[:, padded // tm] if varlen else spans[b, :, padded // tm]
+                tile[..., first:stop, :] = 0.0
+        dq = torch.full_like(q, float("nan"))
+        dq_layout.copy_to_dq(acc, dq, cfg, cu if varlen else None)
+        return dq
+
+    assert not converted(tails=True).isnan().any()
+    # without the last rows' tails the fragments' order puts real rows' values in spans no row zeroes
+    assert converted(tails=False).isnan().any()

@@ -31,11 +31,11 @@ class BackwardRowsConfig:
     head_dim: int
     varlen: bool
     has_dlse: bool
-    #: the dQ accumulator's layout: () its rows in q's layout, (B, S, H, D) / (T, H, D); else the
-    #: geometry of the Hopper backward's fragment-ordered one (``FragmentOrder``): (B, H, tiles,
-    #: tile_m * D) / (H, tiles, tile_m * D), varlen sequence b's tiles from (cu_seqlens[b] + b *
-    #: tile_m) // tile_m (``kernels/hopper/dq_layout.py``)
-    dq_fragments: tuple = ()
+    #: the dQ accumulator's layout: 0, its rows in q's layout, (B, S, H, D) / (T, H, D); else the
+    #: rows per tile of a tiled one (the Hopper backward's fragment-ordered accumulator,
+    #: ``kernels/hopper/dq_layout.py``): (B, H, tiles, tile_m * D) / (H, tiles, tile_m * D), varlen
+    #: sequence b's tiles from (cu_seqlens[b] + b * tile_m) // tile_m
+    dq_tile_m: int = 0
 
     @property
     def threads_per_row(self) -> int:
@@ -49,32 +49,14 @@ class BackwardRowsConfig:
                              f"of two up to 32, got head_dim {self.head_dim} of {self.dtype}")
 
 
-@dataclass(frozen=True)
-class FragmentOrder:
-    """Where a row's dQ values sit in a tile of the fragment-ordered accumulator: two blocks of
-    ``block_rows x block_cols`` (one per consumer warpgroup of the MMA that made them), each 16-byte
-    chunk k of MMA thread t at (k * 128 + t) * 4. The MMA's rows are the tile's rows (the blocks
-    split the head dim, or with ``split_rows`` the rows), or with ``transposed`` the head dim."""
-
-    tile_m: int
-    block_rows: int
-    block_cols: int
-    split_rows: bool
-    transposed: bool
-
-
-def fragment_offset(f: FragmentOrder, row, col):
-    """The float offset, within its tile, of (tile row ``row``, head-dim column ``col``); plain
-    arithmetic, so the same function serves Python ints (tests) and the kernel's values. An m64
-    wgmma accumulator holds (MMA row m, column n) in thread 32 (m // 16) + 4 (m % 8) + (n % 8) // 2,
-    register 4 (n // 8) + 2 ((m // 8) % 2) + n % 2: chunk n // 8 of that thread."""
-    if f.transposed:
-        blk, m, n = col // f.block_cols, col % f.block_cols, row
-    else:
-        blk = row // f.block_rows if f.split_rows else col // f.block_cols
-        m, n = row % f.block_rows, col % f.block_cols
-    thread = 32 * (m // 16) + 4 * (m % 8) + (n % 8) // 2
-    return blk * f.block_rows * f.block_cols + ((n // 8) * 128 + thread) * 4 + 2 * ((m // 8) % 2) + n % 2
+def tile_rows_zeroed(row_in_tile, last_of_sequence, tile_m: int) -> tuple:
+    """The tile-local rows ``[first, stop)`` whose ``D`` consecutive floats a query row's group
+    zeroes in a tiled accumulator (one whose tile of ``tile_m`` rows is ``tile_m * D`` floats in an
+    order of its own): its own index's, and with the sequence's last row (``last_of_sequence`` 1,
+    else 0) the rest of its tile, so that the real rows of every tile together cover the whole tile
+    with contiguous stores. Plain arithmetic: the same function serves Python ints (tests) and the
+    kernel's values."""
+    return row_in_tile, row_in_tile + 1 + last_of_sequence * (tile_m - 1 - row_in_tile)
 
 
 class BackwardRows:
@@ -118,8 +100,8 @@ class BackwardRows:
             cute.autovec_copy(o_piece, o)
             cute.autovec_copy(do_piece, do)
             partial = (o.load().to(Float32) * do.load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            if const_expr(self.cfg.dq_fragments):
-                self.zero_fragment_row(mdQaccum, mCuSeqlensQ, row, head, batch, lane * piece)
+            if const_expr(self.cfg.dq_tile_m):
+                self.zero_tile_rows(mdQaccum, mCuSeqlensQ, row, rows, head, batch, lane * piece)
             else:
                 dq_row = mdQaccum[row, head, None] if const_expr(self.cfg.varlen) else mdQaccum[batch, row, head, None]
                 dq_piece = cute.local_tile(dq_row, (piece,), (lane,))
@@ -142,10 +124,12 @@ class BackwardRows:
             mLSE2[at] = lse2
 
     @cute.jit
-    def zero_fragment_row(self, mdQaccum: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor], row, head, batch, col0):
-        """Zero the 8 values of columns ``col0 ..`` of query row ``row`` in the fragment-ordered
-        accumulator (the rows past a sequence's end in its last tile are never read: left as they are)."""
-        f = FragmentOrder(*self.cfg.dq_fragments)
+    def zero_tile_rows(self, mdQaccum: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor], row, rows, head, batch, col0):
+        """Zero columns ``col0 ..`` (one 16-byte load's worth of O) of the tiled accumulator's rows that
+        ``tile_rows_zeroed`` gives query row ``row``: a warp's stores cover whole lines, whatever
+        the order within the tile (that of the fragments, which would scatter them)."""
+        tile_m, d = self.cfg.dq_tile_m, self.cfg.head_dim
+        piece = LOAD_BYTES // self.cfg.dtype.itemsize
         if const_expr(self.cfg.varlen):
             # the sequence of this packed row: the last b with cu_seqlens[b] <= row (empty ones skipped)
             lo, hi = Int32(0), Int32(mCuSeqlensQ.shape[0] - 2)
@@ -155,18 +139,14 @@ class BackwardRows:
                     lo = mid
                 else:
                     hi = mid - 1
-            start = mCuSeqlensQ[lo]
-            padded = (start + lo * f.tile_m) // f.tile_m * f.tile_m + (row - start)
-            tile = mdQaccum[head, padded // f.tile_m, None]
+            start, end = mCuSeqlensQ[lo], mCuSeqlensQ[lo + 1]
+            padded = (start + lo * tile_m) // tile_m * tile_m + (row - start)
+            tile = mdQaccum[head, padded // tile_m, None]
         else:
-            padded = row
-            tile = mdQaccum[batch, head, padded // f.tile_m, None]
-        r = padded % f.tile_m
-        if const_expr(f.transposed):  # the 8 head dims are 8 MMA rows: 8 threads' registers
-            for i in cutlass.range_constexpr(8):
-                tile[fragment_offset(f, r, col0 + i)] = Float32(0.0)
-        else:  # the 8 columns are 2 registers of each thread of a quad
-            zeros = cute.make_rmem_tensor((2,), Float32)
-            zeros.fill(0.0)
-            for q in cutlass.range_constexpr(4):
-                cute.autovec_copy(zeros, cute.local_tile(tile, (2,), (fragment_offset(f, r, col0 + 2 * q) // 2,)))
+            end, padded = rows, row
+            tile = mdQaccum[batch, head, padded // tile_m, None]
+        first, stop = tile_rows_zeroed(padded % tile_m, Int32(row == end - 1), tile_m)
+        zeros = cute.make_rmem_tensor((piece,), Float32)
+        zeros.fill(0.0)
+        for r in cutlass.range(first, stop, unroll=1):
+            cute.autovec_copy(zeros, cute.local_tile(tile, (piece,), (r * (d // piece) + col0 // piece,)))

@@ -360,11 +360,11 @@ def compile_backward_rows(cfg, extra_options: str = ""):
     rank = 3 if cfg.varlen else 4
     o, do = (fake_rows(cutlass_dtype(cfg.dtype), rank, cfg.head_dim) for _ in range(2))
     lse, dlse, lse2, delta = (fake_rows(cutlass.Float32, rank - 1, None, align_bytes=4) for _ in range(4))
-    if cfg.dq_fragments:  # (B, H, tiles, tile floats) or varlen (H, tiles, tile floats)
-        dq_accum = fake_rows(cutlass.Float32, rank, cfg.dq_fragments[0] * cfg.head_dim)
+    if cfg.dq_tile_m:  # (B, H, tiles, tile floats) or varlen (H, tiles, tile floats)
+        dq_accum = fake_rows(cutlass.Float32, rank, cfg.dq_tile_m * cfg.head_dim)
     else:
         dq_accum = fake_rows(cutlass.Float32, rank, cfg.head_dim)
-    cu_q = fake_vector(cutlass.Int32) if cfg.varlen and cfg.dq_fragments else None
+    cu_q = fake_vector(cutlass.Int32) if cfg.varlen and cfg.dq_tile_m else None
     return compile_for(ARCH, BackwardRows(cfg), o, do, lse, dlse if cfg.has_dlse else None, lse2, delta, dq_accum,
                        cu_q, cutlass.Float32(1.0), extra_options=extra_options)
 
@@ -384,8 +384,8 @@ class HopperBackwardRunner:
         if compiled is None:
             from ..common.backward_rows import BackwardRowsConfig
 
-            fragments = dq_layout.geometry(self.cfg) if self.cfg.dq_fragment_order else ()
-            cfg = BackwardRowsConfig(self.cfg.dtype, self.cfg.head_dim, self.cfg.varlen, has_dlse, fragments)
+            tile_m = self.cfg.tile_m if self.cfg.dq_fragment_order else 0
+            cfg = BackwardRowsConfig(self.cfg.dtype, self.cfg.head_dim, self.cfg.varlen, has_dlse, tile_m)
             compiled = self._row_passes[has_dlse] = disk_cache.load_or_compile(cfg, compile_backward_rows)
         return compiled
 

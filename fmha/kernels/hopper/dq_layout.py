@@ -43,12 +43,6 @@ def varlen_tiles(total_q: int, batch: int, tile_m: int) -> int:
     return total_q // tile_m + batch + 1
 
 
-def geometry(cfg) -> tuple:
-    """The row pass's ``dq_fragments`` (``kernels/common/backward_rows.FragmentOrder``) of ``cfg``:
-    it zeroes each row's values in the accumulator."""
-    return (cfg.tile_m, cfg.dq_rows_per_warpgroup, cfg.dq_cols_per_warpgroup, cfg.dq_split_rows, cfg.dq_transposed)
-
-
 def allocate(cfg, q: torch.Tensor, batch: int, heads: int, seqlen_q: int, zeroed: bool = True) -> torch.Tensor:
     """The accumulator for ``q`` ((B, S, H, D), or varlen (T, H, D) with ``batch`` sequences);
     zeroed, or left for the row pass to zero."""
