@@ -84,8 +84,9 @@ def kernel_variant(mask_kwargs: Callable, fp8_only: bool = False, head_dims: tup
 
 # name -> overrides of HopperBackwardConfig's tile attributes, and the head dims timed
 BACKWARD_VARIANTS = {
-    # the D=64 tile before 128 query rows were adopted: 64 rows per step, dQ split by head dim
-    "fmha_bwd_m64": dict(tile_m=64, dq_split_rows=False, head_dims=(64,)),
+    # 64 query rows per step, dQ split by head dim: D=64's tile before 128 rows were adopted,
+    # D=128's at every length (production takes 80 without a mask from LONG_ROWS query rows)
+    "fmha_bwd_m64": dict(tile_m=64, dq_split_rows=False, head_dims=(64, 128)),
     # dK and dV by every thread's stores straight to global memory, as before D=128 staged them
     # for TMA stores
     "fmha_bwd_stg_dkv": dict(dkv_store_tma=False, head_dims=(128,)),
@@ -98,21 +99,13 @@ BACKWARD_VARIANTS = {
     # With dS stored after dV's product is issued: with it stored before, ptxas spills (10 at
     # D=128 non-causal), without, none
     "fmha_bwd_exp_interleave": dict(exps_before_dp_wait=False, ds_stored_before_dv=False, head_dims=(128,)),
-    # dQ staged in the order of the MMA's fragments with 16-byte stores and added by one bulk
-    # reduce per warpgroup (FA4's layout; ncu at S=4k: our 16 STS.64 per thread and tile held
-    # 42.0k samples with their fence at D=128 against FA4's 24.5k); the row pass zeroes the
-    # accumulator in that order and dq_convert.py converts it
-    "fmha_bwd_dq_fragments": dict(dq_fragment_order=True),
-    # D=128: 80 query rows per step (FA3's and FA4's tile without a causal mask; ncu at S=4k, FA4's
-    # loop runs 416 steps per CTA to our 512 at about our cost per step), dQ computed transposed
-    # into the fragment-ordered accumulator
-    "fmha_bwd_m80": dict(tile_m=80, dq_fragment_order=True, head_dims=(128,)),
-    # dV's product issued before the wait for dP^T (it needs P and dO only), so that the tensor
-    # cores run it while dS is computed instead of idling through dS's arithmetic; P's registers
-    # stay live as long as before (until dV's wait after the dQ and dK issues). D=128 only: at D=64
-    # ptxas keeps 15 local-memory instructions per query tile (D=128 causal: 4, non-causal: none;
-    # with the 80-row tile: 16)
-    "fmha_bwd_dv_early": dict(dv_issued_before_ds=True, head_dims=(128,)),
+    # dQ staged as row-major tiles (two 8-byte stores per column pair) and added by a TMA
+    # reduce-add per warpgroup half, the order before the fragment-ordered accumulator
+    # (dq_layout.py); at D=128 with 64 query rows everywhere (80 needs the fragments' order)
+    "fmha_bwd_dq_rows": dict(dq_fragment_order=False),
+    # D=128: 80 query rows per step at every length and with every mask (production: without a
+    # mask from LONG_ROWS query rows)
+    "fmha_bwd_m80": dict(tile_m=80, head_dims=(128,)),
     # D=128: dS^T stored after dV's product is issued, the order before
     "fmha_bwd_ds_after_dv": dict(ds_stored_before_dv=False, head_dims=(128,)),
 }
@@ -131,8 +124,7 @@ def _backward_variant_class(**overrides):
     cls = _BACKWARD_CLASSES.get(key)
     if cls is None:
         choices = ("tile_m", "tile_n", "dq_split_rows", "dkv_store_tma", "dk_staged_under_dv_store",
-                   "exps_before_dp_wait", "ds_stored_before_dv", "dq_fragment_order",
-                   "dv_issued_before_ds")
+                   "exps_before_dp_wait", "ds_stored_before_dv", "dq_fragment_order")
         unknown = [k for k in overrides if k not in choices]
         if unknown:
             raise ValueError(f"not a tile choice of the backward config: {unknown}; variants set {', '.join(choices)}")

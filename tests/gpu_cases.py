@@ -488,6 +488,12 @@ def build_backward_suite() -> list:
                    deterministic=True),
               Case("bfloat16", 128, "causal", "top_left", (None, 0), seqlen_q=8192, seqlen_k=8192, heads_q=16,
                    heads_k=16, deterministic=True)]
+    # D=128 without a mask from LONG_ROWS query rows: 80-row tiles, dQ transposed (ragged last tiles)
+    cases += [Case("bfloat16", 128, "none", seqlen_q=4099, seqlen_k=4300, heads_q=2, heads_k=1),
+              Case("float16", 128, "none", varlen_q=(4097, 0, 1, 300), varlen_k=(4200, 5, 1, 77), heads_q=4,
+                   heads_k=2),
+              Case("bfloat16", 128, "none", batch=2, seqlen_q=4096, seqlen_k=1000, heads_q=2, heads_k=2,
+                   deterministic=True)]
     return cases
 
 

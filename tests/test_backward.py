@@ -223,6 +223,33 @@ def test_the_hopper_backward_refuses_what_it_does_not_serve():
     assert HopperBackwardConfig.from_problem(varlen).varlen and not HopperBackwardConfig.from_problem(problem).varlen
 
 
+def test_the_hopper_backward_steps_over_80_rows_without_a_mask_on_long_rows():
+    """D=128 without a mask from LONG_ROWS query rows (the longest sequence's, for varlen): 80 rows
+    per step, dQ transposed; with a mask, shorter rows or D=64, the tiles of before; and the GPU
+    check's backward cases include such configurations."""
+    pytest.importorskip("cutlass")
+    from fmha.kernels.hopper.config import LONG_ROWS, HopperBackwardConfig
+    from fmha.validation import validate
+    from gpu_cases import backward_config, build_backward_suite
+
+    def tile(s, d=128, varlen=False, **mask):
+        q = torch.zeros(1, s, 2, d, dtype=torch.bfloat16)
+        if varlen:
+            cu = torch.tensor([0, 1, s], dtype=torch.int32)
+            problem = validate(q[0], q[0], q[0], varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu, **mask)
+        else:
+            problem = validate(q, q, q, **mask)
+        cfg = HopperBackwardConfig.from_problem(problem)
+        assert cfg.dq_transposed == (cfg.tile_m == 80)
+        return cfg.tile_m
+
+    assert tile(LONG_ROWS) == 80 and tile(LONG_ROWS + 2, varlen=True) == 80
+    assert tile(LONG_ROWS - 1) == 64 and tile(LONG_ROWS, varlen=True) == 64  # the longest is LONG_ROWS - 1
+    assert tile(LONG_ROWS, causal=True) == 64 and tile(LONG_ROWS, d=64) == 128
+    tiles = [backward_config(c, torch).tile_m for c in build_backward_suite() if c.head_dim == 128]
+    assert tiles.count(80) == 3 and tiles.count(64) > 30
+
+
 def test_backward_argument_errors():
     q, k, v, _ = _inputs(False, {}, dtype=torch.bfloat16, d=64)
     o, lse = fmha.attention(q, k, v, return_lse=True)

@@ -155,7 +155,8 @@ _BWD = [(dt, d, _BWD_MASKS[(i + j) % len(_BWD_MASKS)]) for i, (dt, d) in
 def test_backward_compiles_with_wgmma_tma_and_a_dq_reduce_add(dtype, head_dim, mask, tmp_path):
     """The backward kernel for every head dim it serves, both 16-bit dtypes and every mask kind:
     five warpgroup MMAs per query tile (S^T, dP^T, dV, dK, dQ), TMA loads, dS^T staged with
-    stmatrix, dQ added by a TMA reduce-add (no per-element atomics)."""
+    stmatrix, dQ added by a bulk reduce-add of each warpgroup's fragment-ordered block (no
+    per-element atomics)."""
     from fmha.kernels.hopper.backend import compile_backward
     from fmha.kernels.hopper.config import HopperBackwardConfig
     from kernel_configs import problem_for
@@ -170,7 +171,7 @@ def test_backward_compiles_with_wgmma_tma_and_a_dq_reduce_add(dtype, head_dim, m
     assert f"m64n{cfg.dq_cols_per_warpgroup}k16" in wgmma
     assert cfg.dq_cols_per_warpgroup == (head_dim if head_dim == 64 else head_dim // 2)
     assert "cp.async.bulk.tensor" in ptx and "stmatrix" in ptx
-    assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.add", ptx)
+    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
     assert not re.search(r"(red|atom)\.global(\.\w+)*\.add\.f32", ptx)
 
 
@@ -178,9 +179,9 @@ def test_backward_compiles_with_wgmma_tma_and_a_dq_reduce_add(dtype, head_dim, m
                                                   (torch.float16, 64, "window"), (torch.bfloat16, 32, "none")],
                          ids=lambda x: str(x).replace("torch.", ""))
 def test_varlen_backward_moves_every_tile_through_sequence_descriptors(dtype, head_dim, mask, tmp_path):
-    """Varlen: a descriptor-writing kernel narrows five descriptors per sequence (q, k, v, dO and
-    the dQ accumulator; seven with D=128's TMA-stored dK and dV), and every TMA load and the dQ
-    reduce-add of the backward use them."""
+    """Varlen: a descriptor-writing kernel narrows four descriptors per sequence (q, k, v, dO; six
+    with D=128's TMA-stored dK and dV; the fragment-ordered dQ accumulator needs none), and every
+    TMA load of the backward uses them."""
     from fmha.kernels.hopper.backend import compile_backward
     from fmha.kernels.hopper.config import HopperBackwardConfig
     from kernel_configs import problem_for
@@ -190,11 +191,12 @@ def test_varlen_backward_moves_every_tile_through_sequence_descriptors(dtype, he
     compile_backward(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = next(tmp_path.glob("*.ptx")).read_text()
     describe, kernel = ptx.split(".entry")[1:3]
-    assert cfg.sequence_descriptors == (7 if head_dim == 128 else 5)
+    assert cfg.sequence_descriptors == (7 if head_dim == 128 else 5) and cfg.dq_fragment_order
+    written = cfg.sequence_descriptors - 1  # the dQ accumulator's slot stays unused
     assert "describe_sequences" in describe
-    assert describe.count("tensormap.replace.tile.global_address") == cfg.sequence_descriptors
+    assert describe.count("tensormap.replace.tile.global_address") == written
     fenced = set(re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.gpu \[(%rd\d+)\]", kernel))
-    assert len(fenced) == cfg.sequence_descriptors
+    assert len(fenced) == written
     loads = re.findall(r"cp\.async\.bulk\.tensor\.(\d)d\.shared::cta\.global[^;]*\[(%rd\d+), \{", kernel)
     tiles = {desc for _, desc in loads if desc in fenced}
     rows = [desc for _, desc in loads if desc not in fenced]
@@ -202,7 +204,7 @@ def test_varlen_backward_moves_every_tile_through_sequence_descriptors(dtype, he
     # the LSE and delta through the packed tensors' own: rows past a ragged tile's sequence are
     # replaced in the kernel
     assert len(rows) == 2
-    assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.add", kernel)
+    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in kernel
 
 
 def _assert_tiles_listed_before_the_kernel(dump_dir):
@@ -360,7 +362,7 @@ def test_the_gpu_check_can_run_a_backward_variant(monkeypatch):
     conftest.use_backward_variant("fmha_bwd_m64")
     at64 = HopperBackwardConfig.from_problem(problem_for(torch.bfloat16, 64, "causal"))
     assert at64.tile_m == 64 and not at64.dq_split_rows and pickle.loads(pickle.dumps(at64)) == at64
-    assert type(HopperBackwardConfig.from_problem(problem_for(torch.bfloat16, 128, "causal"))) is HopperBackwardConfig
+    assert type(HopperBackwardConfig.from_problem(problem_for(torch.bfloat16, 32, "causal"))) is HopperBackwardConfig
 
 
 def test_tma_stored_dkv_narrow_two_more_descriptors_for_packed_batches(tmp_path):
@@ -376,15 +378,15 @@ def test_tma_stored_dkv_narrow_two_more_descriptors_for_packed_batches(tmp_path)
     assert (backward_variant_config(cfg, dkv_store_tma=False).sequence_descriptors, cfg.sequence_descriptors) == (5, 7)
     compile_backward(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = next(tmp_path.glob("*.ptx")).read_text()
-    assert ptx.count("tensormap.replace.tile.global_address") == 7
+    assert ptx.count("tensormap.replace.tile.global_address") == 6  # the dQ accumulator's slot stays unused
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.tile", ptx)) == 4  # dK, dV: 2 boxes each
 
 
-@pytest.mark.parametrize("name", ["fmha_bwd_dq_fragments", "fmha_bwd_m80"])
-def test_dq_conversion_compiles_for_the_fragment_variants(name):
+@pytest.mark.parametrize("name", [None, "fmha_bwd_m80"])
+def test_dq_conversion_compiles_for_the_fragment_ordered_accumulator(name):
     """The passes around the fragment-ordered dQ accumulator, the row pass that zeroes it and the
-    conversion into dQ (``dq_convert.py``), build for every head dim, dtype and layout the variants
-    use, dense and packed."""
+    conversion into dQ (``dq_convert.py``), build for every head dim, dtype and layout the library
+    (and the 80-row tile at every length) uses, dense and packed."""
     from fmha.kernels.hopper.backend import compile_dq_convert
     from fmha.kernels.hopper.config import HopperBackwardConfig
     from fmha.kernels.hopper.dq_convert import DqConvertConfig
@@ -393,12 +395,13 @@ def test_dq_conversion_compiles_for_the_fragment_variants(name):
     from fmha.kernels.common.backward_rows import BackwardRowsConfig
     from fmha.kernels.hopper.backend import compile_backward_rows
 
-    overrides = dict(BACKWARD_VARIANTS[name])
+    overrides = dict(BACKWARD_VARIANTS[name]) if name else {}
     for d in overrides.pop("head_dims", (32, 64, 128)):
         for dtype in (torch.bfloat16, torch.float16):
             for varlen in (False, True):
-                base = HopperBackwardConfig(dtype, d, MaskKind.NONE, False, False, False, varlen=varlen)
-                cfg = backward_variant_config(base, **overrides)
+                cfg = HopperBackwardConfig(dtype, d, MaskKind.NONE, False, False, False, varlen=varlen)
+                if overrides:
+                    cfg = backward_variant_config(cfg, **overrides)
                 compile_dq_convert(DqConvertConfig.of(cfg))
                 # and the row pass that zeroes the accumulator in that order
                 compile_backward_rows(BackwardRowsConfig(dtype, d, varlen, False, cfg.tile_m))

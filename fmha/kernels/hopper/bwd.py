@@ -606,12 +606,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                                 s[r, j] = Float32(0.0)
                 p16 = cute.make_rmem_tensor(s_shape, self.dtype)
                 store_as_16bit_pairs(p16, acc_s)
-                if const_expr(cfg.dv_issued_before_ds):
-                    # dV needs P and dO only: the tensor cores run it while dS is computed
-                    issue_gemm(mma_dkv, acc_dv, as_operand_a(p16), tVrdO[None, None, None, stage], False)
-                    warpgroup.wait_group(1)  # dP^T is ready; dV still runs
-                else:
-                    warpgroup.wait_group(0)
+                warpgroup.wait_group(0)
                 dp = as_rows_cols(acc_dp)
                 for j in cutlass.range_constexpr(num_cols):
                     # 0 past the sequence: P is 0 there, and so is dP (dO's rows read as zeros),
@@ -624,11 +619,10 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 store_as_16bit_pairs(ds16, acc_dp)
                 # dS^T of both warpgroups (all the tile's keys) for the dQ product; the buffer
                 # alternates with the stage, so the other warpgroup may still read the last one
-                if const_expr(cfg.ds_stored_before_dv or cfg.dv_issued_before_ds):
+                if const_expr(cfg.ds_stored_before_dv):
                     cute.copy(st_atom, thr_st.retile(ds16), tdSsdS[None, None, None, stage])
-                if const_expr(not cfg.dv_issued_before_ds):
-                    issue_gemm(mma_dkv, acc_dv, as_operand_a(p16), tVrdO[None, None, None, stage], False)
-                if const_expr(not cfg.ds_stored_before_dv and not cfg.dv_issued_before_ds):
+                issue_gemm(mma_dkv, acc_dv, as_operand_a(p16), tVrdO[None, None, None, stage], False)
+                if const_expr(not cfg.ds_stored_before_dv):
                     cute.copy(st_atom, thr_st.retile(ds16), tdSsdS[None, None, None, stage])
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=NamedBarrierBwd.DS_READY, number_of_threads=2 * _WG)

@@ -323,6 +323,10 @@ def why_unsupported(problem: AttentionProblem, options: KernelOptions) -> list:
     return reasons
 
 
+#: query rows (the longest sequence's) from which the backward steps over 80 rows at D=128
+#: without a mask (``HopperBackwardConfig.tile_m``)
+LONG_ROWS = 4096
+
 #: head dims of the backward kernel: at D=256 dK and dV of 64 keys per warpgroup would take all
 #: of a thread's registers
 BACKWARD_HEAD_DIMS = (32, 64, 128)
@@ -346,6 +350,9 @@ class HopperBackwardConfig:
     tiles_listed: bool = False
     #: the list is built on the GPU (the lengths were not read on the host)
     tiles_on_device: bool = False
+    #: the longest query sequence has at least ``LONG_ROWS`` rows (set only where it selects the
+    #: tile: D=128 without a mask)
+    long_rows: bool = False
 
     #: keys per CTA: 64 per consumer warpgroup
     tile_n = 128
@@ -354,9 +361,14 @@ class HopperBackwardConfig:
     def tile_m(self) -> int:
         """Query rows per step of the K/V tile's loop: 128 at D=64 (FA3's and FA4's; each load of
         Q, dO, LSE and delta serves twice the work, and dK/dV of D=64 leave the registers for it);
-        64 elsewhere (beside D=128's dK and dV, 128-row S and dP tiles would not fit in registers;
-        D=32 is not measured)."""
-        return 128 if self.head_dim == 64 else 64
+        at D=128 without a mask 80 from ``LONG_ROWS`` query rows (FA3's and FA4's tile there, with
+        dQ computed transposed: fewer steps over the K/V tile at about the cost of 64 rows' step;
+        below that length, and with a causal mask, 64 measured ahead); 64 elsewhere (beside
+        D=128's dK and dV, 128-row S and dP tiles would not fit in registers; D=32 is not
+        measured)."""
+        if self.head_dim == 64:
+            return 128
+        return 80 if self.long_rows and self.dq_fragment_order else 64
 
     @property
     def dq_split_rows(self) -> bool:
@@ -374,11 +386,8 @@ class HopperBackwardConfig:
 
     #: dQ staged and added in the order of the MMA's fragments (``dq_layout.py``: 16-byte stores,
     #: one bulk reduce per warpgroup, FA4's layout) rather than as row-major tiles by a TMA
-    #: reduce-add; a lab variant until timed
-    dq_fragment_order = False
-    #: dV's product issued as soon as P is packed, before the wait for dP^T, so that it runs
-    #: while dS is computed (a lab variant; dV otherwise follows dS's arithmetic)
-    dv_issued_before_ds = False
+    #: reduce-add (a lab variant)
+    dq_fragment_order = True
     #: dK is staged in K's buffer while dV's TMA store still reads V's (each buffer is staged
     #: once); a lab variant waits for dV's store first, as before
     dk_staged_under_dv_store = True
@@ -430,10 +439,11 @@ class HopperBackwardConfig:
     def from_problem(problem: AttentionProblem, options: KernelOptions = KernelOptions()) -> "HopperBackwardConfig":
         m = problem.mask
         listed = problem.varlen and not options.deterministic
+        long_rows = problem.head_dim == 128 and m.kind == MaskKind.NONE and problem.seqlen_q >= LONG_ROWS
         return HopperBackwardConfig(problem.dtype, problem.head_dim, m.kind, m.window_left is not None,
                                     m.window_right is not None, m.bottom_right if m.kind == MaskKind.WINDOW else False,
                                     problem.varlen, options.deterministic, listed,
-                                    listed and problem.seqlens_q is None)
+                                    listed and problem.seqlens_q is None, long_rows)
 
 
 def why_unsupported_backward(problem: AttentionProblem, options: KernelOptions) -> list:
