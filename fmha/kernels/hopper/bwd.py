@@ -6,9 +6,10 @@ whose mask keeps some key of the tile. Roles:
 
 * warp 0 of warpgroup 0, the **producer**: TMA-loads K and V once, then each query tile's Q,
   dO, LSE (log2) and delta rows into a two-stage ring.
-* warp 1 of warpgroup 0, the **dQ writer**: adds each warpgroup's half of a query tile's dQ,
-  staged in shared memory, into the fp32 buffer by a TMA reduce-add (whole lines, asynchronous,
-  instead of per-element atomics) and frees the half once the add has read it.
+* warp 1 of warpgroup 0, the **dQ writer**: adds each warpgroup's block of a query tile's dQ,
+  staged in shared memory in the MMA fragments' order (``dq_layout.py``), into the fp32
+  accumulator by one bulk reduce-add of contiguous bytes (asynchronous, instead of per-element
+  atomics) and frees the block once the add has read it.
 * warpgroups 1 and 2, the **consumers**, 64 keys each. Per query tile, with S^T = K Q^T and
   dP^T = V dO^T on the tensor cores (keys as the M dimension, so that P^T and dS^T land in
   registers in the A-operand order of the next products):
@@ -17,7 +18,8 @@ whose mask keeps some key of the tile. Roles:
   registers; dS^T is also stored to shared memory (two buffers, alternating with the stages),
   where both warpgroups read all 128 keys of it for dQ = dS K, each warpgroup half of the head
   dim (at D=64, with 128-row query tiles, ``dq_split_rows``: its 64 query rows over the whole
-  head dim), which it stages for the writer. At the end dK and dV go from registers to global
+  head dim; at D=128 with 80-row tiles, ``dq_transposed``: dQ^T = K^T dS^T, its half of the head
+  dim as M), which it stages for the writer. At the end dK and dV go from registers to global
   memory, or at D=128 (``dkv_store_tma``) through the freed K and V buffers by TMA stores.
 
 Before it, a row pass (``kernels/common/backward_rows.py``) turns the LSE into log2 units (+inf
@@ -36,8 +38,9 @@ one key per row and never have gaps), so the predecessor of tile n is n - 1 unle
 CTAs wait only on CTAs of lower block index, which the GPU starts first.
 
 Varlen (packed THD) batches move every tile through per-sequence TMA descriptors
-(``sequence_descriptors.py``): loads past a sequence's end read zeros, and the dQ reduce-add of a
-ragged query tile stops at the sequence's last row instead of adding into the next sequence. The
+(``sequence_descriptors.py``): loads past a sequence's end read zeros. The fragment-ordered dQ
+accumulator keeps each sequence's tiles apart, so a ragged query tile's add lands in rows that
+the conversion never reads. The
 LSE and delta rows go through the packed tensor's own descriptor; a ragged tile's rows past its
 sequence get P = 0 and delta = 0 in the consumers.
 """
