@@ -99,10 +99,6 @@ BACKWARD_VARIANTS = {
     # With dS stored after dV's product is issued: with it stored before, ptxas spills (10 at
     # D=128 non-causal), without, none
     "fmha_bwd_exp_interleave": dict(exps_before_dp_wait=False, ds_stored_before_dv=False, head_dims=(128,)),
-    # dQ staged as row-major tiles (two 8-byte stores per column pair) and added by a TMA
-    # reduce-add per warpgroup half, the order before the fragment-ordered accumulator
-    # (dq_layout.py); at D=128 with 64 query rows everywhere (80 needs the fragments' order)
-    "fmha_bwd_dq_rows": dict(dq_fragment_order=False),
     # D=128: 80 query rows per step at every length and with every mask (production: without a
     # mask from LONG_ROWS query rows)
     "fmha_bwd_m80": dict(tile_m=80, head_dims=(128,)),
@@ -124,7 +120,7 @@ def _backward_variant_class(**overrides):
     cls = _BACKWARD_CLASSES.get(key)
     if cls is None:
         choices = ("tile_m", "tile_n", "dq_split_rows", "dkv_store_tma", "dk_staged_under_dv_store",
-                   "exps_before_dp_wait", "ds_stored_before_dv", "dq_fragment_order")
+                   "exps_before_dp_wait", "ds_stored_before_dv")
         unknown = [k for k in overrides if k not in choices]
         if unknown:
             raise ValueError(f"not a tile choice of the backward config: {unknown}; variants set {', '.join(choices)}")

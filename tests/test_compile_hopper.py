@@ -191,12 +191,11 @@ def test_varlen_backward_moves_every_tile_through_sequence_descriptors(dtype, he
     compile_backward(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = next(tmp_path.glob("*.ptx")).read_text()
     describe, kernel = ptx.split(".entry")[1:3]
-    assert cfg.sequence_descriptors == (7 if head_dim == 128 else 5) and cfg.dq_fragment_order
-    written = cfg.sequence_descriptors - 1  # the dQ accumulator's slot stays unused
+    assert cfg.sequence_descriptors == (6 if head_dim == 128 else 4)
     assert "describe_sequences" in describe
-    assert describe.count("tensormap.replace.tile.global_address") == written
+    assert describe.count("tensormap.replace.tile.global_address") == cfg.sequence_descriptors
     fenced = set(re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.gpu \[(%rd\d+)\]", kernel))
-    assert len(fenced) == written
+    assert len(fenced) == cfg.sequence_descriptors
     loads = re.findall(r"cp\.async\.bulk\.tensor\.(\d)d\.shared::cta\.global[^;]*\[(%rd\d+), \{", kernel)
     tiles = {desc for _, desc in loads if desc in fenced}
     rows = [desc for _, desc in loads if desc not in fenced]
@@ -241,25 +240,28 @@ def test_varlen_with_unread_lengths_lists_its_tiles_on_the_gpu(tmp_path):
 def test_backward_row_pass_reads_rows_with_16_byte_loads(varlen, has_dlse, head_dim, tmp_path):
     """The row pass before the backward (delta, the LSE in log2 units, the dQ accumulator zeroed):
     a group of threads per row, each reading one 16-byte piece of O and of dO and zeroing its
-    piece of the fp32 accumulator row with 16-byte stores; the group's sums meet by shuffles."""
+    piece of the row's span of the fp32 accumulator's tile with 16-byte stores; the group's sums
+    meet by shuffles."""
     from fmha.kernels.common.backward_rows import BackwardRowsConfig
     from fmha.kernels.hopper.backend import compile_backward_rows
 
-    cfg = BackwardRowsConfig(torch.bfloat16, head_dim, varlen, has_dlse)
+    cfg = BackwardRowsConfig(torch.bfloat16, head_dim, varlen, has_dlse, 64)
     assert cfg.threads_per_row == head_dim // 8
     compile_backward_rows(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = next(tmp_path.glob("*.ptx")).read_text()
     assert ptx.count("ld.global.v4") == 2  # O and dO
     assert ptx.count("st.global.v4") == 2  # 8 fp32 of the accumulator
     assert ptx.count("shfl.sync.bfly") == (head_dim // 8).bit_length() - 1
-    assert ptx.count("ld.global.b32") == 1 + int(has_dlse)  # the LSE (and dLSE) of the row
+    # the LSE (and dLSE) of the row; varlen: cu_seqlens three times (the search for the row's
+    # sequence, its start and its end)
+    assert ptx.count("ld.global.b32") == 1 + int(has_dlse) + (3 if varlen else 0)
 
 
 def test_backward_row_pass_refuses_rows_it_cannot_split():
     from fmha.kernels.common.backward_rows import BackwardRowsConfig
 
     with pytest.raises(ValueError, match="16 bytes times a power of two"):
-        BackwardRowsConfig(torch.bfloat16, 96, False, False)
+        BackwardRowsConfig(torch.bfloat16, 96, False, False, 64)
 
 
 def _backward_ptx(cfg, dump_dir) -> str:
@@ -367,7 +369,7 @@ def test_the_gpu_check_can_run_a_backward_variant(monkeypatch):
 
 def test_tma_stored_dkv_narrow_two_more_descriptors_for_packed_batches(tmp_path):
     """D=128 on a packed batch: dK and dV go out by TMA stores through descriptors
-    narrowed to each sequence (seven per sequence instead of five), so a ragged K/V tile's store
+    narrowed to each sequence (six per sequence instead of four), so a ragged K/V tile's store
     stops at its sequence's end."""
     from fmha.kernels.hopper.backend import compile_backward
     from fmha.kernels.hopper.config import HopperBackwardConfig
@@ -375,10 +377,10 @@ def test_tma_stored_dkv_narrow_two_more_descriptors_for_packed_batches(tmp_path)
 
     cfg = HopperBackwardConfig(torch.bfloat16, 128, MaskKind.WINDOW, False, True, False, varlen=True,
                                tiles_listed=True)
-    assert (backward_variant_config(cfg, dkv_store_tma=False).sequence_descriptors, cfg.sequence_descriptors) == (5, 7)
+    assert (backward_variant_config(cfg, dkv_store_tma=False).sequence_descriptors, cfg.sequence_descriptors) == (4, 6)
     compile_backward(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = next(tmp_path.glob("*.ptx")).read_text()
-    assert ptx.count("tensormap.replace.tile.global_address") == 6  # the dQ accumulator's slot stays unused
+    assert ptx.count("tensormap.replace.tile.global_address") == 6
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.tile", ptx)) == 4  # dK, dV: 2 boxes each
 
 

@@ -16,7 +16,7 @@ def _cfg(head_dim, varlen=False, tile_m=None):
     if tile_m is not None:  # the 80-row tile of lab variant fmha_bwd_m80
         from lab.variants import backward_variant_config
 
-        cfg = backward_variant_config(cfg, tile_m=tile_m, dq_fragment_order=True)
+        cfg = backward_variant_config(cfg, tile_m=tile_m)
     return cfg
 
 

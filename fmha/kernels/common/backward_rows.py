@@ -3,7 +3,7 @@
 For every (query row, head): ``delta = (rowsum(dO * O) - dLSE) * delta_scale`` in fp32 (the
 bf16 backward passes its score scale, so that dS comes out scaled) and the LSE in log2 units
 (+inf for rows that keep no key, whose LSE is -inf: their P = exp2(s - inf) is then 0); and the
-row of the fp32 dQ accumulator zeroed, which saves the main kernel a separate fill pass over it.
+row's share of the tiled fp32 dQ accumulator zeroed, which saves a separate fill pass over it.
 Each row is read by a group of threads, one 16-byte piece of O and of dO each, so that a warp's
 loads cover whole cache lines; the group adds its partial sums by butterfly shuffles. The outputs
 have the LSE's layout.
@@ -31,11 +31,10 @@ class BackwardRowsConfig:
     head_dim: int
     varlen: bool
     has_dlse: bool
-    #: the dQ accumulator's layout: 0, its rows in q's layout, (B, S, H, D) / (T, H, D); else the
-    #: rows per tile of a tiled one (the Hopper backward's fragment-ordered accumulator,
-    #: ``kernels/hopper/dq_layout.py``): (B, H, tiles, tile_m * D) / (H, tiles, tile_m * D), varlen
+    #: query rows per tile of the dQ accumulator (the Hopper backward's fragment-ordered one,
+    #: ``kernels/hopper/dq_layout.py``): (B, H, tiles, tile_m * D) / varlen (H, tiles, tile_m * D),
     #: sequence b's tiles from (cu_seqlens[b] + b * tile_m) // tile_m
-    dq_tile_m: int = 0
+    dq_tile_m: int
 
     @property
     def threads_per_row(self) -> int:
@@ -69,7 +68,7 @@ class BackwardRows:
                  mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor],
                  delta_scale: Float32, stream: cuda.CUstream):
         """O, dO: (B, S, H, D) or varlen (T, H, D); LSE, dLSE, LSE2, delta: (B, H, S) or (H, T); dQaccum:
-        see ``dq_fragments``; cu_seqlens (B + 1,): varlen with fragment order only."""
+        see ``dq_tile_m``; cu_seqlens (B + 1,): varlen only."""
         if const_expr(self.cfg.varlen):
             rows, heads, batches = mO.shape[0], mO.shape[1], 1
         else:
@@ -100,14 +99,7 @@ class BackwardRows:
             cute.autovec_copy(o_piece, o)
             cute.autovec_copy(do_piece, do)
             partial = (o.load().to(Float32) * do.load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            if const_expr(self.cfg.dq_tile_m):
-                self.zero_tile_rows(mdQaccum, mCuSeqlensQ, row, rows, head, batch, lane * piece)
-            else:
-                dq_row = mdQaccum[row, head, None] if const_expr(self.cfg.varlen) else mdQaccum[batch, row, head, None]
-                dq_piece = cute.local_tile(dq_row, (piece,), (lane,))
-                zeros = cute.make_rmem_tensor(dq_piece.layout, Float32)
-                zeros.fill(0.0)
-                cute.autovec_copy(zeros, dq_piece)
+            self.zero_tile_rows(mdQaccum, mCuSeqlensQ, row, rows, head, batch, lane * piece)
         # every lane of the warp takes part (a row's group never straddles a warp)
         for i in cutlass.range_constexpr(group.bit_length() - 1):
             partial = partial + cute.arch.shuffle_sync_bfly(partial, offset=group >> (i + 1))

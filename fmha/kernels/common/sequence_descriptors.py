@@ -20,9 +20,9 @@ from .error_bits import BAD_OFFSETS
 from .errors import flag_error
 from .seqinfo import SequenceInfo
 
-#: which descriptor of a sequence's (forward: q, k, v; backward: q, k, v, dO, dQ accumulator, and
-#: dK, dV where the backward stores them by TMA)
-Q, K, V, DO, DQ, DK, DV = 0, 1, 2, 3, 4, 5, 6
+#: which descriptor of a sequence's (forward: q, k, v; backward: q, k, v, dO, and dK, dV where the
+#: backward stores them by TMA)
+Q, K, V, DO, DK, DV = 0, 1, 2, 3, 4, 5
 
 
 def sequence_descriptor(descriptors: cute.Tensor, batch, which: int, for_copy: bool = True):

@@ -309,10 +309,8 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
     q, k, v, do, dk, dv = (fake_rows(t, rank, d) for _ in range(6))
     # read by TMA: rows 16-byte aligned
     lse2, delta = (fake_rows(cutlass.Float32, 3, None, align_bytes=16) for _ in range(2))  # (B or 1, H, S)
-    if cfg.dq_fragment_order:  # (B, H, tiles, tile floats) or varlen (H, tiles, tile floats): dq_layout.py
-        dq_acc = fake_rows(cutlass.Float32, rank, cfg.tile_m * d)
-    else:
-        dq_acc = fake_rows(cutlass.Float32, rank, d)
+    # (B, H, tiles, tile floats) or varlen (H, tiles, tile floats): dq_layout.py
+    dq_acc = fake_rows(cutlass.Float32, rank, cfg.tile_m * d)
     cu_q = cu_k = descriptors = errors = semaphores = tiles = count = None
     if cfg.tiles_listed:
         tiles = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=4)
@@ -360,11 +358,9 @@ def compile_backward_rows(cfg, extra_options: str = ""):
     rank = 3 if cfg.varlen else 4
     o, do = (fake_rows(cutlass_dtype(cfg.dtype), rank, cfg.head_dim) for _ in range(2))
     lse, dlse, lse2, delta = (fake_rows(cutlass.Float32, rank - 1, None, align_bytes=4) for _ in range(4))
-    if cfg.dq_tile_m:  # (B, H, tiles, tile floats) or varlen (H, tiles, tile floats)
-        dq_accum = fake_rows(cutlass.Float32, rank, cfg.dq_tile_m * cfg.head_dim)
-    else:
-        dq_accum = fake_rows(cutlass.Float32, rank, cfg.head_dim)
-    cu_q = fake_vector(cutlass.Int32) if cfg.varlen and cfg.dq_tile_m else None
+    # (B, H, tiles, tile floats) or varlen (H, tiles, tile floats)
+    dq_accum = fake_rows(cutlass.Float32, rank, cfg.dq_tile_m * cfg.head_dim)
+    cu_q = fake_vector(cutlass.Int32) if cfg.varlen else None
     return compile_for(ARCH, BackwardRows(cfg), o, do, lse, dlse if cfg.has_dlse else None, lse2, delta, dq_accum,
                        cu_q, cutlass.Float32(1.0), extra_options=extra_options)
 
@@ -384,8 +380,7 @@ class HopperBackwardRunner:
         if compiled is None:
             from ..common.backward_rows import BackwardRowsConfig
 
-            tile_m = self.cfg.tile_m if self.cfg.dq_fragment_order else 0
-            cfg = BackwardRowsConfig(self.cfg.dtype, self.cfg.head_dim, self.cfg.varlen, has_dlse, tile_m)
+            cfg = BackwardRowsConfig(self.cfg.dtype, self.cfg.head_dim, self.cfg.varlen, has_dlse, self.cfg.tile_m)
             compiled = self._row_passes[has_dlse] = disk_cache.load_or_compile(cfg, compile_backward_rows)
         return compiled
 
@@ -397,11 +392,9 @@ class HopperBackwardRunner:
         return self._dq_convert
 
     def dq_accumulator(self, problem: AttentionProblem, q):
-        """The fp32 dQ the kernel adds into, in q's layout or in the order of the MMA's fragments
-        (``dq_layout.py``); the row pass zeroes it."""
-        if self.cfg.dq_fragment_order:
-            return dq_layout.allocate(self.cfg, q, problem.batch, problem.num_heads_q, problem.seqlen_q, zeroed=False)
-        return torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        """The fp32 dQ the kernel adds into, in the order of the MMA's fragments (``dq_layout.py``);
+        the row pass zeroes it."""
+        return dq_layout.allocate(self.cfg, q, problem.batch, problem.num_heads_q, problem.seqlen_q, zeroed=False)
 
     def __call__(self, problem: AttentionProblem, dout, q, k, v, out, lse, dlse, dq, dk, dv,
                  cu_seqlens_q=None, cu_seqlens_k=None, deterministic: bool = False):
@@ -418,13 +411,13 @@ class HopperBackwardRunner:
         lse2, delta = padded.select(-2, 0), padded.select(-2, 1)
         dq_acc = self.dq_accumulator(problem, q)
         self.row_pass(dlse is not None)(out, dout, lse, dlse, lse2[..., :rows], delta[..., :rows], dq_acc,
-                                        cu_seqlens_q if self.cfg.varlen and self.cfg.dq_fragment_order else None,
+                                        cu_seqlens_q if self.cfg.varlen else None,
                                         problem.score_scale if self.cfg.ds_prescaled else 1.0)
         if self.cfg.varlen:  # (H, T) -> (1, H, T): the kernel reads both layouts as (B, H, S)
             lse2, delta = lse2.unsqueeze(0), delta.unsqueeze(0)
         descriptors = None
         if self.cfg.varlen:
-            # per-sequence TMA descriptors (q, k, v, dO, dQ accumulator[, dK, dV]; 128 bytes each)
+            # per-sequence TMA descriptors (q, k, v, dO[, dK, dV]; 128 bytes each)
             descriptors = torch.empty((problem.batch, self.cfg.sequence_descriptors, 16), dtype=torch.int64,
                                       device=q.device)
         tiles = count = None
@@ -450,10 +443,7 @@ class HopperBackwardRunner:
             m.window_left if self.cfg.window_left_bounded else None,
             m.window_right if self.cfg.window_right_bounded else None,
         )
-        if self.cfg.dq_fragment_order:
-            self.dq_convert()(dq_acc, dq, cu_seqlens_q if self.cfg.varlen else None, problem.seqlen_q)
-        else:
-            dq.copy_(dq_acc)  # scaled by the kernel
+        self.dq_convert()(dq_acc, dq, cu_seqlens_q if self.cfg.varlen else None, problem.seqlen_q)
 
 
 class HopperBackend:

@@ -92,9 +92,6 @@ class HopperAttentionBackward(DeviceWorkTileList):
         if cfg.dq_split_rows and cfg.tile_m != 2 * 64:
             raise ValueError(f"dq_split_rows gives each consumer warpgroup 64 query rows of dQ: it needs tile_m = 128, "
                              f"got {cfg.tile_m}")
-        if cfg.dq_transposed and not cfg.dq_fragment_order:
-            raise ValueError(f"a {cfg.tile_m}-row query tile computes dQ transposed, which only the fragment-ordered "
-                             f"dQ accumulator takes: set dq_fragment_order")
         if cfg.dq_transposed and cfg.dq_cols_per_warpgroup != 64:
             raise ValueError(f"dQ^T takes each warpgroup's half of the head dim as the MMA's 64 rows: a {cfg.tile_m}-row "
                              f"query tile needs head_dim 128, got {cfg.head_dim}")
@@ -114,9 +111,9 @@ class HopperAttentionBackward(DeviceWorkTileList):
                  window_left: Optional[Int32], window_right: Optional[Int32], stream: cuda.CUstream):
         """Dense tensors: q/dO (B, S_q, H_q, D), k/v/dK/dV (B, S_k, H_k, D), LSE2/delta
         (B, H_q, S) fp32 with S >= S_q a multiple of 4 (rows past S_q are never used), dQacc
-        (B, S_q, H_q, D) fp32 (zeroed). Varlen: (T, H, D) rows, LSE2/delta (1, H_q, T) with T >= T_q
-        a multiple of 4, cu_seqlens (B + 1,) and room for ``cfg.sequence_descriptors`` per sequence
-        (B, 5 or 7, 16) int64; ``tiles_listed``: the (sequence, K/V tile) table (N, 2) int32, costliest first
+        the fragment-ordered accumulator (``dq_layout.py``; zeroed). Varlen: (T, H, D) rows,
+        LSE2/delta (1, H_q, T) with T >= T_q a multiple of 4, cu_seqlens (B + 1,) and room for
+        ``cfg.sequence_descriptors`` per sequence (B, 4 or 6, 16) int64; ``tiles_listed``: the (sequence, K/V tile) table (N, 2) int32, costliest first
         (``fmha.work_tiles.kv_work_tile_table``), and with ``tiles_on_device`` room for it and its
         count (1,) int32, filled by the launch. ``deterministic``: semaphores (B, H_q, query tiles)
         int32, zeroed. delta comes
@@ -127,7 +124,6 @@ class HopperAttentionBackward(DeviceWorkTileList):
         self.dtype = mQ.element_type
         d, tile_m, tile_n = cfg.head_dim, self.tile_m, self.tile_n
         q, k, v, do = (bshd_to_sdhb(t, varlen) for t in (mQ, mK, mV, mdO))
-        dq_acc = mdQacc if const_expr(cfg.dq_fragment_order) else bshd_to_sdhb(mdQacc, varlen)
         lse2, delta = (rows_first(t) for t in (mLSE2, mDelta))
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         # S^T = K Q^T and dP^T = V dO^T: M = keys (64 per warpgroup), N = queries, K = head dim
@@ -147,12 +143,10 @@ class HopperAttentionBackward(DeviceWorkTileList):
         # dS^T double-buffered with the Q/dO stages: a warpgroup may write the next tile's while
         # the other still reads this one's
         sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, d, tile_m), self.dtype, 2)
-        # each warpgroup's half of the dQ tile, added by its own reduce-add
-        if const_expr(cfg.dq_fragment_order):  # (4 floats, thread, chunk) per warpgroup (dq_layout.py)
-            chunks = (dq_m if cfg.dq_transposed else dq_n) // 8  # the MMA's N / 8
-            sdQ_layout = cute.make_layout((4, _WG, chunks, 2), stride=(1, 4, 4 * _WG, dq_m * dq_n))
-        else:
-            sdQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (dq_m, tile_n, dq_n), Float32, 2)
+        # each warpgroup's block of the dQ tile, added by its own bulk reduce: (4 floats, thread,
+        # chunk) per warpgroup, the fragments' order (dq_layout.py)
+        chunks = (dq_m if cfg.dq_transposed else dq_n) // 8  # the MMA's N / 8
+        sdQ_layout = cute.make_layout((4, _WG, chunks, 2), stride=(1, 4, 4 * _WG, dq_m * dq_n))
         # a tile's LSE and delta rows: TMA boxes start on 16-byte boundaries, so a packed sequence's
         # tile loads from the row below it that is a multiple of 4, four rows more than a tile
         sRow_layout = cute.make_layout((self.row_box, 2), stride=(1, -(-self.row_box // 32) * 32))  # 128-byte stages
@@ -167,12 +161,6 @@ class HopperAttentionBackward(DeviceWorkTileList):
         row_box = cute.make_layout(self.row_box)
         tma_lse, tma_tensor_lse = cpasync.make_tiled_tma_atom(load_op, lse2, row_box, (self.row_box,))
         tma_delta, tma_tensor_delta = cpasync.make_tiled_tma_atom(load_op, delta, row_box, (self.row_box,))
-        tma_dq = None
-        tma_tensor_dq = dq_acc
-        if const_expr(not cfg.dq_fragment_order):
-            tma_dq, tma_tensor_dq = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(), dq_acc,
-                cute.select(sdQ_layout, mode=[0, 1]), (dq_m, dq_n))
         tma_dk = tma_tensor_dk = tma_dv = tma_tensor_dv = dk = dv = None
         if const_expr(cfg.dkv_store_tma):
             kv_wg_layout = wg_slice_layout(tile_k, tile_n, d)
@@ -209,8 +197,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
         if const_expr(cfg.tiles_listed):
             grid = [k.shape[2] * mTileTable.shape[0], 1, 1]
         if const_expr(varlen):
-            self.describe_sequences(tma_q, tma_k, tma_v, tma_do, tma_dq, tma_dk, tma_dv, q, k, v, do, dq_acc, dk, dv,
-                                    mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, mErrors, max_seqlen_q,
+            self.describe_sequences(tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, q, k, v, do, dk, dv, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, mErrors, max_seqlen_q,
                                     max_seqlen_k).launch(
                 grid=[num_batches, 1, 1], block=[32, 1, 1], stream=stream)
         if const_expr(cfg.tiles_on_device):
@@ -218,7 +205,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                                  window_left, window_right, mTileTable, mTileCount).launch(
                 grid=[1, 1, 1], block=[COST_BINS, 1, 1], smem=cost_bins_bytes(), stream=stream)
         self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_tensor_q, tma_do, tma_tensor_do, tma_k, tma_tensor_k,
-                    tma_v, tma_tensor_v, tma_lse, tma_tensor_lse, tma_delta, tma_tensor_delta, tma_dq, tma_tensor_dq,
+                    tma_v, tma_tensor_v, tma_lse, tma_tensor_lse, tma_delta, tma_tensor_delta, mdQacc,
                     mdK, mdV, tma_dk, tma_tensor_dk, tma_dv, tma_tensor_dv, mCuSeqlensQ, mCuSeqlensK,
                     mSeqDescriptors, mSemaphores, mTileTable, mTileCount,
                     max_seqlen_q, max_seqlen_k, scale_log2, out_scale, score_scale, window_left, window_right,
@@ -228,13 +215,13 @@ class HopperAttentionBackward(DeviceWorkTileList):
 
     @cute.kernel
     def describe_sequences(self, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
-                           tma_do: cute.CopyAtom, tma_dq: Optional[cute.CopyAtom], tma_dk: Optional[cute.CopyAtom],
+                           tma_do: cute.CopyAtom, tma_dk: Optional[cute.CopyAtom],
                            tma_dv: Optional[cute.CopyAtom], q: cute.Tensor, k: cute.Tensor,
-                           v: cute.Tensor, do: cute.Tensor, dq_acc: cute.Tensor, dk: Optional[cute.Tensor],
+                           v: cute.Tensor, do: cute.Tensor, dk: Optional[cute.Tensor],
                            dv: Optional[cute.Tensor], mCuSeqlensQ: cute.Tensor,
                            mCuSeqlensK: cute.Tensor, mSeqDescriptors: cute.Tensor, mErrors: cute.Tensor,
                            max_seqlen_q: Int32, max_seqlen_k: Int32):
-        """One warp per sequence: the five (seven) descriptors of its rows (all tensors (S, D, H, 1))."""
+        """One warp per sequence: the four (six) descriptors of its rows (all tensors (S, D, H, 1))."""
         batch = Int32(cute.arch.block_idx()[0])
         seq = SequenceInfo.create(batch, q.shape[0], k.shape[0], mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, max_seqlen_k)
         seq_desc.flag_bad_offsets(mCuSeqlensQ, mCuSeqlensK, batch, seq, q.shape[0], k.shape[0], mErrors)
@@ -245,9 +232,6 @@ class HopperAttentionBackward(DeviceWorkTileList):
                                                (tma_v, v, offset_k, len_k, seq_desc.V)):
             seq_desc.write_sequence_descriptor(atom, seq_desc.sequence_rows(t, offset, length, 0), mSeqDescriptors,
                                                batch, which)
-        if const_expr(not self.cfg.dq_fragment_order):
-            seq_desc.write_sequence_descriptor(tma_dq, seq_desc.sequence_rows(dq_acc, offset_q, len_q, 0),
-                                               mSeqDescriptors, batch, seq_desc.DQ)
         if const_expr(self.cfg.dkv_store_tma):
             for atom, t, which in ((tma_dk, dk, seq_desc.DK), (tma_dv, dv, seq_desc.DV)):
                 seq_desc.write_sequence_descriptor(atom, seq_desc.sequence_rows(t, offset_k, len_k, 0),
@@ -259,7 +243,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
                tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
                tma_lse: cute.CopyAtom, mLSE2: cute.Tensor, tma_delta: cute.CopyAtom, mDelta: cute.Tensor,
-               tma_dq: Optional[cute.CopyAtom], mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+               mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                tma_dk: Optional[cute.CopyAtom], mdK_tma: Optional[cute.Tensor], tma_dv: Optional[cute.CopyAtom],
                mdV_tma: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                mSeqDescriptors: Optional[cute.Tensor], mSemaphores: Optional[cute.Tensor],
@@ -274,8 +258,6 @@ class HopperAttentionBackward(DeviceWorkTileList):
         if warp_idx == 0:
             for atom in (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_delta):
                 cpasync.prefetch_descriptor(atom)
-            if const_expr(not self.cfg.dq_fragment_order):
-                cpasync.prefetch_descriptor(tma_dq)
             if const_expr(self.cfg.dkv_store_tma):
                 cpasync.prefetch_descriptor(tma_dk)
                 cpasync.prefetch_descriptor(tma_dv)
@@ -294,10 +276,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        if const_expr(self.cfg.dq_fragment_order):
-            sdQ = storage.sdQ.get_tensor(sdQ_layout)
-        else:
-            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout)
         sLSE2 = storage.sLSE2.get_tensor(sRow_layout)
         sDelta = storage.sDelta.get_tensor(sRow_layout)
         pipeline.pipeline_init_wait()
@@ -317,7 +296,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                                   sQ, sdO, sK, sV, sLSE2, sDelta, qdo_producer, kv_producer, mSeqDescriptors, n_block,
                                   head_kv, batch, group, m_start, m_end, seq)
                 if warp_idx == 1:
-                    self.dq_writer(tma_dq, mdQacc, sdQ, mSeqDescriptors, mSemaphores, window_left, window_right,
+                    self.dq_writer(mdQacc, sdQ, mSemaphores, window_left, window_right,
                                    n_block, head_kv, batch, group, m_start, m_end, seq)
             else:
                 cute.arch.setmaxregister_increase(240)
@@ -434,22 +413,15 @@ class HopperAttentionBackward(DeviceWorkTileList):
                     cute.copy(atom, tRg[None, 0], tRs[None, handle.index], tma_bar_ptr=handle.barrier)
 
     @cute.jit
-    def dq_writer(self, tma_dq, mdQacc, sdQ, mSeqDescriptors: Optional[cute.Tensor],
-                  mSemaphores: Optional[cute.Tensor], window_left, window_right, n_block, head_kv, batch, group,
-                  m_start, m_end, seq: SequenceInfo):
-        """Warp 1: adds each query tile's dQ into the fp32 buffer, one TMA reduce-add per consumer
-        warpgroup's half, as soon as that half is staged; frees each half once its add has read it.
-        ``deterministic``: each tile's adds wait for their turn (``wait_for_turn``)."""
+    def dq_writer(self, mdQacc, sdQ, mSemaphores: Optional[cute.Tensor], window_left, window_right, n_block,
+                  head_kv, batch, group, m_start, m_end, seq: SequenceInfo):
+        """Warp 1: adds each query tile's dQ into the fp32 accumulator, one bulk reduce-add per
+        consumer warpgroup's block, as soon as that block is staged; frees each block once its add
+        has read it. ``deterministic``: each tile's adds wait for their turn (``wait_for_turn``)."""
         cfg = self.cfg
-        desc_dq = None
-        row_batch = batch
-        first_tile = Int32(0)  # the sequence's first tile of the fragment-ordered accumulator
+        first_tile = Int32(0)  # the sequence's first tile of the accumulator
         if const_expr(cfg.varlen):
-            if const_expr(cfg.dq_fragment_order):
-                first_tile = (seq.offset_q + batch * self.tile_m) // self.tile_m  # dq_layout.first_tile
-            else:
-                desc_dq = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.DQ)
-            row_batch = Int32(0)
+            first_tile = (seq.offset_q + batch * self.tile_m) // self.tile_m  # dq_layout.first_tile
         block = cfg.dq_rows_per_warpgroup * cfg.dq_cols_per_warpgroup
         # deterministic: the query tiles that K/V tile n_block - 1 adds into (none for tile 0)
         prev_start, prev_end = Int32(0), Int32(0)
@@ -458,17 +430,12 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 prev_start, prev_end = self.query_tiles(n_block - 1, seq.seqlen_q, seq.seqlen_k, window_left,
                                                         window_right)
         last = group * (m_end - m_start) - 1
-        if last >= 0:  # the first tile's halves are free (no arrival that nobody waits for)
+        if last >= 0:  # the first tile's blocks are free (no arrival that nobody waits for)
             for wg in cutlass.range_constexpr(2):
                 cute.arch.barrier_arrive(barrier_id=NamedBarrierBwd.DQ_EMPTY + wg, number_of_threads=_WG + 32)
         t = Int32(0)
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
-            tdQs = tdQg = None
-            if const_expr(not cfg.dq_fragment_order):
-                gdQ = cute.local_tile(mdQacc[None, None, head, row_batch],
-                                      (cfg.dq_rows_per_warpgroup, cfg.dq_cols_per_warpgroup), (None, None))
-                tdQs, tdQg = tma_tiles(tma_dq, sdQ, gdQ)
             for i in cutlass.range(m_start, m_end, unroll=1):
                 m_block = self.query_tile_at(i, m_start, m_end)
                 turn = None
@@ -477,18 +444,12 @@ class HopperAttentionBackward(DeviceWorkTileList):
                     turn = self.wait_for_turn(mSemaphores, batch, head, m_block, n_block, has_predecessor)
                 for wg in cutlass.range_constexpr(2):
                     cute.arch.barrier(barrier_id=NamedBarrierBwd.DQ_FULL + wg, number_of_threads=_WG + 32)
-                    if const_expr(cfg.dq_fragment_order):
-                        if const_expr(cfg.varlen):
-                            tile = mdQacc[head, first_tile + m_block, None]
-                        else:
-                            tile = mdQacc[batch, head, m_block, None]
-                        with cute.arch.elect_one():
-                            bulk_reduce_add_f32(tile.iterator + wg * block, sdQ[None, None, None, wg].iterator,
-                                                block * 4)
+                    if const_expr(cfg.varlen):
+                        tile = mdQacc[head, first_tile + m_block, None]
                     else:
-                        half = (tdQg[None, 2 * m_block + wg, 0] if const_expr(cfg.dq_split_rows)
-                                else tdQg[None, m_block, wg])
-                        cute.copy(tma_dq, tdQs[None, wg], half, tma_desc_ptr=desc_dq)
+                        tile = mdQacc[batch, head, m_block, None]
+                    with cute.arch.elect_one():
+                        bulk_reduce_add_f32(tile.iterator + wg * block, sdQ[None, None, None, wg].iterator, block * 4)
                     cute.arch.cp_async_bulk_commit_group()
                 if const_expr(cfg.deterministic):
                     self.pass_turn(turn, n_block)
@@ -545,11 +506,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
         acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tile_n, d)), Float32)
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
-        if const_expr(cfg.dq_fragment_order):
-            # this thread's accumulator registers 4k..4k+3 as chunk k: one 16-byte store each
-            tdQsdQ = sdQ[None, tidx % _WG, None, wg]
-        else:
-            tdQsdQ = thr_dq.partition_C(sdQ[None, None, wg])
+        # this thread's accumulator registers 4k..4k+3 as chunk k: one 16-byte store each
+        tdQsdQ = sdQ[None, tidx % _WG, None, wg]
         # dS^T from the accumulator registers into shared memory, 8x8 blocks at a time
         st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_st = cute.make_tiled_copy_C(st_atom, mma_sdp).get_slice(tidx)
@@ -643,10 +601,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 cute.arch.barrier(barrier_id=NamedBarrierBwd.DQ_EMPTY + wg, number_of_threads=_WG + 32)
                 if const_expr(not cfg.ds_prescaled):
                     acc_dq.store(acc_dq.load() * score_scale)
-                if const_expr(cfg.dq_fragment_order):
-                    cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout(tdQsdQ.shape)), tdQsdQ)
-                else:
-                    cute.autovec_copy(acc_dq, tdQsdQ)
+                cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout(tdQsdQ.shape)), tdQsdQ)
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=NamedBarrierBwd.DQ_FULL + wg, number_of_threads=_WG + 32)
                 warpgroup.wait_group(0)

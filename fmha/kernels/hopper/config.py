@@ -368,7 +368,7 @@ class HopperBackwardConfig:
         measured)."""
         if self.head_dim == 64:
             return 128
-        return 80 if self.long_rows and self.dq_fragment_order else 64
+        return 80 if self.long_rows else 64
 
     @property
     def dq_split_rows(self) -> bool:
@@ -384,10 +384,6 @@ class HopperBackwardConfig:
         thread held 64 pairs; at D=64 it measured no clear gain (docs/performance.md)."""
         return self.head_dim == 128
 
-    #: dQ staged and added in the order of the MMA's fragments (``dq_layout.py``: 16-byte stores,
-    #: one bulk reduce per warpgroup, FA4's layout) rather than as row-major tiles by a TMA
-    #: reduce-add (a lab variant)
-    dq_fragment_order = True
     #: dK is staged in K's buffer while dV's TMA store still reads V's (each buffer is staged
     #: once); a lab variant waits for dV's store first, as before
     dk_staged_under_dv_store = True
@@ -407,15 +403,14 @@ class HopperBackwardConfig:
 
     @property
     def sequence_descriptors(self) -> int:
-        """Varlen: TMA descriptors per sequence (q, k, v, dO, the dQ accumulator; dK, dV; the
-        fragment-ordered accumulator's slot stays unused)."""
-        return 7 if self.dkv_store_tma else 5
+        """Varlen: TMA descriptors per sequence (q, k, v, dO; dK, dV). The dQ accumulator needs
+        none: each sequence's query tiles have tiles of their own (``dq_layout.py``)."""
+        return 6 if self.dkv_store_tma else 4
 
     @property
     def dq_transposed(self) -> bool:
         """A query tile that 64-row MMAs do not split (FA3's and FA4's 80 rows at D=128): dQ^T = K^T
-        dS^T, each warpgroup its half of the head dim as M over all the tile's rows (needs
-        ``dq_fragment_order``)."""
+        dS^T, each warpgroup its half of the head dim as M over all the tile's rows."""
         return self.tile_m % 64 != 0
 
     @property

@@ -41,7 +41,7 @@ class DqConvertConfig:
 
     @staticmethod
     def of(cfg) -> "DqConvertConfig":
-        """The conversion for a ``HopperBackwardConfig`` with ``dq_fragment_order``."""
+        """The conversion for a ``HopperBackwardConfig``'s accumulator."""
         return DqConvertConfig(cfg.dtype, cfg.head_dim, cfg.tile_m, cfg.dq_rows_per_warpgroup,
                                cfg.dq_cols_per_warpgroup, cfg.dq_split_rows, cfg.dq_transposed, cfg.varlen)
 
