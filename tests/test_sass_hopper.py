@@ -241,3 +241,17 @@ def test_backward_80_row_tile_keeps_its_registers(causal, tmp_root):
     assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
     assert sum("HGMMA.64x80x16" in t for t in ins) == 3 * 8 and sum("HGMMA.64x128x16" in t for t in ins) == 2 * 5
     assert sum("MUFU.EX2" in t for t in ins) == 40 and sum("STS.128" in t for t in ins) == 10
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_d64_ds_first_variant_keeps_its_registers(causal, tmp_root):
+    """Variant ``fmha_bwd_d64_ds_first``: D=64 with dS^T stored before dV's product is issued
+    keeps every register (the row-major dQ tile's kernel spilled so), and the stores come
+    before the first of dV's MMAs (64x64x16, 8 per warpgroup and tile with dK's)."""
+    ins, labels = _backward_sass(64, causal, tmp_root, ds_stored_before_dv=True)
+    assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
+    first, last = min(_innermost_wgmma_loops(ins, labels), key=lambda loop: loop[1] - loop[0])
+    loop = ins[first:last + 1]
+    stsm = [i for i, t in enumerate(loop) if t.startswith("STSM")]
+    dkv = [i for i, t in enumerate(loop) if "HGMMA.64x64x16" in t]
+    assert stsm and dkv and max(stsm) < min(dkv)
