@@ -512,8 +512,8 @@ def backward_config(case: Case, torch):
 
 @contextlib.contextmanager
 def _poisoned_dq_accumulator(torch):
-    """The Hopper backward's fp32 dQ accumulator (either layout) handed out filled with NaN: a
-    row the row pass fails to zero turns dQ to NaN."""
+    """The Hopper backward's fp32 dQ accumulator handed out filled with NaN: a row the row pass
+    fails to zero turns dQ to NaN."""
     from fmha.kernels.hopper.backend import HopperBackwardRunner
 
     plain = HopperBackwardRunner.dq_accumulator

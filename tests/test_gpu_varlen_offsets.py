@@ -85,3 +85,27 @@ def test_bad_offsets_are_flagged_and_nothing_outside_the_tensors_is_touched(bad)
     with pytest.raises(ValueError, match="invalid cu_seqlens"):
         fmha.attention_varlen(q, k, v, _cu(lens), _cu(lens), 200, 200)
     fmha.check_device_errors()
+
+
+@pytest.mark.parametrize("bad", ["decreasing", "past_the_end", "longer_than_max", "first_not_zero"])
+def test_bad_offsets_in_the_backward_are_flagged_and_its_gradients_stay_in_their_buffers(bad):
+    """The backward with offsets the host did not read: its passes clamp them as the forward's
+    kernels do (the row pass that zeroes the tiled dQ accumulator included), write no gradient row
+    outside dq/dk/dv, and flag them."""
+    lens = [100, 50, 200]
+    q, k, v = _packed(lens)
+    t = sum(lens)
+    out, lse = fmha.attention_varlen(q, k, v, _cu(lens), _cu(lens), 200, 200, return_lse=True)
+    offsets = {"decreasing": [0, 120, 90, t], "past_the_end": [0, 100, 150, t + 4096],
+               "first_not_zero": [7, 100, 150, t]}.get(bad, [0, 100, 150, t])
+    max_len = 150 if bad == "longer_than_max" else 200
+    cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    guard = 64
+    bufs = [torch.full((t + guard, *x.shape[1:]), math.nan, dtype=x.dtype, device="cuda") for x in (q, k, v)]
+    fmha.attention_backward(torch.ones_like(out), q, k, v, out, lse, cu, cu, max_len, max_len,
+                            dq=bufs[0][:t], dk=bufs[1][:t], dv=bufs[2][:t])
+    with pytest.raises(ValueError, match="invalid cu_seqlens"):
+        fmha.check_device_errors()
+    for buf in bufs:
+        assert torch.isnan(buf[t:]).all()  # the guard rows after each gradient were not written
+    fmha.check_device_errors()  # raised once, then cleared

@@ -19,6 +19,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, const_expr
 
+from .seqinfo import SequenceInfo
+
 THREADS_PER_CTA = 256
 LOAD_BYTES = 16
 
@@ -122,8 +124,11 @@ class BackwardRows:
         the order within the tile (that of the fragments, which would scatter them)."""
         tile_m, d = self.cfg.dq_tile_m, self.cfg.head_dim
         piece = LOAD_BYTES // self.cfg.dtype.itemsize
+        start, end = Int32(0), rows
         if const_expr(self.cfg.varlen):
-            # the sequence of this packed row: the last b with cu_seqlens[b] <= row (empty ones skipped)
+            # the sequence of this packed row: the last b with cu_seqlens[b] <= row (empty ones
+            # skipped); offsets the host did not read are clamped as every kernel clamps them, and
+            # a row outside its sequence's clamped rows (bad offsets, flagged later) zeroes nothing
             lo, hi = Int32(0), Int32(mCuSeqlensQ.shape[0] - 2)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
@@ -131,14 +136,18 @@ class BackwardRows:
                     lo = mid
                 else:
                     hi = mid - 1
-            start, end = mCuSeqlensQ[lo], mCuSeqlensQ[lo + 1]
-            padded = (start + lo * tile_m) // tile_m * tile_m + (row - start)
-            tile = mdQaccum[head, padded // tile_m, None]
-        else:
-            end, padded = rows, row
-            tile = mdQaccum[batch, head, padded // tile_m, None]
-        first, stop = tile_rows_zeroed(padded % tile_m, Int32(row == end - 1), tile_m)
-        zeros = cute.make_rmem_tensor((piece,), Float32)
-        zeros.fill(0.0)
-        for r in cutlass.range(first, stop, unroll=1):
-            cute.autovec_copy(zeros, cute.local_tile(tile, (piece,), (r * (d // piece) + col0 // piece,)))
+            seq = SequenceInfo.create(lo, rows, rows, mCuSeqlensQ, mCuSeqlensQ)
+            start, end = seq.offset_q, seq.offset_q + seq.seqlen_q
+            batch = lo
+        if row >= start and row < end:
+            padded = row - start
+            if const_expr(self.cfg.varlen):
+                padded = (start + batch * tile_m) // tile_m * tile_m + padded  # dq_layout.first_tile
+                tile = mdQaccum[head, padded // tile_m, None]
+            else:
+                tile = mdQaccum[batch, head, padded // tile_m, None]
+            first, stop = tile_rows_zeroed(padded % tile_m, Int32(row == end - 1), tile_m)
+            zeros = cute.make_rmem_tensor((piece,), Float32)
+            zeros.fill(0.0)
+            for r in cutlass.range(first, stop, unroll=1):
+                cute.autovec_copy(zeros, cute.local_tile(tile, (piece,), (r * (d // piece) + col0 // piece,)))

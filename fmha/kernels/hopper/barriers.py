@@ -22,9 +22,9 @@ class NamedBarrierBwd(enum.IntEnum):
 
     #: both warpgroups' dS^T is in shared memory for the dQ product (256 threads)
     DS_READY = 1
-    #: the writer's reduce-add has read warpgroup ``wg``'s half of the last dQ tile
+    #: the writer's reduce-add has read warpgroup ``wg``'s block of the last dQ tile
     DQ_EMPTY = 2
-    #: warpgroup ``wg``'s half of the dQ tile is in shared memory for its reduce-add
+    #: warpgroup ``wg``'s block of the dQ tile is in shared memory for its reduce-add
     DQ_FULL = 4
     #: ``dkv_store_tma``: warpgroup ``wg``'s dV or dK rows are staged for its TMA store (128 threads)
     DKV_STAGED = 6

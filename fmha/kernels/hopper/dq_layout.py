@@ -12,6 +12,9 @@ memory with one bulk reduce-add of contiguous bytes.
 Dense: ``(B, H, query tiles, tile_m * D)``. Varlen: ``(H, tiles, tile_m * D)``, sequence ``b``'s
 tiles starting at tile ``(cu_seqlens[b] + b * tile_m) // tile_m``, which keeps sequences' tiles
 apart (``first_tile``). Rows past a sequence's end in its last tile are added into but never read.
+The padding costs up to ``(B + 1) * tile_m`` rows of H * D floats over the packed rows' T (a batch
+of many sequences much shorter than a tile pays most), as FA3's and FA4's varlen accumulators pad
+each sequence too.
 """
 
 import torch
