@@ -65,6 +65,7 @@ from ..common.pipelines import release_by_one_lane
 from ..common.device_tile_list import COST_BINS, DeviceWorkTileList, cost_bins_bytes
 from ..common.seqinfo import SequenceInfo
 from ..common.tma import bulk_reduce_add_f32, tma_tiles
+from . import dq_layout
 from .barriers import NamedBarrierBwd
 from .config import HopperBackwardConfig
 from .epilogue import drain_o_stores, store_o_direct, store_o_tma, wg_slice_layout
@@ -421,7 +422,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
         cfg = self.cfg
         first_tile = Int32(0)  # the sequence's first tile of the accumulator
         if const_expr(cfg.varlen):
-            first_tile = (seq.offset_q + batch * self.tile_m) // self.tile_m  # dq_layout.first_tile
+            first_tile = dq_layout.first_tile(seq.offset_q, batch, self.tile_m)
         block = cfg.dq_rows_per_warpgroup * cfg.dq_cols_per_warpgroup
         # deterministic: the query tiles that K/V tile n_block - 1 adds into (none for tile 0)
         prev_start, prev_end = Int32(0), Int32(0)

@@ -17,9 +17,10 @@ import torch
 from cutlass import Float32, Int32, const_expr
 
 from ..common.seqinfo import SequenceInfo
+from . import dq_layout
+from .wgmma import WARPGROUP_THREADS as _WG
 
 THREADS = 256
-_WG = 128
 #: elements of padding per shared-memory row: its pair stores (8 rows x 4 threads a warp) land in
 #: distinct banks, and rows stay 16-byte aligned
 _PAD = 8
@@ -77,7 +78,7 @@ class DqConvert:
         if const_expr(cfg.varlen):
             seq = SequenceInfo.create(batch, mdQ.shape[0], mdQ.shape[0], mCuSeqlensQ, mCuSeqlensQ, max_seqlen_q,
                                       max_seqlen_q)
-            tile = mAcc[head, (seq.offset_q + batch * tile_m) // tile_m + m_block, None]  # dq_layout.first_tile
+            tile = mAcc[head, dq_layout.first_tile(seq.offset_q, batch, tile_m) + m_block, None]
             rows = seq.seqlen_q
         else:
             seq = SequenceInfo.create(batch, mdQ.shape[1], mdQ.shape[1])

@@ -19,15 +19,6 @@ each sequence too.
 
 import torch
 
-#: threads of a consumer warpgroup; floats per 16-byte chunk
-WARPGROUP_THREADS = 128
-CHUNK = 4
-
-
-def block_floats(cfg) -> int:
-    """Floats of one warpgroup's dQ block."""
-    return cfg.dq_rows_per_warpgroup * cfg.dq_cols_per_warpgroup
-
 
 def tile_floats(cfg) -> int:
     return cfg.tile_m * cfg.head_dim
@@ -35,7 +26,7 @@ def tile_floats(cfg) -> int:
 
 def first_tile(offset_q, batch, tile_m: int):
     """Varlen: the accumulator tile where sequence ``batch`` (first row ``offset_q`` of the packed
-    rows) starts. Sequence b's last tile is below b + 1's first: floor((x + L) / t) + 1 >=
+    rows) starts (plain arithmetic: the kernels call it on their values too). Sequence b's last tile is below b + 1's first: floor((x + L) / t) + 1 >=
     floor(x / t) + ceil(L / t) for x = cu[b] + b t and L its length."""
     return (offset_q + batch * tile_m) // tile_m
 
