@@ -102,13 +102,9 @@ BACKWARD_VARIANTS = {
     # D=128: 80 query rows per step at every length and with every mask (production: without a
     # mask from LONG_ROWS query rows)
     "fmha_bwd_m80": dict(tile_m=80, head_dims=(128,)),
-    # D=128: dS^T stored after dV's product is issued, the order before
-    "fmha_bwd_ds_after_dv": dict(ds_stored_before_dv=False, head_dims=(128,)),
-    # D=64: dS^T stored before dV's product is issued, as at D=128 (ncu at S=4k: the fence after
-    # the stores held 9.1k samples against FA4's 1.0k). With the row-major dQ tile it spilled (7
-    # local-memory instructions, one in the loop); with the fragment-ordered one ptxas keeps every
-    # register, causal or not (production D=64: 8 and 3, one in the loop without a mask)
-    "fmha_bwd_d64_ds_first": dict(ds_stored_before_dv=True, head_dims=(64,)),
+    # dS^T stored after dV's product is issued, the order before (D=64 spilled with the stores
+    # first while the dQ accumulator was row-major)
+    "fmha_bwd_ds_after_dv": dict(ds_stored_before_dv=False, head_dims=(64, 128)),
 }
 
 

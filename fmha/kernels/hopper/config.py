@@ -393,14 +393,9 @@ class HopperBackwardConfig:
     #: exponentials interleave with dS's arithmetic and P's conversion, as in FA4's SASS
     exps_before_dp_wait = True
 
-    @property
-    def ds_stored_before_dv(self) -> bool:
-        """dS^T goes to shared memory before dV's product is issued, so that the fence after them
-        has less to wait for (ncu: 2% of the samples on it at D=128, where FA4 orders them so); at
-        D=128 ptxas then also keeps every register (7 local-memory instructions before). At D=64
-        it spilled with the row-major dQ tile and no longer does (variant
-        ``fmha_bwd_d64_ds_first``, not yet timed)."""
-        return self.head_dim == 128
+    #: dS^T goes to shared memory before dV's product is issued, so that the fence after them has
+    #: less to wait for (as FA4 orders them); a lab variant stores it after, as before
+    ds_stored_before_dv = True
 
     @property
     def sequence_descriptors(self) -> int:
