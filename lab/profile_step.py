@@ -2,6 +2,7 @@
 
     python -m lab.profile_step --filter "varlen19 T16384 max3566 H16/16 D128 causal" --impls fmha,fa4
     python -m lab.profile_step --backward --filter "B32 S512 H32/32 D64 causal" --impls fmha,fa4  # the backward alone
+    python -m lab.profile_step --forward --filter "B4 S4096 H16/16 D128 fp8" --impls fmha  # the forward alone
 
 For every benchmark point the filter selects (``lab/bench.py``'s full grid) and each implementation,
 the step ``lab.bench --step`` times (forward + ``autograd.grad``) runs under ``torch.profiler``:
@@ -81,6 +82,8 @@ def main(argv=None):
     ap.add_argument("--host", action="store_true", help="also the host's Python profile of the steps (cProfile, by own time)")
     ap.add_argument("--backward", action="store_true",
                     help="the backward alone (autograd.grad of one forward's output), as `lab.bench --backward` times it")
+    ap.add_argument("--forward", action="store_true",
+                    help="the forward alone (no autograd), as `lab.bench` times it; fp8 points too")
     ap.add_argument("--variants", action="store_true", help="also the lab variants (lab/variants.py) as --impls")
     args = ap.parse_args(argv)
     impls = _implementations(torch, variants=args.variants)
@@ -89,14 +92,17 @@ def main(argv=None):
         if not any(p.label().endswith(w[:-1]) if w.endswith("$") else w in p.label() for w in wanted):
             continue
         q, k, v, cu = _inputs(p, torch)
-        dout = torch.randn(q.shape, device=q.device).to(q.dtype)
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        if not args.forward:
+            dout = torch.randn(q.shape, device=q.device).to(q.dtype)
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         for name in args.impls.split(","):
             if name not in impls:
                 print(f"\n## {name}: not available here")
                 continue
             try:
-                if args.backward:  # one forward; each step is its backward
+                if args.forward:
+                    fn = (lambda f=impls[name]: f(q, k, v, p, cu))
+                elif args.backward:  # one forward; each step is its backward
                     out = impls[name](*leaves, p, cu)
                     fn = (lambda out=out: torch.autograd.grad(out, leaves, dout, retain_graph=True))
                 else:
