@@ -93,6 +93,10 @@ def build_grid(name: str) -> list[Point]:
     pts += [Point(1, 0, 16, 16, 128, c, "varlen", varlen=realistic_lengths()) for c in (False, True)]
     pts += [Point(16384 // s, s, 16, 16, 128, c, "fp8", dtype="float8_e4m3fn")
             for s in (4096, 8192, 16384) for c in (False, True)]
+    # the rest of issue #21's fp8 targets: D=256, and GQA
+    pts += [Point(16384 // s, s, 8, 8, 256, c, "fp8", dtype="float8_e4m3fn")
+            for s in (4096, 8192, 16384) for c in (False, True)]
+    pts += [Point(2, 8192, 16, 2, 128, c, "fp8", dtype="float8_e4m3fn") for c in (False, True)]
     return pts
 
 

@@ -29,7 +29,13 @@ VARIANTS = {
     "fmha_chain_softmax": dict(softmax_chains=(1, 1)),  # one dependent max/sum chain per row
     "fmha_tree_softmax": dict(softmax_chains=(4, 2)),  # four max / two sum chains per row
     "fmha_eager_rescale": dict(lazy_rescale=False),  # the exact running max, O rescaled every tile
-    "fmha_fp8_n192": dict(tile_n=192, fp8_only=True),
+    "fmha_fp8_n192": dict(tile_n=192, fp8_only=True, head_dims=(128,)),
+    # FlashAttention-3's fp8 key tiles: 224 keys at D=128, 128 at D=256 (ours: 128 and 64); fewer
+    # K/V steps per row, so fewer of fp8's per-step costs (O's rescale by the exact max, the row
+    # reductions), with as many stages as leave O's staging buffer (no local memory: SASS)
+    "fmha_fp8_n224": dict(tile_n=224, kv_stages=6, fp8_only=True, head_dims=(128,)),
+    "fmha_fp8_d256_n128": dict(tile_n=128, kv_stages=4, fp8_only=True, head_dims=(256,)),
+    "fmha_fp8_d256_n96": dict(tile_n=96, kv_stages=5, fp8_only=True, head_dims=(256,)),
 }
 
 

@@ -72,6 +72,16 @@ def _ptx(cfg, tmp_path):
     return next(tmp_path.glob("*.ptx")).read_text()
 
 
+def test_a_forward_that_overflows_shared_memory_fails_to_compile_with_its_sizes():
+    """A configuration whose buffers exceed the 227 KB a CTA may use is refused when it is built,
+    with the sizes that overflow, rather than failing at launch (lab variants pin K/V stages)."""
+    from lab.variants import variant_config
+
+    base = library_config(torch.float8_e4m3fn, 256, "none", lse=False, seqlen_k=8192)
+    with pytest.raises(ValueError, match=r"shared memory \(\d+ bytes with 128x128 tiles, 5 K/V stages, head dim 256\)"):
+        compile_kernel(variant_config(base, tile_n=128, kv_stages=5))
+
+
 def test_machine_code_has_wgmma_and_tma(tmp_path):
     ptx = _ptx(_config(torch.bfloat16, 128, "causal", True), tmp_path)
     assert "wgmma.mma_async" in ptx

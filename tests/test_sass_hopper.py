@@ -253,3 +253,21 @@ def test_backward_stores_ds_before_the_dv_product(head_dim, causal, tmp_root):
     stsm = [i for i, t in enumerate(loop) if t.startswith("STSM")]
     dkv = [i for i, t in enumerate(loop) if f"HGMMA.64x{head_dim}x16" in t]  # dV's and dK's
     assert stsm and dkv and max(stsm) < min(dkv)
+
+
+@pytest.mark.parametrize("name", ["fmha_fp8_n224", "fmha_fp8_d256_n128", "fmha_fp8_d256_n96"])
+def test_fp8_key_tile_variants_fit_and_keep_their_registers(name, tmp_root):
+    """The lab variants with FlashAttention-3's fp8 key tiles (``lab/variants.py``) fit shared
+    memory (the forward's trace raises otherwise) and keep every register: a variant that spilled
+    would time its spills, not its tile. The S GEMM is 64 x tile_n per warpgroup."""
+    from lab.variants import VARIANTS, variant_config
+
+    overrides = dict(VARIANTS[name])
+    (head_dim,) = overrides.pop("head_dims")
+    overrides.pop("fp8_only")
+    base = library_config(torch.float8_e4m3fn, head_dim, "none", lse=False, seqlen_k=8192)
+    cfg = variant_config(base, **overrides)
+    assert (cfg.tile_n, cfg.kv_stages) == (overrides["tile_n"], overrides["kv_stages"]) != (base.tile_n, base.kv_stages)
+    ins, _ = _instructions(_sass(cfg, tmp_root))
+    assert any(f"QGMMA.64x{cfg.tile_n}x32.F32.E4M3.E4M3" in t for t in ins)
+    assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]

@@ -67,7 +67,7 @@ from ..common.seqinfo import SequenceInfo
 from ..common.tma import bulk_reduce_add_f32, tma_tiles
 from . import dq_layout
 from .barriers import NamedBarrierBwd
-from .config import HopperBackwardConfig
+from .config import SMEM_LIMIT, HopperBackwardConfig
 from .epilogue import drain_o_stores, store_o_direct, store_o_tma, wg_slice_layout
 from .wgmma import WARPGROUP_THREADS as _WG
 from .wgmma import issue_gemm
@@ -75,8 +75,6 @@ from .wgmma import issue_gemm
 
 #: rows of fp32 in 16 bytes: a TMA box's first row is a multiple of it
 _ROW_ALIGN = 4
-#: bytes of shared memory one CTA may use on SM90 (227 KB)
-_SMEM_LIMIT = 232448
 #: query columns of a thread's S^T fragment whose LSE it holds in registers for a tile (D=128's 64-row tile)
 _HELD_COLUMNS = 16
 
@@ -185,9 +183,9 @@ class HopperAttentionBackward(DeviceWorkTileList):
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
-        if const_expr(SharedStorage.size_in_bytes() > _SMEM_LIMIT):
+        if const_expr(SharedStorage.size_in_bytes() > SMEM_LIMIT):
             raise ValueError(f"the backward's shared memory ({SharedStorage.size_in_bytes()} bytes at tile_m "
-                             f"{tile_m}, head_dim {d}) exceeds the {_SMEM_LIMIT} a Hopper CTA may use")
+                             f"{tile_m}, head_dim {d}) exceeds the {SMEM_LIMIT} a Hopper CTA may use")
         self.shared_storage = SharedStorage
         seqlen_k = max_seqlen_k if const_expr(varlen) else k.shape[0]
         num_n_blocks = (seqlen_k + tile_n - 1) // tile_n

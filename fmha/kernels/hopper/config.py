@@ -23,8 +23,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 # What the scheduling rules assume of the GPU: the L2 of an H100 / H200 (SXM).
 L2_BYTES = 50 * 2**20
-# Shared memory a CTA may use on SM90 (227 KiB), less room for the mbarriers and alignment.
-SMEM_BYTES = 227 * 1024 - 2048
+# Shared memory a CTA may use on SM90 (227 KiB), and what the buffers may take of it (room for
+# the mbarriers and alignment).
+SMEM_LIMIT = 227 * 1024
+SMEM_BYTES = SMEM_LIMIT - 2048
 MAX_KV_STAGES = 8
 
 

@@ -46,7 +46,7 @@ from ..common.seqinfo import SequenceInfo
 from ..common.softmax import MAX_SLACK, OnlineSoftmax
 from ..common.tma import tma_tiles
 from .barriers import NamedBarrier
-from .config import HopperForwardConfig, OStore
+from .config import SMEM_LIMIT, HopperForwardConfig, OStore
 from .epilogue import drain_o_stores, store_lse, store_o_direct, store_o_tma, wg_slice_layout
 from .mainloop import ConsumerFragments, ConsumerMainloop
 from .wgmma import WARPGROUP_THREADS as _WG
@@ -155,6 +155,10 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
             tile_mbar: cute.struct.MemRange[cutlass.Int64, hand_off_stages * 2]
             next_tile: cute.struct.MemRange[Int32, hand_off_stages]
 
+        if const_expr(SharedStorage.size_in_bytes() > SMEM_LIMIT):  # the launch would fail
+            raise ValueError(f"the forward's shared memory ({SharedStorage.size_in_bytes()} bytes with {tile_m}x{tile_n} "
+                             f"tiles, {cfg.kv_stages} K/V stages, head dim {d}) exceeds the {SMEM_LIMIT} a Hopper CTA "
+                             f"may use")
         self.shared_storage = SharedStorage
 
         num_batches = mCuSeqlensQ.shape[0] - 1 if const_expr(varlen) else q.shape[3]
