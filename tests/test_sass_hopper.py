@@ -271,3 +271,43 @@ def test_fp8_key_tile_variants_fit_and_keep_their_registers(name, tmp_root):
     ins, _ = _instructions(_sass(cfg, tmp_root))
     assert any(f"QGMMA.64x{cfg.tile_n}x32.F32.E4M3.E4M3" in t for t in ins)
     assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
+
+
+def _pass_sass(compile_fn, cfg, out) -> list:
+    os.makedirs(out, exist_ok=True)
+    compile_fn(cfg, extra_options=f"--keep-cubin --dump-dir={out}")
+    cubin = next(os.path.join(out, f) for f in os.listdir(out) if f.endswith(".cubin"))
+    return _instructions(subprocess.run([NVDISASM, "-c", cubin], capture_output=True, text=True, check=True).stdout)[0]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_backward_kernels_overlap_their_launches(head_dim, tmp_root):
+    """Programmatic dependent launch between the backward's passes: the row pass lets the main
+    kernel launch at its start (``PREEXIT``); the main kernel loads K and V (its only loads that
+    do not need the row pass) before its one wait for the row pass's grid (``ACQBULK``) in the
+    producer, and the dQ writer waits before its first add; the conversion waits before it reads
+    anything (its first memory instruction comes after the wait)."""
+    from fmha.kernels.common.backward_rows import BackwardRowsConfig
+    from fmha.kernels.hopper.backend import compile_backward_rows, compile_dq_convert
+    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.kernels.hopper.dq_convert import DqConvertConfig
+    from fmha.masking import MaskKind
+
+    ins, _ = _backward_sass(head_dim, False, tmp_root)
+    assert sum(t == "PREEXIT" for t in ins) == 1
+    waits = [i for i, t in enumerate(ins) if t == "ACQBULK"]
+    loads = [i for i, t in enumerate(ins) if t.startswith("UTMALDG")]
+    reduces = [i for i, t in enumerate(ins) if t.startswith("UBLKRED")]
+    assert len(waits) == 2 and loads and reduces
+    # K and V (two 64-column boxes each at D=128), then the wait, then Q, dO and the statistics
+    kv_loads = 4 if head_dim == 128 else 2
+    assert [i for i in loads if i < waits[0]] == loads[:kv_loads] and loads[kv_loads] > waits[0]
+    assert waits[1] < min(reduces)
+
+    cfg = HopperBackwardConfig(torch.bfloat16, head_dim, MaskKind.NONE, False, False, False)
+    rows = _pass_sass(compile_backward_rows, BackwardRowsConfig(torch.bfloat16, head_dim, False, False, cfg.tile_m),
+                      os.path.join(tmp_root, f"rows{head_dim}"))
+    assert rows.index("PREEXIT") < min(i for i, t in enumerate(rows) if re.match(r"(LDG|STG)", t))
+    convert = _pass_sass(compile_dq_convert, DqConvertConfig.of(cfg), os.path.join(tmp_root, f"convert{head_dim}"))
+    assert convert.count("ACQBULK") == 1
+    assert convert.index("ACQBULK") < min(i for i, t in enumerate(convert) if re.match(r"(LDG|STG|LDS|STS)", t))

@@ -400,6 +400,16 @@ class HopperBackwardConfig:
     ds_stored_before_dv = True
 
     @property
+    def overlaps_row_pass(self) -> bool:
+        """The main kernel is launched as a programmatic dependent of the row pass (PDL, FA4's
+        launch): its CTAs start while the row pass finishes, load K and V, and wait for the row
+        pass (``griddepcontrol.wait``) only before the first load of its outputs (the LSE in log2
+        units, delta) and the first add into the dQ accumulator it zeroes. Not where other work
+        runs between the two: varlen's descriptor and tile-list kernels, deterministic's
+        semaphore fill."""
+        return not self.varlen and not self.deterministic
+
+    @property
     def sequence_descriptors(self) -> int:
         """Varlen: TMA descriptors per sequence (q, k, v, dO; dK, dV). The dQ accumulator needs
         none: each sequence's query tiles have tiles of their own (``dq_layout.py``)."""
