@@ -111,6 +111,9 @@ BACKWARD_VARIANTS = {
     # dS^T stored after dV's product is issued, the order before (D=64 spilled with the stores
     # first while the dQ accumulator was row-major)
     "fmha_bwd_ds_after_dv": dict(ds_stored_before_dv=False, head_dims=(64, 128)),
+    # the passes' launches overlap (programmatic dependent launch, FA4's): the main kernel loads
+    # K and V while the row pass finishes, the conversion launches during its last wave
+    "fmha_bwd_pdl": dict(overlapped_launches=True, head_dims=(64, 128)),
 }
 
 
@@ -127,7 +130,7 @@ def _backward_variant_class(**overrides):
     cls = _BACKWARD_CLASSES.get(key)
     if cls is None:
         choices = ("tile_m", "tile_n", "dq_split_rows", "dkv_store_tma", "dk_staged_under_dv_store",
-                   "exps_before_dp_wait", "ds_stored_before_dv")
+                   "exps_before_dp_wait", "ds_stored_before_dv", "overlapped_launches")
         unknown = [k for k in overrides if k not in choices]
         if unknown:
             raise ValueError(f"not a tile choice of the backward config: {unknown}; variants set {', '.join(choices)}")

@@ -281,19 +281,23 @@ def _pass_sass(compile_fn, cfg, out) -> list:
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_backward_kernels_overlap_their_launches(head_dim, tmp_root):
-    """Programmatic dependent launch between the backward's passes: the row pass lets the main
-    kernel launch at its start (``PREEXIT``); the main kernel loads K and V (its only loads that
-    do not need the row pass) before its one wait for the row pass's grid (``ACQBULK``) in the
-    producer, and the dQ writer waits before its first add; the conversion waits before it reads
-    anything (its first memory instruction comes after the wait)."""
+def test_backward_variant_overlaps_the_passes_launches(head_dim, tmp_root):
+    """Variant ``fmha_bwd_pdl`` (programmatic dependent launch between the backward's passes): the
+    row pass lets a dependent launch at its start (``PREEXIT``; production's main kernel is
+    launched without the attribute, so it changes nothing there); the main kernel lets the
+    conversion launch, and loads K and V (its only loads that do not need the row pass) before
+    its producer's wait for the row pass's grid (``ACQBULK``); the dQ writer waits before its
+    first add; the conversion waits before it reads anything. Production has none of it."""
     from fmha.kernels.common.backward_rows import BackwardRowsConfig
     from fmha.kernels.hopper.backend import compile_backward_rows, compile_dq_convert
     from fmha.kernels.hopper.config import HopperBackwardConfig
     from fmha.kernels.hopper.dq_convert import DqConvertConfig
     from fmha.masking import MaskKind
+    from lab.variants import backward_variant_config
 
-    ins, _ = _backward_sass(head_dim, False, tmp_root)
+    production, _ = _backward_sass(head_dim, False, tmp_root)
+    assert not [t for t in production if t in ("ACQBULK", "PREEXIT")]
+    ins, _ = _backward_sass(head_dim, False, tmp_root, overlapped_launches=True)
     assert sum(t == "PREEXIT" for t in ins) == 1
     waits = [i for i, t in enumerate(ins) if t == "ACQBULK"]
     loads = [i for i, t in enumerate(ins) if t.startswith("UTMALDG")]
@@ -304,10 +308,13 @@ def test_backward_kernels_overlap_their_launches(head_dim, tmp_root):
     assert [i for i in loads if i < waits[0]] == loads[:kv_loads] and loads[kv_loads] > waits[0]
     assert waits[1] < min(reduces)
 
-    cfg = HopperBackwardConfig(torch.bfloat16, head_dim, MaskKind.NONE, False, False, False)
+    base = HopperBackwardConfig(torch.bfloat16, head_dim, MaskKind.NONE, False, False, False)
+    cfg = backward_variant_config(base, overlapped_launches=True)
     rows = _pass_sass(compile_backward_rows, BackwardRowsConfig(torch.bfloat16, head_dim, False, False, cfg.tile_m),
                       os.path.join(tmp_root, f"rows{head_dim}"))
     assert rows.index("PREEXIT") < min(i for i, t in enumerate(rows) if re.match(r"(LDG|STG)", t))
     convert = _pass_sass(compile_dq_convert, DqConvertConfig.of(cfg), os.path.join(tmp_root, f"convert{head_dim}"))
     assert convert.count("ACQBULK") == 1
     assert convert.index("ACQBULK") < min(i for i, t in enumerate(convert) if re.match(r"(LDG|STG|LDS|STS)", t))
+    assert "ACQBULK" not in _pass_sass(compile_dq_convert, DqConvertConfig.of(base),
+                                       os.path.join(tmp_root, f"convert_production{head_dim}"))

@@ -83,8 +83,9 @@ class BackwardRows:
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: Optional[cute.Tensor],
                mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor],
                delta_scale: Float32, rows: Int32):
-        # the main kernel after this one may launch once every CTA has started (its loads of
-        # this pass's outputs wait for this grid's end: ``overlaps_row_pass``)
+        # a main kernel launched as this pass's programmatic dependent may start once every CTA
+        # has (it waits for this grid's end before it reads this pass's outputs); no effect on
+        # a kernel launched without that attribute
         cute.arch.griddepcontrol_launch_dependents()
         group = self.cfg.threads_per_row
         piece = LOAD_BYTES // self.cfg.dtype.itemsize  # elements of O per thread

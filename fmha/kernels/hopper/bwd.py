@@ -253,9 +253,10 @@ class HopperAttentionBackward(DeviceWorkTileList):
                sdQ_layout, sRow_layout: cute.Layout):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        # the dQ conversion after this kernel may launch once every CTA has started (it waits
-        # for this grid's end before reading anything)
-        cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(self.cfg.overlapped_launches):
+            # the dQ conversion after this kernel may launch once every CTA has started (it
+            # waits for this grid's end before reading anything)
+            cute.arch.griddepcontrol_launch_dependents()
         n_block, head_kv, batch = self.work_tile(mTileTable, mTileCount, mK.shape[2])
         if warp_idx == 0:
             for atom in (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_delta):

@@ -399,15 +399,20 @@ class HopperBackwardConfig:
     #: less to wait for (as FA4 orders them); a lab variant stores it after, as before
     ds_stored_before_dv = True
 
+    #: the passes' launches overlap (programmatic dependent launch, FA4's): the conversion is
+    #: launched as the main kernel's dependent, and the main kernel as the row pass's where
+    #: ``overlaps_row_pass``; off until it is measured on a GPU (lab variant ``fmha_bwd_pdl``)
+    overlapped_launches = False
+
     @property
     def overlaps_row_pass(self) -> bool:
-        """The main kernel is launched as a programmatic dependent of the row pass (PDL, FA4's
-        launch): its CTAs start while the row pass finishes, load K and V, and wait for the row
-        pass (``griddepcontrol.wait``) only before the first load of its outputs (the LSE in log2
+        """The main kernel is launched as a programmatic dependent of the row pass: its CTAs start
+        while the row pass finishes, load K and V, and wait for the row pass's grid to end
+        (``griddepcontrol.wait``) only before the first load of its outputs (the LSE in log2
         units, delta) and the first add into the dQ accumulator it zeroes. Not where other work
         runs between the two: varlen's descriptor and tile-list kernels, deterministic's
         semaphore fill."""
-        return not self.varlen and not self.deterministic
+        return self.overlapped_launches and not self.varlen and not self.deterministic
 
     @property
     def sequence_descriptors(self) -> int:
