@@ -11,6 +11,7 @@ measured and dropped are in git history, tag ``kernel-experiments`` (docs/perfor
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable
 
 from fmha.kernels.hopper.config import HopperForwardConfig, OStore, Schedule
@@ -36,7 +37,32 @@ VARIANTS = {
     "fmha_fp8_n224": dict(tile_n=224, kv_stages=6, fp8_only=True, head_dims=(128,)),
     "fmha_fp8_d256_n128": dict(tile_n=128, kv_stages=4, fp8_only=True, head_dims=(256,)),
     "fmha_fp8_d256_n96": dict(tile_n=96, kv_stages=5, fp8_only=True, head_dims=(256,)),
+    # fp8 V re-laid key-major inside the kernel by producer warps 2-3 (FlashAttention-3's way)
+    # instead of by the staging pass before it (HopperForwardConfig.v_transposed_in_kernel); at
+    # D=32 its transposer spilled (34 local-memory instructions), so it is not timed there
+    "fmha_fp8_v_in_kernel": dict(v_transposed_in_kernel=True, fp8_only=True, head_dims=(64, 128, 256)),
 }
+
+
+#: keys of a ``VARIANTS`` entry that say where it is timed, not what it changes
+_WHERE = ("fp8_only", "head_dims", "causal_only")
+_FORWARD_CLASSES = {}  # (base class, pinned properties) -> config subclass
+
+
+def _forward_variant_class(base: type, pinned: dict) -> type:
+    """The subclass of ``base`` with ``pinned`` properties, a module attribute of its own name so
+    that its configs pickle (the GPU check compiles them in worker processes)."""
+    key = (base, tuple(sorted(pinned.items())))
+    cls = _FORWARD_CLASSES.get(key)
+    if cls is None:
+        unknown = [k for k in pinned if not isinstance(getattr(base, k, None), property)]
+        if unknown:
+            raise ValueError(f"not a field or property of the config: {unknown}")
+        name = re.sub(r"\W", "_", "HopperForwardConfig_" + "_".join(f"{k}_{v}" for k, v in key[1]))
+        attrs = {k: property(lambda self, v=v: v) for k, v in pinned.items()}
+        cls = _FORWARD_CLASSES[key] = type(name, (base,), dict(attrs, __module__=__name__, __qualname__=name))
+        globals()[name] = cls
+    return cls
 
 
 def variant_config(cfg: HopperForwardConfig, **changes) -> HopperForwardConfig:
@@ -46,12 +72,34 @@ def variant_config(cfg: HopperForwardConfig, **changes) -> HopperForwardConfig:
     pinned = {k: v for k, v in changes.items() if k not in fields}
     if not pinned:
         return cfg
-    unknown = [k for k in pinned if not isinstance(getattr(type(cfg), k, None), property)]
-    if unknown:
-        raise ValueError(f"not a field or property of the config: {unknown}")
-    name = "HopperForwardConfig_" + "_".join(f"{k}_{v}" for k, v in sorted(pinned.items()))
-    cls = type(name, (type(cfg),), {k: property(lambda self, v=v: v) for k, v in pinned.items()})
-    return cls(**{f: getattr(cfg, f) for f in fields})
+    return _forward_variant_class(type(cfg), pinned)(**{f: getattr(cfg, f) for f in fields})
+
+
+def forward_variant_overrides(name: str) -> tuple:
+    """(overrides, where: fp8_only, head_dims, causal_only) of forward variant ``name``."""
+    spec = dict(VARIANTS[name])
+    where = {k: spec.pop(k) for k in _WHERE if k in spec}
+    return spec, where
+
+
+def forward_variant_applies(cfg: HopperForwardConfig, where: dict) -> bool:
+    """Whether a forward variant is timed (and checked) on ``cfg``'s problems."""
+    import torch
+
+    from fmha.masking import MaskKind
+
+    if where.get("fp8_only", False) != (cfg.dtype == torch.float8_e4m3fn):
+        return False
+    if where.get("head_dims") and cfg.head_dim not in where["head_dims"]:
+        return False
+    return not (where.get("causal_only") and cfg.mask_kind == MaskKind.NONE)
+
+
+for _name in VARIANTS:  # every variant's class exists on import (unpickling looks it up)
+    _pinned = {k: v for k, v in forward_variant_overrides(_name)[0].items()
+               if k not in {f.name for f in dataclasses.fields(HopperForwardConfig)}}
+    if _pinned:
+        _forward_variant_class(HopperForwardConfig, _pinned)
 
 
 def kernel_variant(mask_kwargs: Callable, fp8_only: bool = False, head_dims: tuple = (), causal_only: bool = False,

@@ -15,12 +15,34 @@ def pytest_addoption(parser):
     group.addoption("--bwd-variant", default="", metavar="NAME",
                     help="run the backward cases with a backward variant of lab/variants.py (at the head "
                          "dims it applies to) instead of the library's kernel: its check before adoption")
+    group.addoption("--fwd-variant", default="", metavar="NAME",
+                    help="run the forward cases with a forward variant of lab/variants.py (where it is timed: "
+                         "its dtype, head dims and masks) instead of the library's kernel")
 
 
 def pytest_configure(config):
     name = config.getoption("--bwd-variant", default="")
     if name:
         use_backward_variant(name)
+    name = config.getoption("--fwd-variant", default="")
+    if name:
+        use_forward_variant(name)
+
+
+def use_forward_variant(name: str) -> None:
+    """Make ``HopperForwardConfig.from_problem`` (the library's choice of forward kernel, also
+    what the GPU check compiles beforehand) return variant ``name`` where it applies."""
+    from fmha.kernels.hopper.config import HopperForwardConfig
+    from lab.variants import forward_variant_applies, forward_variant_overrides, variant_config
+
+    overrides, where = forward_variant_overrides(name)
+    library = HopperForwardConfig.from_problem
+
+    def from_problem(problem, options):
+        cfg = library(problem, options)
+        return variant_config(cfg, **overrides) if forward_variant_applies(cfg, where) else cfg
+
+    HopperForwardConfig.from_problem = staticmethod(from_problem)
 
 
 def use_backward_variant(name: str) -> None:
@@ -50,6 +72,7 @@ def pytest_sessionfinish(session, exitstatus):
 
     meta = dict(module.META, date=time.strftime("%Y-%m-%d %H:%M"),
                 backward_variant=session.config.getoption("--bwd-variant") or None,
+                forward_variant=session.config.getoption("--fwd-variant") or None,
                 command="python -m pytest " + " ".join(session.config.invocation_params.args))
     n_ok = gpu_cases.write_reports(module.RESULTS, out, meta)
     print(f"\nGPU check: {n_ok}/{len(module.RESULTS)} cases pass; report in {out}")

@@ -377,6 +377,25 @@ def test_the_gpu_check_can_run_a_backward_variant(monkeypatch):
     assert type(HopperBackwardConfig.from_problem(problem_for(torch.bfloat16, 32, "causal"))) is HopperBackwardConfig
 
 
+def test_the_gpu_check_can_run_a_forward_variant(monkeypatch):
+    """``pytest -m gpu --fwd-variant NAME``: the library's choice of forward kernel becomes the
+    variant where it is timed (fp8 only here), its configs pickle for the compile workers, and
+    the fp8 problems it serves then skip the V staging pass (the runner reads the config)."""
+    import pickle
+
+    import conftest
+    from fmha.kernels.hopper.config import HopperForwardConfig
+    from fmha.problem import KernelOptions
+    from kernel_configs import problem_for
+
+    monkeypatch.setattr(HopperForwardConfig, "from_problem", HopperForwardConfig.__dict__["from_problem"])
+    conftest.use_forward_variant("fmha_fp8_v_in_kernel")
+    fp8 = HopperForwardConfig.from_problem(problem_for(torch.float8_e4m3fn, 128, "causal"), KernelOptions())
+    assert fp8.v_transposed_in_kernel and not fp8.v_staged and pickle.loads(pickle.dumps(fp8)) == fp8
+    bf16 = HopperForwardConfig.from_problem(problem_for(torch.bfloat16, 128, "causal"), KernelOptions())
+    assert type(bf16) is HopperForwardConfig and not bf16.v_transposed_in_kernel
+
+
 def test_tma_stored_dkv_narrow_two_more_descriptors_for_packed_batches(tmp_path):
     """D=128 on a packed batch: dK and dV go out by TMA stores through descriptors
     narrowed to each sequence (six per sequence instead of four), so a ragged K/V tile's store

@@ -318,3 +318,22 @@ def test_backward_variant_overlaps_the_passes_launches(head_dim, tmp_root):
     assert convert.index("ACQBULK") < min(i for i, t in enumerate(convert) if re.match(r"(LDG|STG|LDS|STS)", t))
     assert "ACQBULK" not in _pass_sass(compile_dq_convert, DqConvertConfig.of(base),
                                        os.path.join(tmp_root, f"convert_production{head_dim}"))
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_fp8_v_in_kernel_variant(head_dim, tmp_root):
+    """Variant ``fmha_fp8_v_in_kernel`` (V re-laid key-major by producer warps 2-3): no local
+    memory (the producer warpgroup keeps 32 registers); the transposer's 64 threads meet at their
+    named barrier and count each tile's bytes on its K/V ring stage (``mbarrier.complete_tx``), and
+    the producer counts the transposer's stop the same way; production's fp8 kernel does neither."""
+    from fmha.kernels.hopper.barriers import NamedBarrier
+    from lab.variants import variant_config
+
+    base = library_config(torch.float8_e4m3fn, head_dim, "none", lse=False, seqlen_k=8192)
+    ins, _ = _instructions(_sass(variant_config(base, v_transposed_in_kernel=True), tmp_root))
+    assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
+    counted = [i for i, t in enumerate(ins) if "SYNCS.ARRIVE.TRANS64.RED.A0TX" in t]
+    met = [i for i, t in enumerate(ins) if t == f"BAR.SYNC.DEFER_BLOCKING {hex(NamedBarrier.V_TRANSPOSED)}, 0x40"]
+    assert len(counted) == 2 and len(met) == 1 and met[0] < counted[1] < met[0] + 8
+    production, _ = _instructions(_sass(base, tmp_root))
+    assert not [t for t in production if "A0TX" in t or "0x40" in t and "BAR.SYNC" in t]

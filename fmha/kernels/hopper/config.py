@@ -28,6 +28,8 @@ L2_BYTES = 50 * 2**20
 SMEM_LIMIT = 227 * 1024
 SMEM_BYTES = SMEM_LIMIT - 2048
 MAX_KV_STAGES = 8
+#: fp8 V tiles in flight between the TMA loads and the transposer (``v_transposed_in_kernel``)
+V_RAW_STAGES = 2
 
 
 class Schedule(enum.Enum):
@@ -63,10 +65,12 @@ def allowed_tiles(dtype: torch.dtype, head_dim: int) -> tuple:
     return ((128, 64),) if dtype == torch.float8_e4m3fn else ((128, 80),)
 
 
-def kv_stages_for(dtype: torch.dtype, head_dim: int, tile_m: int, tile_n: int, q_stages: int) -> int:
-    """K/V ring depth: as many stages as shared memory holds beside the Q tile(s), at most 8."""
+def kv_stages_for(dtype: torch.dtype, head_dim: int, tile_m: int, tile_n: int, q_stages: int,
+                  reserved_bytes: int = 0) -> int:
+    """K/V ring depth: as many stages as shared memory holds beside the Q tile(s) (and
+    ``reserved_bytes`` of other buffers), at most 8."""
     elem = element_bytes(dtype)
-    stages = (SMEM_BYTES - q_stages * tile_m * head_dim * elem) // (tile_n * head_dim * elem)
+    stages = (SMEM_BYTES - reserved_bytes - q_stages * tile_m * head_dim * elem) // (tile_n * head_dim * elem)
     return int(max(2, min(MAX_KV_STAGES, stages)))
 
 
@@ -163,6 +167,9 @@ class HopperForwardConfig:
             raise ValueError("the decode options take dense 16-bit batches")
         if self.split_kv and (self.out_dtype != torch.float32 or not self.has_lse):
             raise ValueError("split-KV writes fp32 partial outputs with their LSE")
+        if self.v_transposed_in_kernel and (self.dtype != torch.float8_e4m3fn or self.tile_n not in (64, 128)):
+            raise ValueError("V is re-laid out in the kernel for fp8 inputs with key tiles of 64 or 128 (the "
+                             "transposer's 64 threads own whole slot words of a tile's rows)")
         if self.page_run and (not self.cache_lengths or self.page_run % 16 or self.tile_n % self.page_run):
             raise ValueError("a paged cache has lengths per sequence, and loads runs of a multiple of 16 keys "
                              "that divide the key tile")
@@ -209,7 +216,12 @@ class HopperForwardConfig:
 
     @property
     def kv_stages(self) -> int:
-        return kv_stages_for(self.dtype, self.head_dim, self.tile_m, self.tile_n, self.q_stages)
+        reserved = 0
+        if self.v_transposed_in_kernel:  # the raw V tiles' ring, and O's buffer beside it
+            reserved = V_RAW_STAGES * self.tile_n * self.head_dim * element_bytes(self.dtype)
+            if self.o_store == OStore.TMA_OWN_BUFFER:
+                reserved += self.tile_m * self.head_dim * element_bytes(self.out_dtype)
+        return kv_stages_for(self.dtype, self.head_dim, self.tile_m, self.tile_n, self.q_stages, reserved)
 
     @property
     def num_consumer_warpgroups(self) -> int:
@@ -219,7 +231,10 @@ class HopperForwardConfig:
     def register_budgets(self) -> tuple:
         """(producer, consumer) registers per thread after ``setmaxnreg``; the totals fit the
         64K-register file (e.g. 128 * 24 + 256 * 240 <= 65536)."""
-        return {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_consumer_warpgroups]
+        budgets = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_consumer_warpgroups]
+        if self.v_transposed_in_kernel and budgets[0] < 32:  # the transposer holds 4 keys x 16 bytes
+            budgets = (32, budgets[1])  # 128 * 32 + 256 * 240 = 65536
+        return budgets
 
     @property
     def softmax_chains(self) -> tuple:
@@ -236,9 +251,17 @@ class HopperForwardConfig:
         return element_bytes(self.dtype) == 2 and self.head_dim >= 128
 
     @property
+    def v_transposed_in_kernel(self) -> bool:
+        """fp8: V loaded as the caller lays it out (D contiguous) into a ring of its own, and
+        re-laid key-major into the K/V ring by producer warps 2-3 (FlashAttention-3's way) instead
+        of by ``stage_v_fp8`` before the kernel; lab variant ``fmha_fp8_v_in_kernel`` (dense,
+        key tiles of 64 or 128)."""
+        return False
+
+    @property
     def v_staged(self) -> bool:
         """fp8: the P.V product needs V key-major; V goes through ``stage_v_fp8`` first."""
-        return self.dtype == torch.float8_e4m3fn
+        return self.dtype == torch.float8_e4m3fn and not self.v_transposed_in_kernel
 
     @property
     def o_via_tma(self) -> bool:
