@@ -167,9 +167,11 @@ class HopperForwardConfig:
             raise ValueError("the decode options take dense 16-bit batches")
         if self.split_kv and (self.out_dtype != torch.float32 or not self.has_lse):
             raise ValueError("split-KV writes fp32 partial outputs with their LSE")
-        if self.v_transposed_in_kernel and (self.dtype != torch.float8_e4m3fn or self.tile_n not in (64, 128)):
-            raise ValueError("V is re-laid out in the kernel for fp8 inputs with key tiles of 64 or 128 (the "
-                             "transposer's 64 threads own whole slot words of a tile's rows)")
+        if self.v_transposed_in_kernel and (self.dtype != torch.float8_e4m3fn or self.tile_n not in (64, 128)
+                                            or (self.head_dim // 16) % (256 // self.tile_n)):
+            raise ValueError("V is re-laid out in the kernel for fp8 inputs with key tiles of 64 or 128 keys and "
+                             "head dims whose 16-byte chunks the transposer's 64 threads share out evenly (each "
+                             "owns one slot word of a tile's rows)")
         if self.page_run and (not self.cache_lengths or self.page_run % 16 or self.tile_n % self.page_run):
             raise ValueError("a paged cache has lengths per sequence, and loads runs of a multiple of 16 keys "
                              "that divide the key tile")
@@ -229,12 +231,10 @@ class HopperForwardConfig:
 
     @property
     def register_budgets(self) -> tuple:
-        """(producer, consumer) registers per thread after ``setmaxnreg``; the totals fit the
-        64K-register file (e.g. 128 * 24 + 256 * 240 <= 65536)."""
-        budgets = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_consumer_warpgroups]
-        if self.v_transposed_in_kernel and budgets[0] < 32:  # the transposer holds 4 keys x 16 bytes
-            budgets = (32, budgets[1])  # 128 * 32 + 256 * 240 = 65536
-        return budgets
+        """(producer, consumer) registers per thread after ``setmaxnreg``: the totals are what the
+        CTA gets at launch (384 threads x 168 = 128 * 24 + 256 * 240; a larger total would leave a
+        warpgroup's increase waiting forever)."""
+        return {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_consumer_warpgroups]
 
     @property
     def softmax_chains(self) -> tuple:
