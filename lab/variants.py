@@ -31,6 +31,8 @@ VARIANTS = {
     "fmha_tree_softmax": dict(softmax_chains=(4, 2)),  # four max / two sum chains per row
     "fmha_eager_rescale": dict(lazy_rescale=False),  # the exact running max, O rescaled every tile
     "fmha_fp8_n192": dict(tile_n=192, fp8_only=True, head_dims=(128,)),
+    # K/V loads evict-last in L2, Q evict-first (FlashAttention-3's TMA cache hints)
+    "fmha_l2_hints": dict(l2_hints=True),
     # FlashAttention-3's fp8 key tiles: 224 keys at D=128, 128 at D=256 (ours: 128 and 64); fewer
     # K/V steps per row, so fewer of fp8's per-step costs (O's rescale by the exact max, the row
     # reductions), with as many stages as leave O's staging buffer (no local memory: SASS)

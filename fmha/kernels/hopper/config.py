@@ -251,6 +251,13 @@ class HopperForwardConfig:
         return element_bytes(self.dtype) == 2 and self.head_dim >= 128
 
     @property
+    def l2_hints(self) -> bool:
+        """K and V loads marked evict-last in L2 and Q loads evict-first (FlashAttention-3's TMA
+        hints: a head's K/V tiles are read by every query tile of the head, Q once); lab variant
+        ``fmha_l2_hints``."""
+        return False
+
+    @property
     def v_transposed_in_kernel(self) -> bool:
         """fp8: V loaded as the caller lays it out (D contiguous) into a ring of its own, and
         re-laid key-major into the K/V ring by producer warps 2-3 (FlashAttention-3's way) instead

@@ -56,6 +56,8 @@ from .wgmma import WARPGROUP_THREADS as _WG
 
 #: producer warps that re-lay fp8 V tiles out (``transpose_v``): warps 2-3
 _TRANSPOSER_WARPS = 2
+#: L2 cache policies of a TMA load's cache hint, as CUTLASS encodes them (``CacheHintSm90``)
+_L2_EVICT_FIRST, _L2_EVICT_LAST = 0x12F0000000000000, 0x14F0000000000000
 #: keys of a slot word (slots 4w..4w+3) relative to its first: FP8_KEY_ORDER in fours
 _KEY_OFFSETS = (0, 1, 8, 9)
 assert all(FP8_KEY_ORDER[4 * w + i] - FP8_KEY_ORDER[4 * w] == _KEY_OFFSETS[i] for w in range(8) for i in range(4))
@@ -340,6 +342,13 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
                 sQ, sK, sV, sO, q_consumer, kv_consumer, tidx - _WG,
             )
 
+    def l2_hint(self, reused: bool) -> dict:
+        """``cute.copy``'s L2 eviction hint for a TMA load (``l2_hints``): evict-last for tiles
+        other CTAs read again (K, V), evict-first for the rest (Q); none otherwise."""
+        if not self.cfg.l2_hints:
+            return {}
+        return dict(cache_policy=cutlass.Int64(_L2_EVICT_LAST if reused else _L2_EVICT_FIRST))
+
     def make_scheduler(self, mTileTable, mTileCount, mTileCounter, hand_off, num_m_blocks, num_heads, num_batches):
         """The tile walk this configuration's schedule asks for (``scheduler.py``)."""
         cfg = self.cfg
@@ -428,7 +437,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
                 tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
 
                 q_handle = q_producer.acquire_and_advance()
-                cute.copy(tma_q, tQgQ, tQsQ[None, q_handle.index], tma_bar_ptr=q_handle.barrier,
+                cute.copy(tma_q, tQgQ, tQsQ[None, q_handle.index], tma_bar_ptr=q_handle.barrier, **self.l2_hint(False),
                           tma_desc_ptr=desc_q)
 
                 kv_tiles = self.kv_tile_schedule(tile.m_block, seq, window_left, window_right, split,
@@ -484,7 +493,8 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         (free, its full barrier expecting a tile's bytes, which ``transpose_v`` counts)."""
         ring = kv_producer.acquire_and_advance()
         raw_producer, handle = self.claim_raw_stage(raw_producer, raw_meta, ring.index)
-        cute.copy(tma, src, raw_stages[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc)
+        cute.copy(tma, src, raw_stages[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc,
+                  **self.l2_hint(True))
         return kv_producer, raw_producer
 
     @cute.jit
@@ -573,7 +583,8 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         """TMA-load one K or V tile (``src``) into the ring's next free stage. The advanced
         producer is returned for the caller to rebind."""
         handle = kv_producer.acquire_and_advance()
-        cute.copy(tma, src, dst_stages[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc)
+        cute.copy(tma, src, dst_stages[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc,
+                  **self.l2_hint(True))
         return kv_producer
 
     @cute.jit
