@@ -449,15 +449,11 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
                     gK = cute.local_tile(mK_cur, (cfg.tile_n, cfg.head_dim), (None, 0))
                     gV = cute.local_tile(mV_cur, (cfg.head_dim, cfg.tile_n), (0, None))
                     tKsK, tKgK = tma_tiles(tma_k, sK, gK)
-                    if const_expr(cfg.v_transposed_in_kernel):
-                        tVsV, tVgV = tma_tiles(tma_v, sVraw, gV)
-                        kv_producer, raw_producer = self.load_kv_raw_v(
-                            kv_tiles, (tma_k, tKgK, tKsK, desc_k), (tma_v, tVgV, tVsV, desc_v), kv_producer,
-                            raw_producer, raw_meta)
-                    else:
-                        tVsV, tVgV = tma_tiles(tma_v, sV, gV)
-                        kv_producer = self.load_kv(kv_tiles, (tma_k, tKgK, tKsK, desc_k),
-                                                   (tma_v, tVgV, tVsV, desc_v), kv_producer)
+                    # V lands in the raw ring when the kernel re-lays it out (``transpose_v``)
+                    tVsV, tVgV = tma_tiles(tma_v, sVraw if const_expr(cfg.v_transposed_in_kernel) else sV, gV)
+                    kv_producer, raw_producer = self.load_kv(kv_tiles, (tma_k, tKgK, tKsK, desc_k),
+                                                             (tma_v, tVgV, tVsV, desc_v), kv_producer,
+                                                             raw_producer, raw_meta)
             # Claimed tiles are claimed once this tile's loads are issued: the consumers get the
             # claim well before they finish the tile, and the claim order stays the start order.
             tile_idx, cursor = scheduler.producer_next(tile_idx, cursor)
@@ -466,25 +462,6 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
             raw_producer, handle = self.claim_raw_stage(raw_producer, raw_meta, Int32(-1))
             with cute.arch.elect_one():
                 mbarrier_complete_tx(handle.barrier, self.kv_bytes)
-
-    @cute.jit
-    def load_kv_raw_v(self, kv_tiles, k_load, v_load, kv_producer: pipeline.PipelineProducer,
-                      raw_producer: pipeline.PipelineProducer, raw_meta: cute.Tensor):
-        """``load_kv``'s order, each V tile TMA-loaded as the caller lays it out into the raw ring,
-        naming the K/V ring stage that ``transpose_v`` writes it into."""
-        tma_k, tKgK, tKsK, desc_k = k_load
-        tma_v, tVgV, tVsV, desc_v = v_load
-        if kv_tiles.total > 0:
-            kv_producer = self.load_stage(kv_producer, tma_k, tKgK[None, kv_tiles.start], tKsK, desc_k)
-            for i in cutlass.range(1, kv_tiles.total, unroll=1):
-                n_block = kv_tiles.start + i
-                kv_producer = self.load_stage(kv_producer, tma_k, tKgK[None, n_block], tKsK, desc_k)
-                kv_producer, raw_producer = self.load_raw_v(kv_producer, raw_producer, raw_meta, tma_v,
-                                                            tVgV[None, n_block - 1], tVsV, desc_v)
-            kv_producer, raw_producer = self.load_raw_v(kv_producer, raw_producer, raw_meta, tma_v,
-                                                        tVgV[None, kv_tiles.start + kv_tiles.total - 1], tVsV,
-                                                        desc_v)
-        return kv_producer, raw_producer
 
     @cute.jit
     def load_raw_v(self, kv_producer: pipeline.PipelineProducer, raw_producer: pipeline.PipelineProducer,
@@ -563,9 +540,11 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
             release_by_one_lane(handle)
 
     @cute.jit
-    def load_kv(self, kv_tiles, k_load, v_load, kv_producer: pipeline.PipelineProducer):
+    def load_kv(self, kv_tiles, k_load, v_load, kv_producer: pipeline.PipelineProducer,
+                raw_producer: Optional[pipeline.PipelineProducer] = None, raw_meta: Optional[cute.Tensor] = None):
         """K_0, then (K_n, V_n-1) pairs, then the last V: the order ``mainloop`` waits in.
-        ``k_load``/``v_load``: (TMA atom, global tiles, shared stages, descriptor or None)."""
+        ``k_load``/``v_load``: (TMA atom, global tiles, shared stages, descriptor or None); with
+        ``raw_producer`` the V tiles go into the raw ring (``load_raw_v``). Returns both producers."""
         tma_k, tKgK, tKsK, desc_k = k_load
         tma_v, tVgV, tVsV, desc_v = v_load
         if kv_tiles.total > 0:
@@ -573,10 +552,23 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
             for i in cutlass.range(1, kv_tiles.total, unroll=1):
                 n_block = kv_tiles.start + i
                 kv_producer = self.load_stage(kv_producer, tma_k, tKgK[None, n_block], tKsK, desc_k)
-                kv_producer = self.load_stage(kv_producer, tma_v, tVgV[None, n_block - 1], tVsV, desc_v)
-            kv_producer = self.load_stage(
-                kv_producer, tma_v, tVgV[None, kv_tiles.start + kv_tiles.total - 1], tVsV, desc_v)
-        return kv_producer
+                kv_producer, raw_producer = self.load_v(kv_producer, raw_producer, raw_meta, tma_v,
+                                                        tVgV[None, n_block - 1], tVsV, desc_v)
+            kv_producer, raw_producer = self.load_v(kv_producer, raw_producer, raw_meta, tma_v,
+                                                    tVgV[None, kv_tiles.start + kv_tiles.total - 1], tVsV, desc_v)
+        return kv_producer, raw_producer
+
+    @cute.jit
+    def load_v(self, kv_producer: pipeline.PipelineProducer, raw_producer: Optional[pipeline.PipelineProducer],
+               raw_meta: Optional[cute.Tensor], tma, src, dst_stages, desc):
+        """One V tile: into the K/V ring's next stage, or with ``raw_producer`` into the raw ring
+        for that stage."""
+        if const_expr(raw_producer is None):
+            kv_producer = self.load_stage(kv_producer, tma, src, dst_stages, desc)
+        else:
+            kv_producer, raw_producer = self.load_raw_v(kv_producer, raw_producer, raw_meta, tma, src, dst_stages,
+                                                        desc)
+        return kv_producer, raw_producer
 
     @cute.jit
     def load_stage(self, kv_producer: pipeline.PipelineProducer, tma, src, dst_stages, desc):
