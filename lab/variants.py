@@ -33,12 +33,9 @@ VARIANTS = {
     "fmha_fp8_n192": dict(tile_n=192, fp8_only=True, head_dims=(128,)),
     # K/V loads evict-last in L2, Q evict-first (FlashAttention-3's TMA cache hints)
     "fmha_l2_hints": dict(l2_hints=True),
-    # FlashAttention-3's fp8 key tiles: 224 keys at D=128, 128 at D=256 (ours: 128 and 64); fewer
-    # K/V steps per row, so fewer of fp8's per-step costs (O's rescale by the exact max, the row
-    # reductions), with as many stages as leave O's staging buffer (no local memory: SASS)
-    "fmha_fp8_n224": dict(tile_n=224, kv_stages=6, fp8_only=True, head_dims=(128,)),
-    "fmha_fp8_d256_n128": dict(tile_n=128, kv_stages=4, fp8_only=True, head_dims=(256,)),
-    "fmha_fp8_d256_n96": dict(tile_n=96, kv_stages=5, fp8_only=True, head_dims=(256,)),
+    # fp8 at D=256 with the 64-key tile (8 K/V stages) it had before 128 keys were adopted
+    "fmha_fp8_d256_n64": dict(tile_n=64, fp8_only=True, head_dims=(256,)),
+    "fmha_fp8_d256_n96": dict(tile_n=96, fp8_only=True, head_dims=(256,)),  # 5 K/V stages
     # fp8 V re-laid key-major inside the kernel by producer warps 2-3 (FlashAttention-3's way)
     # instead of by the staging pass before it (HopperForwardConfig.v_transposed_in_kernel); at
     # D=32 its transposer spilled (34 local-memory instructions), so it is not timed there
