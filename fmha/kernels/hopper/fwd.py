@@ -290,7 +290,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
             num_stages=cfg.kv_stages, producer_group=one_thread, consumer_group=consumer_warps,
             tx_count=self.kv_bytes, barrier_storage=storage.kv_mbar.data_ptr(), defer_sync=True,
         ).make_participants()
-        raw_producer = raw_consumer = raw_meta = sVraw = None
+        raw_producer = raw_consumer = raw_meta = sVraw = raw_words = ring_words = None
         if const_expr(cfg.v_transposed_in_kernel):
             # two arrivals per stage: the TMA's (with its bytes) and the producer's after it has
             # written the stage's ring index into ``raw_meta``, which that arrival publishes
@@ -301,6 +301,11 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
             ).make_participants()
             raw_meta = storage.raw_meta.get_tensor(cute.make_layout(V_RAW_STAGES))
             sVraw = storage.sVraw.get_tensor(sVraw_layout.outer, swizzle=sVraw_layout.inner)
+            # the transposer addresses both rings by 32-bit words, swizzles applied by hand
+            raw_words = cute.make_tensor(cute.recast_ptr(storage.sVraw.data_ptr(), dtype=Int32),
+                                         cute.make_layout(cute.cosize(sVraw_layout) // 4))
+            ring_words = cute.make_tensor(cute.recast_ptr(storage.sKV.data_ptr(), dtype=Int32),
+                                          cute.make_layout(cute.cosize(sK_layout) // 4))
         hand_off = None
         if const_expr(cfg.claims_tiles):
             hand_off = TileHandOff.create(
@@ -332,7 +337,8 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
                 )
             if const_expr(cfg.v_transposed_in_kernel):
                 if warp_idx >= 4 - _TRANSPOSER_WARPS:
-                    self.transpose_v(raw_consumer, raw_meta, sVraw, sV, storage.kv_mbar.data_ptr(),
+                    self.transpose_v(raw_consumer, raw_meta, raw_words, ring_words, sVraw_layout, sV_layout,
+                                     storage.kv_mbar.data_ptr(),
                                      tidx - (4 - _TRANSPOSER_WARPS) * 32)
         else:
             cute.arch.setmaxregister_increase(cfg.register_budgets[1])
@@ -485,8 +491,9 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         return raw_producer, handle
 
     @cute.jit
-    def transpose_v(self, raw_consumer: pipeline.PipelineConsumer, raw_meta: cute.Tensor, sVraw: cute.Tensor,
-                    sV: cute.Tensor, ring_full: cute.Pointer, tid: Int32):
+    def transpose_v(self, raw_consumer: pipeline.PipelineConsumer, raw_meta: cute.Tensor, raw_words: cute.Tensor,
+                    ring_words: cute.Tensor, raw_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout,
+                    ring_full: cute.Pointer, tid: Int32):
         """Producer warps 2-3: each raw V tile (keys x D, D contiguous) into the K/V ring stage its
         meta slot names, key-major and in the fp8 P.V product's key order (``FP8_KEY_ORDER``), then
         the stage's bytes counted on its full barrier, until a stop (ring index -1).
@@ -496,7 +503,12 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         per head-dim word of a chunk it loads the four keys' words, transposes their 4 x 4 bytes
         with byte permutes and stores one word per head-dim row (a warp's stores of one row cover
         its 32 slot words: no bank conflict; its loads of one key offset hit four 16-byte bank
-        groups, base % 8 taking four values: 4-way)."""
+        groups, base % 8 taking four values: 4-way).
+
+        Addresses are 32-bit words of ``raw_words`` / ``ring_words``, from the layouts' swizzles
+        (``(o >> 3) & mask`` XORed into bits 4..): a key row's swizzle bits come from its row
+        alone (``base`` is even, so the four keys' rows add without a carry), and a head-dim row's
+        from its index mod 8, known per store; what varies per chunk is one add and one XOR."""
         cfg = self.cfg
         d, n = cfg.head_dim, cfg.tile_n
         words = n // 4
@@ -505,32 +517,35 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         w = tid % words
         first_chunk, chunk_step = tid // words, threads // words
         base = 32 * (w // 8) + 16 * (w % 8 // 4) + 2 * (w % 4)
+        raw_outer, ring_outer = raw_layout.outer, ring_layout.outer
+        raw_mask = ((1 << raw_layout.inner.num_bits) - 1) << 7  # the rows' bits a swizzle reads
+        ring_mask = ((1 << ring_layout.inner.num_bits) - 1) << 7
+        # byte offsets: the thread's first key row, and the other three keys' rows from it
+        key_row = cute.crd2idx((0, base, 0), raw_outer)
+        key_swizzle = (key_row & raw_mask) >> 3
+        key_rows = [cute.crd2idx((0, off, 0), raw_outer) for off in _KEY_OFFSETS]
         ring_index = Int32(0)
         while ring_index >= 0:
             handle = raw_consumer.wait_and_advance()
             ring_index = raw_meta[handle.index]
             if ring_index >= 0:
-                raw = sVraw[None, None, handle.index]  # (D, keys)
-                dst = sV[None, None, ring_index]  # (D, slots)
+                raw_stage = cute.crd2idx((0, 0, handle.index), raw_outer) + key_row
+                ring_stage = cute.crd2idx((0, 0, ring_index), ring_outer) + 4 * w
                 for k in cutlass.range(chunks // chunk_step, unroll=1):
                     chunk = first_chunk + k * chunk_step
+                    d_row = cute.crd2idx((16 * chunk, 0, 0), raw_outer)  # the chunk's bytes in a key row
+                    ring_rows = ring_stage + cute.crd2idx((16 * chunk, 0, 0), ring_outer)
                     for c in cutlass.range_constexpr(4):
-                        # head-dim word 4 * chunk + c of the four keys (copies through the swizzled
-                        # views: a recast of a swizzled shared-memory view would drop its swizzle)
-                        words4 = cute.make_rmem_tensor((4, 4), self.dtype)
-                        for i in cutlass.range_constexpr(4):
-                            cute.autovec_copy(cute.local_tile(raw[None, base + _KEY_OFFSETS[i]], (4,), (4 * chunk + c,)),
-                                              words4[None, i])
-                        a, b, e, f = (cute.recast_tensor(words4, Int32)[i] for i in range(4))
+                        keys = [raw_words[((raw_stage + key_rows[i] + (d_row ^ key_swizzle ^ ((key_rows[i] & raw_mask) >> 3))) >> 2) + c]
+                                for i in range(4)]
+                        a, b, e, f = keys
                         ab_lo, ab_hi = cute.arch.prmt(a, b, 0x5140), cute.arch.prmt(a, b, 0x7362)
                         ef_lo, ef_hi = cute.arch.prmt(e, f, 0x5140), cute.arch.prmt(e, f, 0x7362)
-                        rows = cute.make_rmem_tensor((4, 4), self.dtype)
-                        rows32 = cute.recast_tensor(rows, Int32)
-                        rows32[0], rows32[1] = cute.arch.prmt(ab_lo, ef_lo, 0x5410), cute.arch.prmt(ab_lo, ef_lo, 0x7632)
-                        rows32[2], rows32[3] = cute.arch.prmt(ab_hi, ef_hi, 0x5410), cute.arch.prmt(ab_hi, ef_hi, 0x7632)
+                        rows = (cute.arch.prmt(ab_lo, ef_lo, 0x5410), cute.arch.prmt(ab_lo, ef_lo, 0x7632),
+                                cute.arch.prmt(ab_hi, ef_hi, 0x5410), cute.arch.prmt(ab_hi, ef_hi, 0x7632))
                         for j in cutlass.range_constexpr(4):
-                            cute.autovec_copy(rows[None, j],
-                                              cute.local_tile(dst[16 * chunk + 4 * c + j, None], (4,), (w,)))
+                            row = cute.crd2idx((4 * c + j, 0, 0), ring_outer)  # head-dim row 16 * chunk + 4c + j
+                            ring_words[((ring_rows ^ ((row & ring_mask) >> 3)) + row) >> 2] = rows[j]
                 # the consumers' wgmma reads these bytes through the async proxy
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=NamedBarrier.V_TRANSPOSED, number_of_threads=threads)
