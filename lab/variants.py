@@ -31,8 +31,6 @@ VARIANTS = {
     "fmha_tree_softmax": dict(softmax_chains=(4, 2)),  # four max / two sum chains per row
     "fmha_eager_rescale": dict(lazy_rescale=False),  # the exact running max, O rescaled every tile
     "fmha_fp8_n192": dict(tile_n=192, fp8_only=True, head_dims=(128,)),
-    # K/V loads evict-last in L2, Q evict-first (FlashAttention-3's TMA cache hints)
-    "fmha_l2_hints": dict(l2_hints=True),
     # fp8 at D=256 with the 64-key tile (8 K/V stages) it had before 128 keys were adopted
     "fmha_fp8_d256_n64": dict(tile_n=64, fp8_only=True, head_dims=(256,)),
     "fmha_fp8_d256_n96": dict(tile_n=96, fp8_only=True, head_dims=(256,)),  # 5 K/V stages
@@ -158,9 +156,6 @@ BACKWARD_VARIANTS = {
     # dS^T stored after dV's product is issued, the order before (D=64 spilled with the stores
     # first while the dQ accumulator was row-major)
     "fmha_bwd_ds_after_dv": dict(ds_stored_before_dv=False, head_dims=(64, 128)),
-    # the passes' launches overlap (programmatic dependent launch, FA4's): the main kernel loads
-    # K and V while the row pass finishes, the conversion launches during its last wave
-    "fmha_bwd_pdl": dict(overlapped_launches=True, head_dims=(64, 128)),
 }
 
 
@@ -177,7 +172,7 @@ def _backward_variant_class(**overrides):
     cls = _BACKWARD_CLASSES.get(key)
     if cls is None:
         choices = ("tile_m", "tile_n", "dq_split_rows", "dkv_store_tma", "dk_staged_under_dv_store",
-                   "exps_before_dp_wait", "ds_stored_before_dv", "overlapped_launches")
+                   "exps_before_dp_wait", "ds_stored_before_dv")
         unknown = [k for k in overrides if k not in choices]
         if unknown:
             raise ValueError(f"not a tile choice of the backward config: {unknown}; variants set {', '.join(choices)}")

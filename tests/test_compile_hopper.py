@@ -377,22 +377,6 @@ def test_the_gpu_check_can_run_a_backward_variant(monkeypatch):
     assert type(HopperBackwardConfig.from_problem(problem_for(torch.bfloat16, 32, "causal"))) is HopperBackwardConfig
 
 
-def test_l2_hints_variant_marks_every_tma_load(tmp_path):
-    """Variant ``fmha_l2_hints``: the TMA loads' L2 cache policies (every load carries one; the
-    library's are 0) are CUTLASS's evict-last for K and V and evict-first for Q."""
-    from lab.variants import variant_config
-
-    base = library_config(torch.bfloat16, 128, "none", seqlen_k=16384)
-    ptx = {}
-    for name, cfg in (("production", base), ("hints", variant_config(base, l2_hints=True))):
-        (tmp_path / name).mkdir()
-        ptx[name] = _ptx(cfg, tmp_path / name)
-    policies = {name: {int(v) for v in re.findall(r"mov\.b64\s+%rd\d+, (\d+);", text) if int(v) >> 60 == 1}
-                for name, text in ptx.items()}
-    assert policies["production"] == set()
-    assert policies["hints"] == {0x14F0000000000000, 0x12F0000000000000}
-
-
 def test_the_gpu_check_can_run_a_forward_variant(monkeypatch):
     """``pytest -m gpu --fwd-variant NAME``: the library's choice of forward kernel becomes the
     variant where it is timed (fp8 only here), its configs pickle for the compile workers, and

@@ -277,71 +277,25 @@ def test_fp8_key_tile_variants_fit_and_keep_their_registers(name, tmp_root):
         assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
 
 
-def _pass_sass(compile_fn, cfg, out) -> list:
-    os.makedirs(out, exist_ok=True)
-    compile_fn(cfg, extra_options=f"--keep-cubin --dump-dir={out}")
-    cubin = next(os.path.join(out, f) for f in os.listdir(out) if f.endswith(".cubin"))
-    return _instructions(subprocess.run([NVDISASM, "-c", cubin], capture_output=True, text=True, check=True).stdout)[0]
-
-
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_backward_variant_overlaps_the_passes_launches(head_dim, tmp_root):
-    """Variant ``fmha_bwd_pdl`` (programmatic dependent launch between the backward's passes): the
-    row pass lets a dependent launch at its start (``PREEXIT``; production's main kernel is
-    launched without the attribute, so it changes nothing there); the main kernel lets the
-    conversion launch, and loads K and V (its only loads that do not need the row pass) before
-    its producer's wait for the row pass's grid (``ACQBULK``); the dQ writer waits before its
-    first add; the conversion waits before it reads anything. Production has none of it."""
-    from fmha.kernels.common.backward_rows import BackwardRowsConfig
-    from fmha.kernels.hopper.backend import compile_backward_rows, compile_dq_convert
-    from fmha.kernels.hopper.config import HopperBackwardConfig
-    from fmha.kernels.hopper.dq_convert import DqConvertConfig
-    from fmha.masking import MaskKind
-    from lab.variants import backward_variant_config
-
-    production, _ = _backward_sass(head_dim, False, tmp_root)
-    assert not [t for t in production if t in ("ACQBULK", "PREEXIT")]
-    ins, _ = _backward_sass(head_dim, False, tmp_root, overlapped_launches=True)
-    assert sum(t == "PREEXIT" for t in ins) == 1
-    waits = [i for i, t in enumerate(ins) if t == "ACQBULK"]
-    loads = [i for i, t in enumerate(ins) if t.startswith("UTMALDG")]
-    reduces = [i for i, t in enumerate(ins) if t.startswith("UBLKRED")]
-    assert len(waits) == 2 and loads and reduces
-    # K and V (two 64-column boxes each at D=128), then the wait, then Q, dO and the statistics
-    kv_loads = 4 if head_dim == 128 else 2
-    assert [i for i in loads if i < waits[0]] == loads[:kv_loads] and loads[kv_loads] > waits[0]
-    assert waits[1] < min(reduces)
-
-    base = HopperBackwardConfig(torch.bfloat16, head_dim, MaskKind.NONE, False, False, False)
-    cfg = backward_variant_config(base, overlapped_launches=True)
-    rows = _pass_sass(compile_backward_rows, BackwardRowsConfig(torch.bfloat16, head_dim, False, False, cfg.tile_m),
-                      os.path.join(tmp_root, f"rows{head_dim}"))
-    assert rows.index("PREEXIT") < min(i for i, t in enumerate(rows) if re.match(r"(LDG|STG)", t))
-    convert = _pass_sass(compile_dq_convert, DqConvertConfig.of(cfg), os.path.join(tmp_root, f"convert{head_dim}"))
-    assert convert.count("ACQBULK") == 1
-    assert convert.index("ACQBULK") < min(i for i, t in enumerate(convert) if re.match(r"(LDG|STG|LDS|STS)", t))
-    assert "ACQBULK" not in _pass_sass(compile_dq_convert, DqConvertConfig.of(base),
-                                       os.path.join(tmp_root, f"convert_production{head_dim}"))
-
-
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_fp8_v_in_kernel_variant(head_dim, tmp_root):
-    """Variant ``fmha_fp8_v_in_kernel`` (V re-laid key-major by producer warps 2-3, within the
+    """Variant ``fmha_fp8_v_in_kernel`` (V re-laid key-major by producer warps 1-3, within the
     producer warpgroup's 24 registers): the consumers keep every register, and the transposer's
-    loop over head-dim chunks (per pass four 4 x 4-byte transposes: 16 ``LDS``, 32 ``PRMT``, 16
-    ``STS``) spends few instructions on addresses (its first version, whose swizzled views
-    computed every address in full, took 4x as many and ran the forward 3.2x slower) and touches
-    no local memory (loop invariants and the raw ring's state are reloaded once per V tile); its 64 threads
-    meet at their named barrier and count each tile's bytes on its K/V ring stage
-    (``mbarrier.complete_tx``), and the producer counts the transposer's stop the same way;
-    production's fp8 kernel does neither."""
+    loop over head-dim chunks (per chunk four 4 x 4-byte transposes fed by two round trips of
+    8-byte loads: 8 ``LDS.64``, 32 ``PRMT``, 16 ``STS``) spends few instructions on addresses (its
+    first version, whose swizzled views computed every address in full, took 4x as many and ran
+    the forward 3.2x slower) and reloads one value from local memory per chunk (the key rows'
+    swizzle, which ptxas hoists and spills); loop invariants and the raw ring's state are
+    reloaded once per V tile. Its 96 threads meet at their named barrier and count each tile's
+    bytes on its K/V ring stage (``mbarrier.complete_tx``), and the producer counts the
+    transposer's stop the same way; production's fp8 kernel does neither."""
     from fmha.kernels.hopper.barriers import NamedBarrier
     from lab.variants import variant_config
 
     base = library_config(torch.float8_e4m3fn, head_dim, "none", lse=False, seqlen_k=8192)
     ins, labels = _instructions(_sass(variant_config(base, v_transposed_in_kernel=True), tmp_root))
     spills = [i for i, t in enumerate(ins) if re.search(r"\b(LDL|STL)\b", t)]
-    assert len(spills) <= 24
+    assert len(spills) <= 32  # per V tile and at the start, not per chunk (below)
     loops = []  # (first, last) of each loop that branches back to a label
     for i, t in enumerate(ins):
         m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", t)
@@ -351,16 +305,15 @@ def test_fp8_v_in_kernel_variant(head_dim, tmp_root):
                                                 for t in ins[lp[0]:lp[1] + 1]) >= 8), key=lambda lp: lp[1] - lp[0])
     body = ins[chunk_loop[0]:chunk_loop[1] + 1]
     assert sum(t.startswith("PRMT") for t in body) == 4 * 8 and sum(t.startswith("STS ") for t in body) == 16
-    assert sum(t.startswith("LDS ") for t in body) == 16 and len(body) <= 100
-    assert not [i for i in spills if chunk_loop[0] <= i <= chunk_loop[1]]
-    assert all(i < chunk_loop[0] or i > chunk_loop[1] for i in spills)
+    assert sum(t.startswith("LDS.64 ") for t in body) == 8 and len(body) <= 100
+    assert [t.split()[0] for t in body if re.search(r"\b(LDL|STL)\b", t)] in ([], ["LDL"])
     consumer_start = next(i for i, t in enumerate(ins) if "QGMMA" in t)
     # after the consumers' code only the out-of-line retries of the transposer's waits (the
     # consumers' own waits hold their registers)
     assert not [i for i in spills if i > chunk_loop[1] and i >= consumer_start
                 and not any("SYNCS.PHASECHK" in t for t in ins[i + 1:i + 3])]
     counted = [i for i, t in enumerate(ins) if "SYNCS.ARRIVE.TRANS64.RED.A0TX" in t]
-    met = [i for i, t in enumerate(ins) if t == f"BAR.SYNC.DEFER_BLOCKING {hex(NamedBarrier.V_TRANSPOSED)}, 0x40"]
+    met = [i for i, t in enumerate(ins) if t == f"BAR.SYNC.DEFER_BLOCKING {hex(NamedBarrier.V_TRANSPOSED)}, 0x60"]
     assert len(counted) == 2 and len(met) == 1 and met[0] < counted[1] < met[0] + 8
     production, _ = _instructions(_sass(base, tmp_root))
-    assert not [t for t in production if "A0TX" in t or "0x40" in t and "BAR.SYNC" in t]
+    assert not [t for t in production if "A0TX" in t or "0x60" in t and "BAR.SYNC" in t]

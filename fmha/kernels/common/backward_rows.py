@@ -83,10 +83,6 @@ class BackwardRows:
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: Optional[cute.Tensor],
                mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor],
                delta_scale: Float32, rows: Int32):
-        # a main kernel launched as this pass's programmatic dependent may start once every CTA
-        # has (it waits for this grid's end before it reads this pass's outputs); no effect on
-        # a kernel launched without that attribute
-        cute.arch.griddepcontrol_launch_dependents()
         group = self.cfg.threads_per_row
         piece = LOAD_BYTES // self.cfg.dtype.itemsize  # elements of O per thread
         tidx, _, _ = cute.arch.thread_idx()

@@ -210,7 +210,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                     max_seqlen_q, max_seqlen_k, scale_log2, out_scale, score_scale, window_left, window_right,
                     sQ_layout, sK_layout, sdS_layout, sdQ_layout, sRow_layout).launch(
             grid=grid, block=[self.num_threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1, use_pdl=cfg.overlaps_row_pass)
+            smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def describe_sequences(self, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
@@ -253,10 +253,6 @@ class HopperAttentionBackward(DeviceWorkTileList):
                sdQ_layout, sRow_layout: cute.Layout):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        if const_expr(self.cfg.overlapped_launches):
-            # the dQ conversion after this kernel may launch once every CTA has started (it
-            # waits for this grid's end before reading anything)
-            cute.arch.griddepcontrol_launch_dependents()
         n_block, head_kv, batch = self.work_tile(mTileTable, mTileCount, mK.shape[2])
         if warp_idx == 0:
             for atom in (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_delta):
@@ -393,8 +389,6 @@ class HopperAttentionBackward(DeviceWorkTileList):
         handle = kv_producer.acquire_and_advance()
         cute.copy(tma_k, tKgK, tKsK[None, 0], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_k)
         cute.copy(tma_v, tVgV, tVsV[None, 0], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_v)
-        if const_expr(self.cfg.overlaps_row_pass):
-            cute.arch.griddepcontrol_wait()  # the LSE and delta below are the row pass's
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
             gQ = cute.local_tile(mQ[None, None, head, row_batch], (tile_m, d), (None, 0))
@@ -424,8 +418,6 @@ class HopperAttentionBackward(DeviceWorkTileList):
         consumer warpgroup's block, as soon as that block is staged; frees each block once its add
         has read it. ``deterministic``: each tile's adds wait for their turn (``wait_for_turn``)."""
         cfg = self.cfg
-        if const_expr(cfg.overlaps_row_pass):
-            cute.arch.griddepcontrol_wait()  # the row pass zeroes the accumulator
         first_tile = Int32(0)  # the sequence's first tile of the accumulator
         if const_expr(cfg.varlen):
             first_tile = dq_layout.first_tile(seq.offset_q, batch, self.tile_m)

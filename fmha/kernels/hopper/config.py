@@ -177,11 +177,8 @@ class HopperForwardConfig:
             raise ValueError("the decode options take dense 16-bit batches")
         if self.split_kv and (self.out_dtype != torch.float32 or not self.has_lse):
             raise ValueError("split-KV writes fp32 partial outputs with their LSE")
-        if self.v_transposed_in_kernel and (self.dtype != torch.float8_e4m3fn or self.tile_n not in (64, 128)
-                                            or (self.head_dim // 16) % (256 // self.tile_n)):
-            raise ValueError("V is re-laid out in the kernel for fp8 inputs with key tiles of 64 or 128 keys and "
-                             "head dims whose 16-byte chunks the transposer's 64 threads share out evenly (each "
-                             "owns one slot word of a tile's rows)")
+        if self.v_transposed_in_kernel and (self.dtype != torch.float8_e4m3fn or self.tile_n not in (64, 128)):
+            raise ValueError("V is re-laid out in the kernel for fp8 inputs with key tiles of 64 or 128 keys")
         if self.page_run and (not self.cache_lengths or self.page_run % 16 or self.tile_n % self.page_run):
             raise ValueError("a paged cache has lengths per sequence, and loads runs of a multiple of 16 keys "
                              "that divide the key tile")
@@ -258,13 +255,6 @@ class HopperForwardConfig:
         """A stale row max (``OnlineSoftmax.max_slack``) skips most O rescales; it pays from
         D=128, and fp8 keeps the exact max, whose probability e4m3 then holds exactly."""
         return element_bytes(self.dtype) == 2 and self.head_dim >= 128
-
-    @property
-    def l2_hints(self) -> bool:
-        """K and V loads marked evict-last in L2 and Q loads evict-first (FlashAttention-3's TMA
-        hints: a head's K/V tiles are read by every query tile of the head, Q once); lab variant
-        ``fmha_l2_hints``."""
-        return False
 
     @property
     def v_transposed_in_kernel(self) -> bool:
@@ -437,21 +427,6 @@ class HopperBackwardConfig:
     #: dS^T goes to shared memory before dV's product is issued, so that the fence after them has
     #: less to wait for (as FA4 orders them); a lab variant stores it after, as before
     ds_stored_before_dv = True
-
-    #: the passes' launches overlap (programmatic dependent launch, FA4's): the conversion is
-    #: launched as the main kernel's dependent, and the main kernel as the row pass's where
-    #: ``overlaps_row_pass``; off until it is measured on a GPU (lab variant ``fmha_bwd_pdl``)
-    overlapped_launches = False
-
-    @property
-    def overlaps_row_pass(self) -> bool:
-        """The main kernel is launched as a programmatic dependent of the row pass: its CTAs start
-        while the row pass finishes, load K and V, and wait for the row pass's grid to end
-        (``griddepcontrol.wait``) only before the first load of its outputs (the LSE in log2
-        units, delta) and the first add into the dQ accumulator it zeroes. Not where other work
-        runs between the two: varlen's descriptor and tile-list kernels, deterministic's
-        semaphore fill."""
-        return self.overlapped_launches and not self.varlen and not self.deterministic
 
     @property
     def sequence_descriptors(self) -> int:

@@ -39,15 +39,12 @@ class DqConvertConfig:
     split_rows: bool
     transposed: bool
     varlen: bool
-    #: launched as the main kernel's programmatic dependent (``overlapped_launches``)
-    overlapped: bool = False
 
     @staticmethod
     def of(cfg) -> "DqConvertConfig":
         """The conversion for a ``HopperBackwardConfig``'s accumulator."""
         return DqConvertConfig(cfg.dtype, cfg.head_dim, cfg.tile_m, cfg.dq_rows_per_warpgroup,
-                               cfg.dq_cols_per_warpgroup, cfg.dq_split_rows, cfg.dq_transposed, cfg.varlen,
-                               cfg.overlapped_launches)
+                               cfg.dq_cols_per_warpgroup, cfg.dq_split_rows, cfg.dq_transposed, cfg.varlen)
 
 
 class DqConvert:
@@ -70,17 +67,12 @@ class DqConvert:
         row_stride = self.cfg.head_dim + _PAD
         smem = cute.size_in_bytes(mdQ.element_type, cute.make_layout(tile_m * row_stride))
         self.kernel(mAcc, mdQ, mCuSeqlensQ, max_seqlen_q).launch(
-            grid=[(seqlen + tile_m - 1) // tile_m, heads, batches], block=[THREADS, 1, 1], smem=smem, stream=stream,
-            use_pdl=self.cfg.overlapped)
+            grid=[(seqlen + tile_m - 1) // tile_m, heads, batches], block=[THREADS, 1, 1], smem=smem, stream=stream)
 
     @cute.kernel
     def kernel(self, mAcc: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor], max_seqlen_q: Int32):
         cfg = self.cfg
         d, tile_m = cfg.head_dim, cfg.tile_m
-        if const_expr(cfg.overlapped):
-            # launched as the main kernel's programmatic dependent: its CTAs may start before
-            # that grid ends, whose adds into the accumulator this waits for
-            cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         if const_expr(cfg.varlen):

@@ -54,10 +54,8 @@ from .mainloop import ConsumerFragments, ConsumerMainloop
 from .wgmma import WARPGROUP_THREADS as _WG
 
 
-#: producer warps that re-lay fp8 V tiles out (``transpose_v``): warps 2-3
-_TRANSPOSER_WARPS = 2
-#: L2 cache policies of a TMA load's cache hint, as CUTLASS encodes them (``CacheHintSm90``)
-_L2_EVICT_FIRST, _L2_EVICT_LAST = 0x12F0000000000000, 0x14F0000000000000
+#: producer warps that re-lay fp8 V tiles out (``transpose_v``): warps 1-3
+_TRANSPOSER_WARPS = 3
 #: keys of a slot word (slots 4w..4w+3) relative to its first: FP8_KEY_ORDER in fours
 _KEY_OFFSETS = (0, 1, 8, 9)
 assert all(FP8_KEY_ORDER[4 * w + i] - FP8_KEY_ORDER[4 * w] == _KEY_OFFSETS[i] for w in range(8) for i in range(4))
@@ -301,9 +299,9 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
             ).make_participants()
             raw_meta = storage.raw_meta.get_tensor(cute.make_layout(V_RAW_STAGES))
             sVraw = storage.sVraw.get_tensor(sVraw_layout.outer, swizzle=sVraw_layout.inner)
-            # the transposer addresses both rings by 32-bit words, swizzles applied by hand
-            raw_words = cute.make_tensor(cute.recast_ptr(storage.sVraw.data_ptr(), dtype=Int32),
-                                         cute.make_layout(cute.cosize(sVraw_layout) // 4))
+            # the transposer loads 8-byte and stores 4-byte words, swizzles applied by hand
+            raw_words = cute.make_tensor(cute.recast_ptr(storage.sVraw.data_ptr(), dtype=cutlass.Int64),
+                                         cute.make_layout(cute.cosize(sVraw_layout) // 8))
             ring_words = cute.make_tensor(cute.recast_ptr(storage.sKV.data_ptr(), dtype=Int32),
                                           cute.make_layout(cute.cosize(sK_layout) // 4))
         hand_off = None
@@ -347,13 +345,6 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
                 mCuSeqlensQ, mCuSeqlensK, scale_log2, output_scale, window_left, window_right,
                 sQ, sK, sV, sO, q_consumer, kv_consumer, tidx - _WG,
             )
-
-    def l2_hint(self, reused: bool) -> dict:
-        """``cute.copy``'s L2 eviction hint for a TMA load (``l2_hints``): evict-last for tiles
-        other CTAs read again (K, V), evict-first for the rest (Q); none otherwise."""
-        if not self.cfg.l2_hints:
-            return {}
-        return dict(cache_policy=cutlass.Int64(_L2_EVICT_LAST if reused else _L2_EVICT_FIRST))
 
     def make_scheduler(self, mTileTable, mTileCount, mTileCounter, hand_off, num_m_blocks, num_heads, num_batches):
         """The tile walk this configuration's schedule asks for (``scheduler.py``)."""
@@ -443,8 +434,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
                 tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
 
                 q_handle = q_producer.acquire_and_advance()
-                cute.copy(tma_q, tQgQ, tQsQ[None, q_handle.index], tma_bar_ptr=q_handle.barrier, **self.l2_hint(False),
-                          tma_desc_ptr=desc_q)
+                cute.copy(tma_q, tQgQ, tQsQ[None, q_handle.index], tma_bar_ptr=q_handle.barrier, tma_desc_ptr=desc_q)
 
                 kv_tiles = self.kv_tile_schedule(tile.m_block, seq, window_left, window_right, split,
                                                  cache.num_splits)
@@ -476,8 +466,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         (free, its full barrier expecting a tile's bytes, which ``transpose_v`` counts)."""
         ring = kv_producer.acquire_and_advance()
         raw_producer, handle = self.claim_raw_stage(raw_producer, raw_meta, ring.index)
-        cute.copy(tma, src, raw_stages[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc,
-                  **self.l2_hint(True))
+        cute.copy(tma, src, raw_stages[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc)
         return kv_producer, raw_producer
 
     @cute.jit
@@ -494,16 +483,16 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
     def transpose_v(self, raw_consumer: pipeline.PipelineConsumer, raw_meta: cute.Tensor, raw_words: cute.Tensor,
                     ring_words: cute.Tensor, raw_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout,
                     ring_full: cute.Pointer, tid: Int32):
-        """Producer warps 2-3: each raw V tile (keys x D, D contiguous) into the K/V ring stage its
+        """Producer warps 1-3: each raw V tile (keys x D, D contiguous) into the K/V ring stage its
         meta slot names, key-major and in the fp8 P.V product's key order (``FP8_KEY_ORDER``), then
         the stage's bytes counted on its full barrier, until a stop (ring index -1).
 
         Thread ``tid`` owns slot word ``w`` (slots 4w..4w+3 of every head-dim row: keys base,
         base + 1, base + 8, base + 9 of a block of 32) and a share of the 16-byte head-dim chunks:
-        per head-dim word of a chunk it loads the four keys' words, transposes their 4 x 4 bytes
-        with byte permutes and stores one word per head-dim row (a warp's stores of one row cover
-        its 32 slot words: no bank conflict; its loads of one key offset hit four 16-byte bank
-        groups, base % 8 taking four values: 4-way).
+        per half chunk it loads the four keys' 8 bytes (one round trip to shared memory feeds two
+        transposes), transposes each 4 x 4 bytes with byte permutes and stores one word per
+        head-dim row (a warp's stores of one row cover its 32 slot words: no bank conflict; its
+        loads of one key offset hit four 16-byte bank groups, base % 8 taking four values).
 
         Addresses are 32-bit words of ``raw_words`` / ``ring_words``, from the layouts' swizzles
         (``(o >> 3) & mask`` XORed into bits 4..): a key row's swizzle bits come from its row
@@ -515,7 +504,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         threads = _TRANSPOSER_WARPS * 32
         chunks = d // 16
         w = tid % words
-        first_chunk, chunk_step = tid // words, threads // words
+        first_chunk, chunk_step = tid // words, threads // words  # chunks shared out unevenly
         base = 32 * (w // 8) + 16 * (w % 8 // 4) + 2 * (w % 4)
         raw_outer, ring_outer = raw_layout.outer, ring_layout.outer
         raw_mask = ((1 << raw_layout.inner.num_bits) - 1) << 7  # the rows' bits a swizzle reads
@@ -531,14 +520,17 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
             if ring_index >= 0:
                 raw_stage = cute.crd2idx((0, 0, handle.index), raw_outer) + key_row
                 ring_stage = cute.crd2idx((0, 0, ring_index), ring_outer) + 4 * w
-                for k in cutlass.range(chunks // chunk_step, unroll=1):
+                for k in cutlass.range((chunks - first_chunk + chunk_step - 1) // chunk_step, unroll=1):
                     chunk = first_chunk + k * chunk_step
-                    d_row = cute.crd2idx((16 * chunk, 0, 0), raw_outer)  # the chunk's bytes in a key row
+                    # the chunk's bytes in the thread's key rows, swizzled
+                    d_row = cute.crd2idx((16 * chunk, 0, 0), raw_outer) ^ key_swizzle
                     ring_rows = ring_stage + cute.crd2idx((16 * chunk, 0, 0), ring_outer)
                     for c in cutlass.range_constexpr(4):
-                        keys = [raw_words[((raw_stage + key_rows[i] + (d_row ^ key_swizzle ^ ((key_rows[i] & raw_mask) >> 3))) >> 2) + c]
-                                for i in range(4)]
-                        a, b, e, f = keys
+                        if const_expr(c % 2 == 0):  # the four keys' head-dim words c and c + 1
+                            pairs = [raw_words[((raw_stage + key_rows[i] + (d_row ^ ((key_rows[i] & raw_mask) >> 3)))
+                                                >> 3) + c // 2]
+                                     for i in range(4)]
+                        a, b, e, f = (Int32(p if c % 2 == 0 else p >> 32) for p in pairs)
                         ab_lo, ab_hi = cute.arch.prmt(a, b, 0x5140), cute.arch.prmt(a, b, 0x7362)
                         ef_lo, ef_hi = cute.arch.prmt(e, f, 0x5140), cute.arch.prmt(e, f, 0x7362)
                         rows = (cute.arch.prmt(ab_lo, ef_lo, 0x5410), cute.arch.prmt(ab_lo, ef_lo, 0x7632),
@@ -590,8 +582,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         """TMA-load one K or V tile (``src``) into the ring's next free stage. The advanced
         producer is returned for the caller to rebind."""
         handle = kv_producer.acquire_and_advance()
-        cute.copy(tma, src, dst_stages[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc,
-                  **self.l2_hint(True))
+        cute.copy(tma, src, dst_stages[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc)
         return kv_producer
 
     @cute.jit
