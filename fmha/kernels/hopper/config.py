@@ -259,7 +259,7 @@ class HopperForwardConfig:
     @property
     def v_transposed_in_kernel(self) -> bool:
         """fp8: V loaded as the caller lays it out (D contiguous) into a ring of its own, and
-        re-laid key-major into the K/V ring by producer warps 2-3 (FlashAttention-3's way) instead
+        re-laid key-major into the K/V ring by producer warps 1-3 (FlashAttention-3's way) instead
         of by ``stage_v_fp8`` before the kernel; lab variant ``fmha_fp8_v_in_kernel`` (key tiles
         of 64 or 128; dense or varlen, whose V tiles come through each sequence's descriptor)."""
         return False
