@@ -122,7 +122,7 @@ def o_store_for(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, varle
     used = (q_stages * tile_m + kv_stages_for(dtype, out_dtype, head_dim, tile_m, tile_n, q_stages) * tile_n) \
         * head_dim * element_bytes(dtype)
     if used + tile_m * head_dim * 2 <= SMEM_BYTES:
-        return OStore.TMA_OWN_BUFFER  # beside a full K/V ring (D <= 64, and fp8 inputs)
+        return OStore.TMA_OWN_BUFFER  # beside a full K/V ring (D <= 64), or kept for it (fp8 inputs)
     # the Q buffer holds the input's type; a different output type would not fit its swizzle
     return OStore.TMA_Q_BUFFER if out_dtype == dtype else OStore.DIRECT
 

@@ -494,10 +494,11 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         head-dim row (a warp's stores of one row cover its 32 slot words: no bank conflict; its
         loads of one key offset hit four 16-byte bank groups, base % 8 taking four values).
 
-        Addresses are 32-bit words of ``raw_words`` / ``ring_words``, from the layouts' swizzles
-        (``(o >> 3) & mask`` XORed into bits 4..): a key row's swizzle bits come from its row
-        alone (``base`` is even, so the four keys' rows add without a carry), and a head-dim row's
-        from its index mod 8, known per store; what varies per chunk is one add and one XOR."""
+        Addresses are 8-byte words of ``raw_words`` and 4-byte words of ``ring_words``, from the
+        layouts' byte offsets with their swizzles applied by hand (``(o >> 3) & mask`` XORed into
+        bits 4..): a key row's swizzle bits come from its row alone (``base`` is even, so the four
+        keys' rows add without a carry), and a head-dim row's from its index mod 8, known per
+        store; what varies per chunk is one add and one XOR."""
         cfg = self.cfg
         d, n = cfg.head_dim, cfg.tile_n
         words = n // 4
