@@ -492,7 +492,8 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         per half chunk it loads the four keys' 8 bytes (one round trip to shared memory feeds two
         transposes), transposes each 4 x 4 bytes with byte permutes and stores one word per
         head-dim row (a warp's stores of one row cover its 32 slot words: no bank conflict; its
-        loads of one key offset hit four 16-byte bank groups, base % 8 taking four values).
+        loads of one key offset hit four 16-byte bank groups, base % 8 taking four values, and
+        both 8-byte halves of each, ``half`` taking two: 4-way).
 
         Addresses are 8-byte words of ``raw_words`` and 4-byte words of ``ring_words``, from the
         layouts' byte offsets with their swizzles applied by hand (``(o >> 3) & mask`` XORed into
@@ -514,31 +515,38 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         key_row = cute.crd2idx((0, base, 0), raw_outer)
         key_swizzle = (key_row & raw_mask) >> 3
         key_rows = [cute.crd2idx((0, off, 0), raw_outer) for off in _KEY_OFFSETS]
+        # the half chunk a thread loads first: of the 8 threads of a warp whose key rows share a
+        # swizzle phase (w % 4), 4 start with each half, so a load spreads over twice the banks
+        half = (w // 4) % 2
+        half_rows = cute.crd2idx((8, 0, 0), ring_outer)  # 8 head-dim rows of the ring stage
         ring_index = Int32(0)
         while ring_index >= 0:
             handle = raw_consumer.wait_and_advance()
             ring_index = raw_meta[handle.index]
             if ring_index >= 0:
                 raw_stage = cute.crd2idx((0, 0, handle.index), raw_outer) + key_row
+                raw_half = (raw_stage >> 3) + half  # in 8-byte words: bit 0 picks the half
                 ring_stage = cute.crd2idx((0, 0, ring_index), ring_outer) + 4 * w
                 for k in cutlass.range((chunks - first_chunk + chunk_step - 1) // chunk_step, unroll=1):
                     chunk = first_chunk + k * chunk_step
                     # the chunk's bytes in the thread's key rows, swizzled
                     d_row = cute.crd2idx((16 * chunk, 0, 0), raw_outer) ^ key_swizzle
                     ring_rows = ring_stage + cute.crd2idx((16 * chunk, 0, 0), ring_outer)
-                    for c in cutlass.range_constexpr(4):
-                        if const_expr(c % 2 == 0):  # the four keys' head-dim words c and c + 1
-                            pairs = [raw_words[((raw_stage + key_rows[i] + (d_row ^ ((key_rows[i] & raw_mask) >> 3)))
-                                                >> 3) + c // 2]
-                                     for i in range(4)]
-                        a, b, e, f = (Int32(p if c % 2 == 0 else p >> 32) for p in pairs)
-                        ab_lo, ab_hi = cute.arch.prmt(a, b, 0x5140), cute.arch.prmt(a, b, 0x7362)
-                        ef_lo, ef_hi = cute.arch.prmt(e, f, 0x5140), cute.arch.prmt(e, f, 0x7362)
-                        rows = (cute.arch.prmt(ab_lo, ef_lo, 0x5410), cute.arch.prmt(ab_lo, ef_lo, 0x7632),
-                                cute.arch.prmt(ab_hi, ef_hi, 0x5410), cute.arch.prmt(ab_hi, ef_hi, 0x7632))
-                        for j in cutlass.range_constexpr(4):
-                            row = cute.crd2idx((4 * c + j, 0, 0), ring_outer)  # head-dim row 16 * chunk + 4c + j
-                            ring_words[((ring_rows ^ ((row & ring_mask) >> 3)) + row) >> 2] = rows[j]
+                    for h in cutlass.range_constexpr(2):
+                        # the four keys' half chunk (h ^ half): head-dim words 2 (h ^ half) + 0, 1
+                        pairs = [raw_words[(raw_half + ((key_rows[i] + (d_row ^ ((key_rows[i] & raw_mask) >> 3))) >> 3)) ^ h]
+                                 for i in range(4)]
+                        ring_half = ring_rows + (half ^ h) * half_rows  # its head-dim rows start 8 (h ^ half) down
+                        for c in cutlass.range_constexpr(2):
+                            a, b, e, f = (Int32(p if c == 0 else p >> 32) for p in pairs)
+                            ab_lo, ab_hi = cute.arch.prmt(a, b, 0x5140), cute.arch.prmt(a, b, 0x7362)
+                            ef_lo, ef_hi = cute.arch.prmt(e, f, 0x5140), cute.arch.prmt(e, f, 0x7362)
+                            rows = (cute.arch.prmt(ab_lo, ef_lo, 0x5410), cute.arch.prmt(ab_lo, ef_lo, 0x7632),
+                                    cute.arch.prmt(ab_hi, ef_hi, 0x5410), cute.arch.prmt(ab_hi, ef_hi, 0x7632))
+                            for j in cutlass.range_constexpr(4):
+                                # head-dim row 16 chunk + 8 (h ^ half) + 4c + j; its swizzle is that of 4c + j
+                                row = cute.crd2idx((4 * c + j, 0, 0), ring_outer)
+                                ring_words[((ring_half ^ ((row & ring_mask) >> 3)) + row) >> 2] = rows[j]
                 # the consumers' wgmma reads these bytes through the async proxy
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=NamedBarrier.V_TRANSPOSED, number_of_threads=threads)
