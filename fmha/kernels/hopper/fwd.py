@@ -38,7 +38,6 @@ from fmha.masking import kv_tile_schedule, num_q_tiles, split_share
 from ..common.device_tile_list import COST_BINS, DeviceWorkTileList, cost_bins_bytes
 from ..common import sequence_descriptors as seq_desc
 from ..common.kv_cache import KvCache
-from ..common.fp8_order import FP8_KEY_ORDER
 from ..common.fragments import as_rows_cols, fp8_operand_a_shape
 from ..common.layouts import bshd_to_sdhb
 from ..common.mask import FragmentMask
@@ -51,15 +50,12 @@ from .barriers import NamedBarrier
 from .config import SMEM_LIMIT, V_RAW_STAGES, HopperForwardConfig, OStore
 from .epilogue import drain_o_stores, store_lse, store_o_direct, store_o_tma, wg_slice_layout
 from .mainloop import ConsumerFragments, ConsumerMainloop
+from .v_relayout import VRelayoutAddresses, transpose_4x4_bytes
 from .wgmma import WARPGROUP_THREADS as _WG
 
 
 #: producer warps that re-lay fp8 V tiles out (``transpose_v``): warps 1-3
 _TRANSPOSER_WARPS = 3
-#: keys of a slot word (slots 4w..4w+3) relative to its first: FP8_KEY_ORDER in fours
-_KEY_OFFSETS = (0, 1, 8, 9)
-assert all(FP8_KEY_ORDER[4 * w + i] - FP8_KEY_ORDER[4 * w] == _KEY_OFFSETS[i] for w in range(8) for i in range(4))
-assert all(FP8_KEY_ORDER[4 * w] == 16 * (w // 4) + 2 * (w % 4) for w in range(8))
 
 
 class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, DeviceWorkTileList):
@@ -487,66 +483,33 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         meta slot names, key-major and in the fp8 P.V product's key order (``FP8_KEY_ORDER``), then
         the stage's bytes counted on its full barrier, until a stop (ring index -1).
 
-        Thread ``tid`` owns slot word ``w`` (slots 4w..4w+3 of every head-dim row: keys base,
-        base + 1, base + 8, base + 9 of a block of 32) and a share of the 16-byte head-dim chunks:
-        per half chunk it loads the four keys' 8 bytes (one round trip to shared memory feeds two
-        transposes), transposes each 4 x 4 bytes with byte permutes and stores one word per
-        head-dim row (a warp's stores of one row cover its 32 slot words: no bank conflict; its
-        loads of one key offset hit four 16-byte bank groups, base % 8 taking four values, and
-        both 8-byte halves of each, ``half`` taking two: 4-way).
-
-        Addresses are 8-byte words of ``raw_words`` and 4-byte words of ``ring_words``, from the
-        layouts' byte offsets with their swizzles applied by hand (``(o >> 3) & mask`` XORed into
-        bits 4..): a key row's swizzle bits come from its row alone (``base`` is even, so the four
-        keys' rows add without a carry), and a head-dim row's from its index mod 8, known per
-        store; what varies per chunk is one add and one XOR."""
-        cfg = self.cfg
-        d, n = cfg.head_dim, cfg.tile_n
-        words = n // 4
+        Each thread owns one slot word (4 keys) and a share of the 16-byte head-dim chunks
+        (``VRelayoutAddresses``, which also says where each access goes): per half chunk it loads
+        the four keys' 8 bytes (one round trip to shared memory feeds two transposes), transposes
+        each 4 x 4 bytes with byte permutes and stores one word per head-dim row (a warp's stores
+        of one row cover its 32 slot words: no bank conflict; its loads of one key offset hit four
+        16-byte bank groups, base % 8 taking four values, and both 8-byte halves of each: 4-way)."""
         threads = _TRANSPOSER_WARPS * 32
-        chunks = d // 16
-        w = tid % words
-        first_chunk, chunk_step = tid // words, threads // words  # chunks shared out unevenly
-        base = 32 * (w // 8) + 16 * (w % 8 // 4) + 2 * (w % 4)
-        raw_outer, ring_outer = raw_layout.outer, ring_layout.outer
-        raw_mask = ((1 << raw_layout.inner.num_bits) - 1) << 7  # the rows' bits a swizzle reads
-        ring_mask = ((1 << ring_layout.inner.num_bits) - 1) << 7
-        # byte offsets: the thread's first key row, and the other three keys' rows from it
-        key_row = cute.crd2idx((0, base, 0), raw_outer)
-        key_swizzle = (key_row & raw_mask) >> 3
-        key_rows = [cute.crd2idx((0, off, 0), raw_outer) for off in _KEY_OFFSETS]
-        # the half chunk a thread loads first: of the 8 threads of a warp whose key rows share a
-        # swizzle phase (w % 4), 4 start with each half, so a load spreads over twice the banks
-        half = (w // 4) % 2
-        half_rows = cute.crd2idx((8, 0, 0), ring_outer)  # 8 head-dim rows of the ring stage
+        at = VRelayoutAddresses.create(raw_layout, ring_layout, self.cfg.head_dim, self.cfg.tile_n, threads, tid)
         ring_index = Int32(0)
         while ring_index >= 0:
             handle = raw_consumer.wait_and_advance()
             ring_index = raw_meta[handle.index]
             if ring_index >= 0:
-                raw_stage = cute.crd2idx((0, 0, handle.index), raw_outer) + key_row
-                raw_half = (raw_stage >> 3) + half  # in 8-byte words: bit 0 picks the half
-                ring_stage = cute.crd2idx((0, 0, ring_index), ring_outer) + 4 * w
-                for k in cutlass.range((chunks - first_chunk + chunk_step - 1) // chunk_step, unroll=1):
-                    chunk = first_chunk + k * chunk_step
-                    # the chunk's bytes in the thread's key rows, swizzled
-                    d_row = cute.crd2idx((16 * chunk, 0, 0), raw_outer) ^ key_swizzle
-                    ring_rows = ring_stage + cute.crd2idx((16 * chunk, 0, 0), ring_outer)
+                raw_stage = at.raw_stage(handle.index)
+                ring_stage = at.ring_stage(ring_index)
+                for k in cutlass.range(at.num_chunks, unroll=1):
+                    chunk = at.chunk(k)
+                    chunk_in_key_row = at.chunk_in_key_row(chunk)
                     for h in cutlass.range_constexpr(2):
-                        # the four keys' half chunk (h ^ half): head-dim words 2 (h ^ half) + 0, 1
-                        pairs = [raw_words[(raw_half + ((key_rows[i] + (d_row ^ ((key_rows[i] & raw_mask) >> 3))) >> 3)) ^ h]
-                                 for i in range(4)]
-                        ring_half = ring_rows + (half ^ h) * half_rows  # its head-dim rows start 8 (h ^ half) down
+                        # the four keys' 8 bytes: head-dim words 2 (h ^ half) + 0, 1 of the chunk
+                        pairs = [raw_words[at.load(raw_stage, chunk_in_key_row, i, h)] for i in range(4)]
+                        ring_half = at.ring_half(ring_stage, chunk, h)
                         for c in cutlass.range_constexpr(2):
-                            a, b, e, f = (Int32(p if c == 0 else p >> 32) for p in pairs)
-                            ab_lo, ab_hi = cute.arch.prmt(a, b, 0x5140), cute.arch.prmt(a, b, 0x7362)
-                            ef_lo, ef_hi = cute.arch.prmt(e, f, 0x5140), cute.arch.prmt(e, f, 0x7362)
-                            rows = (cute.arch.prmt(ab_lo, ef_lo, 0x5410), cute.arch.prmt(ab_lo, ef_lo, 0x7632),
-                                    cute.arch.prmt(ab_hi, ef_hi, 0x5410), cute.arch.prmt(ab_hi, ef_hi, 0x7632))
+                            rows = transpose_4x4_bytes(cute.arch.prmt,
+                                                       *(Int32(p if c == 0 else p >> 32) for p in pairs))
                             for j in cutlass.range_constexpr(4):
-                                # head-dim row 16 chunk + 8 (h ^ half) + 4c + j; its swizzle is that of 4c + j
-                                row = cute.crd2idx((4 * c + j, 0, 0), ring_outer)
-                                ring_words[((ring_half ^ ((row & ring_mask) >> 3)) + row) >> 2] = rows[j]
+                                ring_words[at.store(ring_half, c, j)] = rows[j]
                 # the consumers' wgmma reads these bytes through the async proxy
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=NamedBarrier.V_TRANSPOSED, number_of_threads=threads)

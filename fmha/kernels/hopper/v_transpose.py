@@ -20,20 +20,13 @@ from fmha.jit.compile import compile_for
 
 from ..common.fp8_order import FP8_KEY_BLOCK as KEY_BLOCK
 from ..common.fp8_order import FP8_KEY_ORDER
+from .v_relayout import transpose_4x4_bytes
+
 _THREADS = 128
 
 # Slots 4w .. 4w + 3 of a block hold the keys base, base + 1, base + 8, base + 9 (base =
 # FP8_KEY_ORDER[4w]): each output word gathers one byte from each of four key words.
 _WORD_KEYS = tuple(tuple(FP8_KEY_ORDER[4 * w + i] for i in range(4)) for w in range(KEY_BLOCK // 4))
-
-
-def _transpose4x4(a, b, c, d):
-    """Four words of 4 bytes each (one per key) -> four words, word j holding byte j of a, b, c, d."""
-    prmt = cute.arch.prmt
-    ab_lo, ab_hi = prmt(a, b, 0x5140), prmt(a, b, 0x7362)  # a0 b0 a1 b1 | a2 b2 a3 b3
-    cd_lo, cd_hi = prmt(c, d, 0x5140), prmt(c, d, 0x7362)
-    return (prmt(ab_lo, cd_lo, 0x5410), prmt(ab_lo, cd_lo, 0x7632),
-            prmt(ab_hi, cd_hi, 0x5410), prmt(ab_hi, cd_hi, 0x7632))
 
 
 class StageVKernel:
@@ -81,7 +74,7 @@ class StageVKernel:
             rows = [cute.make_rmem_tensor(KEY_BLOCK // 4, Int32) for _ in range(4)]
             for w in cutlass.range_constexpr(KEY_BLOCK // 4):
                 ka, kb, kc, kd = _WORD_KEYS[w]
-                out = _transpose4x4(keys[ka], keys[kb], keys[kc], keys[kd])
+                out = transpose_4x4_bytes(cute.arch.prmt, keys[ka], keys[kb], keys[kc], keys[kd])
                 for j in cutlass.range_constexpr(4):
                     rows[j][w] = out[j]
             copy128 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Int32, num_bits_per_copy=128)
