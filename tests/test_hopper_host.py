@@ -50,9 +50,9 @@ def test_tiles_fit_shared_memory_and_the_fp8_key_blocks(dtype, d):
 
 
 def test_o_gets_its_own_buffer_only_beside_a_full_kv_ring():
-    """Where the K/V ring has reached its cap (head dim <= 64), and with fp8 inputs, O is staged in a
-    buffer of its own; elsewhere in the Q buffer, so that the ring keeps its depth. Varlen and
-    fp8 outputs store O directly."""
+    """Where the K/V ring has reached its cap (head dim <= 64), and with fp8 inputs, O is staged
+    in a buffer of its own; elsewhere in the Q buffer, so that the ring keeps its depth. Varlen
+    and fp8 outputs store O directly."""
     def cfg(d, dtype=torch.bfloat16, out=None, varlen=False, persistent=True, seqlen=1024, mask="causal"):
         return library_config(dtype, d, mask, persistent, varlen, out_dtype=out, seqlen_k=seqlen)
     for d in (32, 64):
