@@ -47,8 +47,16 @@ def profile_point(fn, torch, steps: int = 20) -> str:
     lines = [f"wall {wall_us:.0f} us/step, kernels {total:.0f} us/step ({total / wall_us:.0%} of the wall)",
              "| kernel | launches/step | us/step |", "|---|---|---|"]
     for name, (n, t) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1]):
-        lines.append(f"| {name[:110]} | {n / steps:g} | {t / steps:.1f} |")
+        lines.append(f"| {short_kernel_name(name)} | {n / steps:g} | {t / steps:.1f} |")
     return "\n".join(lines)
+
+
+def short_kernel_name(name: str, width: int = 70) -> str:
+    """A CuTe DSL kernel's module path and class (``kernel_cutlass_kernel_fmhakernelshopperfwd
+    HopperAttentionForward_object_at__TiledMMA...`` -> ``fmhakernelshopperfwdHopperAttentionForward``),
+    so that a table row stays short enough to read whole; other names cut at ``width``."""
+    name = name.removeprefix("kernel_cutlass_kernel_")
+    return name.split("_object_at_")[0][:width]
 
 
 def host_profile(fn, torch, steps: int, top: int = 25) -> str:

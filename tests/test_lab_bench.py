@@ -97,3 +97,13 @@ def test_profile_phases_cut_a_loop_at_its_synchronizations(tmp_path):
     table = phases(str(csv_path), 0, 5).splitlines()[2:]
     assert table == ["| 0-1 | 6 | HGMMA x1, UIADD3 x1 |", "| 2 | 40 | `WARPGROUP.DEPBAR.LE gsb0, 0x0` |",
                      "| 3-4 | 10 | MUFU x2 |", "| 5 | 9 | `FENCE.VIEW.ASYNC.S` |"]
+
+
+def test_profile_step_names_kernels_by_module_and_class():
+    from lab.profile_step import short_kernel_name
+
+    dsl = ("kernel_cutlass_kernel_fmhakernelshopperfwdHopperAttentionForward_object_at__TiledMMA_ThrLayoutVMNK"
+           "128211112800_tensorptrf8")
+    assert short_kernel_name(dsl) == "fmhakernelshopperfwdHopperAttentionForward"
+    torch_kernel = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, " + "x" * 80
+    assert short_kernel_name(torch_kernel) == torch_kernel[:70]
