@@ -41,9 +41,10 @@ def test_tiles_fit_shared_memory_and_the_fp8_key_blocks(dtype, d):
     for tm, tn in hc.allowed_tiles(dtype, d):
         for schedule in Schedule:
             q_stages = hc.q_stages_for(schedule, d, 1024)
-            stages = hc.kv_stages_for(dtype, torch.bfloat16, d, tm, tn, q_stages)
+            o_buffer = hc.o_buffer_reserved(dtype, torch.bfloat16, False, tm, d)  # kept beside an fp8 ring
+            assert o_buffer == (tm * d * 2 if dtype == FP8 else 0)
+            stages = hc.kv_stages_for(dtype, d, tm, tn, q_stages, o_buffer)
             assert stages >= 4  # two K/V tile pairs at least: loads run a pair ahead
-            o_buffer = tm * d * 2 if dtype == FP8 else 0  # kept beside an fp8 ring
             assert (q_stages * tm + stages * tn) * d * elem + o_buffer <= 227 * 1024 - 2048
         if dtype == FP8:
             assert tn % len(FP8_KEY_ORDER) == 0  # P.V consumes keys in blocks of 32
@@ -68,6 +69,8 @@ def test_o_gets_its_own_buffer_only_beside_a_full_kv_ring():
     assert cfg(128, out=torch.float16).o_store == OStore.DIRECT  # the Q buffer holds bf16
     assert cfg(64, varlen=True).o_store == OStore.DIRECT and cfg(64, FP8, out=FP8).o_store == OStore.DIRECT
     assert cfg(64, out=torch.float16).o_store == OStore.TMA_OWN_BUFFER
+    for c in (cfg(256, FP8, varlen=True), cfg(256, FP8, out=FP8)):  # stored directly: no buffer kept
+        assert c.o_store == OStore.DIRECT and c.kv_stages == 6
 
 
 def test_fp8_output_only_from_fp8_inputs_and_tiles_are_checked():

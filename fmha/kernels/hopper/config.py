@@ -66,20 +66,19 @@ def allowed_tiles(dtype: torch.dtype, head_dim: int) -> tuple:
     return ((128, 128), (128, 64)) if dtype == torch.float8_e4m3fn else ((128, 80),)
 
 
-def o_buffer_reserved(dtype: torch.dtype, out_dtype: torch.dtype, tile_m: int, head_dim: int) -> int:
+def o_buffer_reserved(dtype: torch.dtype, out_dtype: torch.dtype, varlen: bool, tile_m: int, head_dim: int) -> int:
     """Shared memory kept for O's staging buffer before the K/V ring takes the rest: fp8 inputs
-    with a 16-bit O (an fp8 ring stays deep enough beside it)."""
-    if dtype == torch.float8_e4m3fn and element_bytes(out_dtype) == 2:
+    with a 16-bit O that TMA can store (an fp8 ring stays deep enough beside it)."""
+    if dtype == torch.float8_e4m3fn and element_bytes(out_dtype) == 2 and not varlen:
         return tile_m * head_dim * 2
     return 0
 
 
-def kv_stages_for(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, tile_m: int, tile_n: int,
-                  q_stages: int, reserved_bytes: int = 0) -> int:
-    """K/V ring depth: as many stages as shared memory holds beside the Q tile(s), O's buffer
-    where kept (``o_buffer_reserved``) and ``reserved_bytes`` of other buffers, at most 8."""
+def kv_stages_for(dtype: torch.dtype, head_dim: int, tile_m: int, tile_n: int, q_stages: int,
+                  reserved_bytes: int = 0) -> int:
+    """K/V ring depth: as many stages as shared memory holds beside the Q tile(s) and
+    ``reserved_bytes`` of other buffers (O's, ``o_buffer_reserved``), at most 8."""
     elem = element_bytes(dtype)
-    reserved_bytes += o_buffer_reserved(dtype, out_dtype, tile_m, head_dim)
     stages = (SMEM_BYTES - reserved_bytes - q_stages * tile_m * head_dim * elem) // (tile_n * head_dim * elem)
     return int(max(2, min(MAX_KV_STAGES, stages)))
 
@@ -119,7 +118,8 @@ def o_store_for(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, varle
     than 2k keys keep the direct store, which measured faster there."""
     if varlen or element_bytes(out_dtype) != 2 or (head_dim <= 64 and unmasked and seqlen_k > 2048):
         return OStore.DIRECT
-    used = (q_stages * tile_m + kv_stages_for(dtype, out_dtype, head_dim, tile_m, tile_n, q_stages) * tile_n) \
+    reserved = o_buffer_reserved(dtype, out_dtype, varlen, tile_m, head_dim)
+    used = (q_stages * tile_m + kv_stages_for(dtype, head_dim, tile_m, tile_n, q_stages, reserved) * tile_n) \
         * head_dim * element_bytes(dtype)
     if used + tile_m * head_dim * 2 <= SMEM_BYTES:
         return OStore.TMA_OWN_BUFFER  # beside a full K/V ring (D <= 64), or kept for it (fp8 inputs)
@@ -225,11 +225,10 @@ class HopperForwardConfig:
 
     @property
     def kv_stages(self) -> int:
-        reserved = 0
+        reserved = o_buffer_reserved(self.dtype, self.out_dtype, self.varlen, self.tile_m, self.head_dim)
         if self.v_transposed_in_kernel:  # the raw V tiles' ring
-            reserved = V_RAW_STAGES * self.tile_n * self.head_dim * element_bytes(self.dtype)
-        return kv_stages_for(self.dtype, self.out_dtype, self.head_dim, self.tile_m, self.tile_n, self.q_stages,
-                             reserved)
+            reserved += V_RAW_STAGES * self.tile_n * self.head_dim * element_bytes(self.dtype)
+        return kv_stages_for(self.dtype, self.head_dim, self.tile_m, self.tile_n, self.q_stages, reserved)
 
     @property
     def num_consumer_warpgroups(self) -> int:

@@ -67,6 +67,7 @@ class VRelayoutAddresses:
     def create(raw_layout, ring_layout, head_dim: int, tile_n: int, threads: int, tid) -> "VRelayoutAddresses":
         words = tile_n // 4
         chunks = head_dim // 16
+        assert threads % words == 0, "each chunk's slot words are shared out among whole groups of threads"
         raw_outer, ring_outer = raw_layout.outer, ring_layout.outer
         raw_mask = ((1 << raw_layout.inner.num_bits) - 1) << 7
         w = tid % words
