@@ -38,6 +38,10 @@ VARIANTS = {
     # instead of by the staging pass before it (HopperForwardConfig.v_transposed_in_kernel); not
     # at D=256, whose 128-key tile leaves no shared memory for the raw ring, nor at D=32
     "fmha_fp8_v_in_kernel": dict(v_transposed_in_kernel=True, fp8_only=True, head_dims=(64, 128)),
+    # the same, every thread loading the same 8-byte half of a chunk first (the version before the
+    # halves were swapped: 8-way bank conflicts on the loads instead of 4-way)
+    "fmha_fp8_v_in_kernel_same_half": dict(v_transposed_in_kernel=True, v_transpose_halves_swapped=False,
+                                           fp8_only=True, head_dims=(64, 128)),
 }
 
 

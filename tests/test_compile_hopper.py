@@ -445,8 +445,9 @@ def _prmt(a, b, selector):
     return sum(((pool >> 8 * ((selector >> 4 * k) & 7)) & 0xFF) << 8 * k for k in range(4))
 
 
-@pytest.mark.parametrize("head_dim,tile_n", [(64, 128), (128, 128), (256, 128), (128, 64), (64, 64)])
-def test_in_kernel_v_transpose_addresses_match_the_swizzled_layouts(head_dim, tile_n):
+@pytest.mark.parametrize("head_dim,tile_n,halves_swapped", [(64, 128, True), (128, 128, True), (256, 128, True),
+                                                            (128, 64, True), (64, 64, True), (128, 128, False)])
+def test_in_kernel_v_transpose_addresses_match_the_swizzled_layouts(head_dim, tile_n, halves_swapped):
     """The in-kernel fp8 V transpose (lab variant ``fmha_fp8_v_in_kernel``) computes its shared
     memory addresses with the swizzles applied by hand (``VRelayoutAddresses``): against the
     layouts' own offsets (``cute.crd2idx`` of the swizzled layouts the kernel builds), in a raw and
@@ -471,7 +472,7 @@ def test_in_kernel_v_transpose_addresses_match_the_swizzled_layouts(head_dim, ti
     def check(raw, ring):  # plain Python: the DSL rewrites the loops of the jit function only
         read, written = collections.Counter(), collections.Counter()
         for tid in range(threads):
-            at = VRelayoutAddresses.create(raw, ring, head_dim, tile_n, threads, tid)
+            at = VRelayoutAddresses.create(raw, ring, head_dim, tile_n, threads, tid, halves_swapped)
             keys = [32 * ((4 * at.w + i) // 32) + FP8_KEY_ORDER[(4 * at.w + i) % 32] for i in range(4)]
             raw_stage, ring_stage = at.raw_stage(raw_index), at.ring_stage(ring_index)
             for k in range(at.num_chunks):

@@ -264,6 +264,13 @@ class HopperForwardConfig:
         return False
 
     @property
+    def v_transpose_halves_swapped(self) -> bool:
+        """``v_transposed_in_kernel``: half the threads of each swizzle phase load the other 8-byte
+        half of a chunk first (a warp's loads hit twice the banks); lab variant
+        ``fmha_fp8_v_in_kernel_same_half`` loads the same half first in every thread."""
+        return True
+
+    @property
     def v_staged(self) -> bool:
         """fp8: the P.V product needs V key-major; V goes through ``stage_v_fp8`` first."""
         return self.dtype == torch.float8_e4m3fn and not self.v_transposed_in_kernel

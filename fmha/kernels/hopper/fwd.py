@@ -490,7 +490,8 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         of one row cover its 32 slot words: no bank conflict; its loads of one key offset hit four
         16-byte bank groups, base % 8 taking four values, and both 8-byte halves of each: 4-way)."""
         threads = _TRANSPOSER_WARPS * 32
-        at = VRelayoutAddresses.create(raw_layout, ring_layout, self.cfg.head_dim, self.cfg.tile_n, threads, tid)
+        at = VRelayoutAddresses.create(raw_layout, ring_layout, self.cfg.head_dim, self.cfg.tile_n, threads, tid,
+                                       self.cfg.v_transpose_halves_swapped)
         ring_index = Int32(0)
         while ring_index >= 0:
             handle = raw_consumer.wait_and_advance()

@@ -47,7 +47,8 @@ class VRelayoutAddresses:
     head-dim chunk from ``first_chunk`` (``num_chunks`` of them: shared out unevenly). Per chunk
     it loads two halves (8 bytes of each of its four keys) and stores 16 words, one per head-dim
     row. Of the 8 threads of a warp whose key rows share a swizzle phase (w % 4), 4 load each half
-    first (``half``), so a warp's loads of one key offset spread over twice the banks."""
+    first (``half``; with ``halves_swapped``), so a warp's loads of one key offset spread over
+    twice the banks."""
 
     raw_outer: Any
     ring_outer: Any
@@ -64,7 +65,8 @@ class VRelayoutAddresses:
     half_rows: int  # 8 head-dim rows of a ring stage
 
     @staticmethod
-    def create(raw_layout, ring_layout, head_dim: int, tile_n: int, threads: int, tid) -> "VRelayoutAddresses":
+    def create(raw_layout, ring_layout, head_dim: int, tile_n: int, threads: int, tid,
+               halves_swapped: bool = True) -> "VRelayoutAddresses":
         words = tile_n // 4
         chunks = head_dim // 16
         assert threads % words == 0, "each chunk's slot words are shared out among whole groups of threads"
@@ -77,7 +79,7 @@ class VRelayoutAddresses:
         return VRelayoutAddresses(
             raw_outer, ring_outer, raw_mask, ((1 << ring_layout.inner.num_bits) - 1) << 7, w, first_chunk,
             chunk_step, (chunks - first_chunk + chunk_step - 1) // chunk_step, key_row, (key_row & raw_mask) >> 3,
-            tuple(_crd2idx((0, off, 0), raw_outer) for off in KEY_OFFSETS), (w // 4) % 2,
+            tuple(_crd2idx((0, off, 0), raw_outer) for off in KEY_OFFSETS), (w // 4) % 2 if halves_swapped else 0,
             _crd2idx((8, 0, 0), ring_outer))
 
     def chunk(self, k):
