@@ -83,17 +83,27 @@ def forward_variant_overrides(name: str) -> tuple:
     return spec, where
 
 
+def _why_not_timed(fp8: bool, head_dim: int, masked: bool, where: dict):
+    """Why a forward variant with ``where`` (fp8_only, head_dims, causal_only) is not timed on a
+    problem with these inputs, or None where it is."""
+    fp8_only, head_dims = where.get("fp8_only", False), where.get("head_dims", ())
+    if fp8_only != fp8:
+        return f"this variant is timed on {'fp8' if fp8_only else 'bf16'} points"
+    if head_dims and head_dim not in head_dims:
+        return f"this variant is timed at head dims {head_dims}"
+    if where.get("causal_only") and not masked:
+        return "this variant changes the schedule of causal-like masks only"
+    return None
+
+
 def forward_variant_applies(cfg: HopperForwardConfig, where: dict) -> bool:
     """Whether a forward variant is timed (and checked) on ``cfg``'s problems."""
     import torch
 
     from fmha.masking import MaskKind
 
-    if where.get("fp8_only", False) != (cfg.dtype == torch.float8_e4m3fn):
-        return False
-    if where.get("head_dims") and cfg.head_dim not in where["head_dims"]:
-        return False
-    return not (where.get("causal_only") and cfg.mask_kind == MaskKind.NONE)
+    return _why_not_timed(cfg.dtype == torch.float8_e4m3fn, cfg.head_dim, cfg.mask_kind != MaskKind.NONE,
+                          where) is None
 
 
 for _name in VARIANTS:  # every variant's class exists on import (unpickling looks it up)
@@ -114,13 +124,12 @@ def kernel_variant(mask_kwargs: Callable, fp8_only: bool = False, head_dims: tup
     runners = {}  # config -> runner
     prepared = {}  # point -> (problem, runner): validated and configured once, not per timed call
 
+    where = dict(fp8_only=fp8_only, head_dims=head_dims, causal_only=causal_only)
+
     def fn(q, k, v, p, cu):
-        if (p.dtype == "bfloat16") == fp8_only:
-            raise NotImplementedError(f"this variant is timed on {'fp8' if fp8_only else 'bf16'} points")
-        if head_dims and p.head_dim not in head_dims:
-            raise NotImplementedError(f"this variant is timed at head dims {head_dims}")
-        if causal_only and not p.causal:
-            raise NotImplementedError("this variant changes the schedule of causal-like masks only")
+        why = _why_not_timed(p.dtype != "bfloat16", p.head_dim, p.causal, where)
+        if why:
+            raise NotImplementedError(why)
         if p not in prepared:  # a varlen check reads cu_seqlens on the host
             kw = dict(varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(p.varlen),
                       max_seqlen_k=max(p.varlen)) if p.varlen else {}
