@@ -449,7 +449,7 @@ def write_reports(results: list, out_dir: str, meta: dict) -> int:
 
 
 def build_backward_suite() -> list:
-    """Backward cases: both 16-bit dtypes x head dims 32/64/128 x every mask kind and alignment,
+    """Backward cases: both 16-bit dtypes x head dims 32/64/128/256 x every mask kind and alignment,
     rotated over odd shapes (S_q != S_k both ways, ragged tiles, GQA 1/2/4, a BHSD view)."""
     shapes = [(2, 129, 200, 4, 1), (1, 300, 300, 2, 2), (3, 17, 17, 8, 2), (1, 1000, 777, 4, 2), (2, 200, 129, 4, 4),
               (1, 1, 1, 2, 1)]
@@ -488,6 +488,23 @@ def build_backward_suite() -> list:
                    deterministic=True),
               Case("bfloat16", 128, "causal", "top_left", (None, 0), seqlen_q=8192, seqlen_k=8192, heads_q=16,
                    heads_k=16, deterministic=True)]
+    # D=256 (``split_head_dim``: 64-key tiles, one Q/dO stage, P^T and dS^T through shared memory):
+    # every mask and alignment over the odd shapes, GQA, varlen with empty and length-1
+    # sequences, the scales, deterministic
+    for i, ((m, al, w), dt) in enumerate(itertools.product(masks, ["bfloat16", "float16"])):
+        b, sq, sk, hq, hk = shapes[i % len(shapes)]
+        cases.append(Case(dt, 256, m, al, w, batch=b, seqlen_q=sq, seqlen_k=sk, heads_q=hq, heads_k=hk,
+                          layout="bhsd" if i % 5 == 0 else "bshd",
+                          scales=(1.5, 0.5, 2.0, 0.75) if i % 4 == 1 else None))
+    cases += [Case("bfloat16", 256, "compressed", batch=2, seqlen_q=300, seqlen_k=150, heads_q=4, heads_k=1),
+              Case("float16", 256, "causal", "bottom_right", (None, 0), varlen_q=varlens[1][0],
+                   varlen_k=varlens[1][1], heads_q=4, heads_k=2),
+              Case("bfloat16", 256, "none", varlen_q=varlens[0][0], varlen_k=varlens[0][1], heads_q=2, heads_k=1),
+              Case("bfloat16", 256, "window", "top_left", (100, 37), varlen_q=varlens[2][0], varlen_k=varlens[2][1],
+                   heads_q=4, heads_k=4),
+              Case("bfloat16", 256, "causal", "top_left", (None, 0), batch=2, seqlen_q=1000, seqlen_k=777, heads_q=4,
+                   heads_k=2, deterministic=True),
+              Case("float16", 256, "none", batch=1, seqlen_q=2049, seqlen_k=3000, heads_q=8, heads_k=8)]
     # D=128 without a mask from LONG_ROWS query rows: 80-row tiles, dQ transposed (ragged last tiles)
     cases += [Case("bfloat16", 128, "none", seqlen_q=4099, seqlen_k=4300, heads_q=2, heads_k=1),
               Case("float16", 128, "none", varlen_q=(4097, 0, 1, 300), varlen_k=(4200, 5, 1, 77), heads_q=4,

@@ -4,6 +4,7 @@ LSE), ``gradcheck`` in fp64, the differentiable public API against the error of 
 computation done the usual way, the functional ``attention_backward``, its argument checks, and
 a small model trained under ``torch.compile(fullgraph=True)`` against SDPA."""
 
+import dataclasses
 import itertools
 import math
 
@@ -215,7 +216,11 @@ def test_the_hopper_backward_refuses_what_it_does_not_serve():
     assert why_unsupported_backward(problem, KernelOptions(deterministic=True)) == []
     assert HopperBackwardConfig.from_problem(problem, KernelOptions(deterministic=True)).deterministic
     q256 = torch.zeros(1, 8, 2, 256, dtype=torch.bfloat16)
-    assert "head dims" in why_unsupported_backward(validate(q256, q256, q256), KernelOptions())[0]
+    d256 = validate(q256, q256, q256)
+    assert why_unsupported_backward(d256, KernelOptions()) == []  # with the head dim split (its own test)
+    assert HopperBackwardConfig.from_problem(d256).split_head_dim
+    assert "head dims" in why_unsupported_backward(dataclasses.replace(problem, head_dim=96, head_dim_v=96),
+                                                   KernelOptions())[0]
     cu = torch.tensor([0, 8], dtype=torch.int32)
     varlen = validate(q256[0, :, :, :64].contiguous(), q256[0, :, :, :64].contiguous(),
                       q256[0, :, :, :64].contiguous(), varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu)

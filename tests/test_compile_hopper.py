@@ -158,7 +158,7 @@ def test_p_operand_is_packed_before_the_wgmma_fence(dtype, head_dim, tmp_path):
 
 _BWD_MASKS = ["none", "causal", "causal_bottom_right", "window", "left_window", "compressed_causal"]
 _BWD = [(dt, d, _BWD_MASKS[(i + j) % len(_BWD_MASKS)]) for i, (dt, d) in
-        enumerate(itertools.product((torch.float16, torch.bfloat16), (32, 64, 128))) for j in range(2)]
+        enumerate(itertools.product((torch.float16, torch.bfloat16), (32, 64, 128, 256))) for j in range(2)]
 
 
 @pytest.mark.parametrize("dtype,head_dim,mask", _BWD, ids=lambda x: str(x).replace("torch.", ""))
@@ -175,7 +175,11 @@ def test_backward_compiles_with_wgmma_tma_and_a_dq_reduce_add(dtype, head_dim, m
     compile_backward(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = next(tmp_path.glob("*.ptx")).read_text()
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx)
-    assert f"m64n{cfg.tile_m}k16" in wgmma and f"m64n{head_dim}k16" in wgmma
+    if head_dim == 256:  # S^T and dP^T split by query columns, dK and dV by head dim
+        assert cfg.split_head_dim and (cfg.tile_m, cfg.tile_n) == (64, 64)
+        assert f"m64n{cfg.tile_m // 2}k16" in wgmma and f"m64n{head_dim // 2}k16" in wgmma
+    else:
+        assert f"m64n{cfg.tile_m}k16" in wgmma and f"m64n{head_dim}k16" in wgmma
     # dQ: each warpgroup's 64 query rows over the whole head dim (128-row tiles), else all rows
     # over half of it
     assert f"m64n{cfg.dq_cols_per_warpgroup}k16" in wgmma

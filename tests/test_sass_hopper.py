@@ -256,6 +256,27 @@ def test_backward_stores_ds_before_the_dv_product(head_dim, causal, tmp_root):
     assert stsm and dkv and max(stsm) < min(dkv)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_d256_splits_the_head_dim_and_keeps_its_registers(causal, tmp_root):
+    """D=256 (``split_head_dim``): per 64-row query tile each warpgroup issues S^T and dP^T over its
+    32 query columns (16 64x32 MMAs each, over the head dim), then dV, dK and dQ over its half of
+    the head dim (4 64x128 MMAs each, over 64 queries or keys) from P^T and dS^T in shared memory
+    (two stmatrix groups); dK and dV (64 + 64 values) stay in registers beside dQ's 64, none in
+    local memory; 16 exponentials per thread and tile."""
+    ins, labels = _backward_sass(256, causal, tmp_root)
+    assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
+    first, last = min(_innermost_wgmma_loops(ins, labels), key=lambda loop: loop[1] - loop[0])
+    loop = ins[first:last + 1]
+    assert sum("HGMMA.64x32x16" in t for t in loop) == 2 * 16
+    assert sum("HGMMA.64x128x16" in t for t in loop) == 3 * 4
+    assert sum("MUFU.EX2" in t for t in loop) == 16
+    # P^T is stored before the wait for dP^T, dS^T before the barrier that dV's product waits on
+    stsm = [i for i, t in enumerate(loop) if t.startswith("STSM")]
+    dkv = [i for i, t in enumerate(loop) if "HGMMA.64x128x16" in t]
+    assert len(stsm) >= 2 and max(stsm) < min(dkv)
+    assert sum("UBLKRED" in t for t in ins) == 2 and sum("STS.128" in t for t in ins) == 16
+
+
 @pytest.mark.parametrize("name", ["fmha_fp8_d256_n64", "fmha_fp8_d256_n96"])
 def test_fp8_key_tile_variants_fit_and_keep_their_registers(name, tmp_root):
     """The lab variants with other fp8 key tiles at D=256 (``lab/variants.py``) fit shared memory

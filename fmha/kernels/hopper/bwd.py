@@ -125,22 +125,34 @@ class HopperAttentionBackward(DeviceWorkTileList):
         q, k, v, do = (bshd_to_sdhb(t, varlen) for t in (mQ, mK, mV, mdO))
         lse2, delta = (rows_first(t) for t in (mLSE2, mDelta))
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        # S^T = K Q^T and dP^T = V dO^T: M = keys (64 per warpgroup), N = queries, K = head dim
-        mma_sdp = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (2, 1, 1),
-                                                   (64, tile_m))
-        # dV += P^T dO, dK += dS^T Q: A from registers, M = keys, N = head dim, K = queries
-        mma_dkv = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (2, 1, 1),
-                                                   (64, d), warpgroup.OperandSource.RMEM)
+        if const_expr(cfg.split_head_dim):
+            # S^T = K Q^T and dP^T = V dO^T: M = all 64 keys, N = the warpgroup's half of the queries
+            mma_sdp = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32,
+                                                       (1, 2, 1), (64, tile_m // 2))
+            # dV += P^T dO, dK += dS^T Q: A (P^T, dS^T) from shared memory, M = keys, N = the
+            # warpgroup's half of the head dim, K = queries
+            mma_dkv = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32,
+                                                       (1, 2, 1), (64, d // 2))
+        else:
+            # S^T = K Q^T and dP^T = V dO^T: M = keys (64 per warpgroup), N = queries, K = head dim
+            mma_sdp = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32,
+                                                       (2, 1, 1), (64, tile_m))
+            # dV += P^T dO, dK += dS^T Q: A from registers, M = keys, N = head dim, K = queries
+            mma_dkv = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32,
+                                                       (2, 1, 1), (64, d), warpgroup.OperandSource.RMEM)
         # dQ = dS K, one warpgroup per half of the head dim (or of the query rows,
         # ``dq_split_rows``): M = queries, N = head dim, K = keys. ``dq_transposed``: dQ^T = K^T dS^T,
         # M = the warpgroup's half of the head dim, N = queries
         dq_m, dq_n = cfg.dq_rows_per_warpgroup, cfg.dq_cols_per_warpgroup
         mma_dq = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, 1, 1),
                                                   (64, dq_m if cfg.dq_transposed else dq_n))
-        sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), self.dtype, 2)
+        sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), self.dtype,
+                                                  cfg.q_stages)
         sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), self.dtype, 1)
         # dS^T double-buffered with the Q/dO stages: a warpgroup may write the next tile's while
-        # the other still reads this one's
+        # the other still reads this one's. ``split_head_dim`` (one Q/dO stage): buffer 0 holds
+        # dS^T, buffer 1 P^T; neither is written again before both warpgroups have released the
+        # stage, since the next tile's Q is loaded only then
         sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, d, tile_m), self.dtype, 2)
         # each warpgroup's block of the dQ tile, added by its own bulk reduce: (4 floats, thread,
         # chunk) per warpgroup, the fragments' order (dq_layout.py)
@@ -264,7 +276,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, 8)
         qdo_producer, qdo_consumer = pipeline.PipelineTmaAsync.create(
-            num_stages=2, producer_group=one_thread, consumer_group=consumer_warps, tx_count=self.qdo_bytes,
+            num_stages=self.cfg.q_stages, producer_group=one_thread, consumer_group=consumer_warps,
+            tx_count=self.qdo_bytes,
             barrier_storage=storage.qdo_mbar.data_ptr(), defer_sync=True).make_participants()
         kv_producer, kv_consumer = pipeline.PipelineTmaAsync.create(
             num_stages=1, producer_group=one_thread, consumer_group=consumer_warps, tx_count=self.kv_bytes,
@@ -483,6 +496,10 @@ class HopperAttentionBackward(DeviceWorkTileList):
         tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         tVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sdO)))
         tKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sQ)))
+        tKrdS = tVrP = None
+        if const_expr(cfg.split_head_dim):  # dK's and dV's A operands: dS^T and P^T of both warpgroups
+            tKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_A(sdS))[None, None, None, 0]
+            tVrP = wg_dkv.make_fragment_A(wg_dkv.partition_A(sdS))[None, None, None, 1]
         if const_expr(cfg.dq_transposed):
             # this warpgroup's half of the head dim of K^T (dQ^T's A operand: d x keys), all of dS^T
             # (its B operand: rows x keys)
@@ -566,6 +583,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
                                 s[r, j] = Float32(0.0)
                 p16 = cute.make_rmem_tensor(s_shape, self.dtype)
                 store_as_16bit_pairs(p16, acc_s)
+                if const_expr(cfg.split_head_dim):  # the other warpgroup's dV product reads it too
+                    cute.copy(st_atom, thr_st.retile(p16), tdSsdS[None, None, None, 1])
                 warpgroup.wait_group(0)
                 dp = as_rows_cols(acc_dp)
                 for j in cutlass.range_constexpr(num_cols):
@@ -579,13 +598,17 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 store_as_16bit_pairs(ds16, acc_dp)
                 # dS^T of both warpgroups (all the tile's keys) for the dQ product; the buffer
                 # alternates with the stage, so the other warpgroup may still read the last one
-                if const_expr(cfg.ds_stored_before_dv):
+                ds_first = cfg.ds_stored_before_dv or cfg.split_head_dim
+                if const_expr(ds_first):
                     cute.copy(st_atom, thr_st.retile(ds16), tdSsdS[None, None, None, stage])
-                issue_gemm(mma_dkv, acc_dv, as_operand_a(p16), tVrdO[None, None, None, stage], False)
-                if const_expr(not cfg.ds_stored_before_dv):
+                if const_expr(not cfg.split_head_dim):
+                    issue_gemm(mma_dkv, acc_dv, as_operand_a(p16), tVrdO[None, None, None, stage], False)
+                if const_expr(not ds_first):
                     cute.copy(st_atom, thr_st.retile(ds16), tdSsdS[None, None, None, stage])
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=NamedBarrierBwd.DS_READY, number_of_threads=2 * _WG)
+                if const_expr(cfg.split_head_dim):
+                    issue_gemm(mma_dkv, acc_dv, tVrP, tVrdO[None, None, None, stage], False)
                 if const_expr(cfg.dq_transposed):
                     acc_dq = cute.make_rmem_tensor(
                         thr_dq.partition_shape_C((cfg.dq_cols_per_warpgroup, cfg.dq_rows_per_warpgroup)), Float32)
@@ -594,7 +617,10 @@ class HopperAttentionBackward(DeviceWorkTileList):
                     acc_dq = cute.make_rmem_tensor(
                         thr_dq.partition_shape_C((cfg.dq_rows_per_warpgroup, cfg.dq_cols_per_warpgroup)), Float32)
                     issue_gemm(mma_dq, acc_dq, tQrdS[None, None, None, stage], tQrK, True)
-                issue_gemm(mma_dkv, acc_dk, as_operand_a(ds16), tKrQ[None, None, None, stage], False)
+                if const_expr(cfg.split_head_dim):
+                    issue_gemm(mma_dkv, acc_dk, tKrdS, tKrQ[None, None, None, stage], False)
+                else:
+                    issue_gemm(mma_dkv, acc_dk, as_operand_a(ds16), tKrQ[None, None, None, stage], False)
                 warpgroup.wait_group(1)  # dV and dQ are done; dK still runs
                 # stage this warpgroup's half of dQ once the writer's last add has read it
                 cute.arch.barrier(barrier_id=NamedBarrierBwd.DQ_EMPTY + wg, number_of_threads=_WG + 32)

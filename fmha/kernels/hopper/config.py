@@ -364,9 +364,8 @@ def why_unsupported(problem: AttentionProblem, options: KernelOptions) -> list:
 #: without a mask (``HopperBackwardConfig.tile_m``)
 LONG_ROWS = 4096
 
-#: head dims of the backward kernel: at D=256 dK and dV of 64 keys per warpgroup would take all
-#: of a thread's registers
-BACKWARD_HEAD_DIMS = (32, 64, 128)
+#: head dims of the backward kernel (D=256 with its own split of the work: ``split_head_dim``)
+BACKWARD_HEAD_DIMS = (32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -391,8 +390,25 @@ class HopperBackwardConfig:
     #: tile: D=128 without a mask)
     long_rows: bool = False
 
-    #: keys per CTA: 64 per consumer warpgroup
-    tile_n = 128
+    @property
+    def tile_n(self) -> int:
+        """Keys per CTA: 64 per consumer warpgroup; at D=256 64 shared by both
+        (``split_head_dim``)."""
+        return 64 if self.split_head_dim else 128
+
+    @property
+    def split_head_dim(self) -> bool:
+        """D=256 (FA4's shape there): dK and dV of 64 keys per warpgroup would take 256
+        registers per thread, so both warpgroups hold all 64 keys of the CTA, each over its half of
+        the head dim (128 registers for both). S^T and dP^T are split by query columns instead,
+        and P^T and dS^T go through shared memory, where both warpgroups' products read them."""
+        return self.head_dim == 256
+
+    @property
+    def q_stages(self) -> int:
+        """Stages of the Q/dO ring: two, but one at D=256 (two stages of 64 x 256 Q and dO would
+        leave no room for dQ's staging)."""
+        return 1 if self.split_head_dim else 2
 
     @property
     def tile_m(self) -> int:
