@@ -77,6 +77,8 @@ from .wgmma import issue_gemm
 _ROW_ALIGN = 4
 #: query columns of a thread's S^T fragment whose LSE it holds in registers for a tile (D=128's 64-row tile)
 _HELD_COLUMNS = 16
+#: ``split_head_dim``: the dS^T/P^T buffer that holds P^T
+_P_BUFFER = 2
 
 
 def _transposed(t: cute.Tensor) -> cute.Tensor:
@@ -150,10 +152,12 @@ class HopperAttentionBackward(DeviceWorkTileList):
                                                   cfg.q_stages)
         sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), self.dtype, 1)
         # dS^T double-buffered with the Q/dO stages: a warpgroup may write the next tile's while
-        # the other still reads this one's. ``split_head_dim`` (one Q/dO stage): buffer 0 holds
-        # dS^T, buffer 1 P^T; neither is written again before both warpgroups have released the
-        # stage, since the next tile's Q is loaded only then
-        sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, d, tile_m), self.dtype, 2)
+        # the other still reads this one's. ``split_head_dim`` (one Q/dO stage): buffers 0 and 1
+        # hold dS^T by tile parity (the other warpgroup's dQ product may still read the last
+        # tile's), buffer 2 P^T (written again only after the next Q load, which waits for both
+        # warpgroups' dV products)
+        sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, d, tile_m), self.dtype,
+                                                   3 if cfg.split_head_dim else 2)
         # each warpgroup's block of the dQ tile, added by its own bulk reduce: (4 floats, thread,
         # chunk) per warpgroup, the fragments' order (dq_layout.py)
         chunks = (dq_m if cfg.dq_transposed else dq_n) // 8  # the MMA's N / 8
@@ -498,8 +502,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
         tKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sQ)))
         tKrdS = tVrP = None
         if const_expr(cfg.split_head_dim):  # dK's and dV's A operands: dS^T and P^T of both warpgroups
-            tKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_A(sdS))[None, None, None, 0]
-            tVrP = wg_dkv.make_fragment_A(wg_dkv.partition_A(sdS))[None, None, None, 1]
+            tKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_A(sdS))
+            tVrP = tKrdS[None, None, None, _P_BUFFER]
         if const_expr(cfg.dq_transposed):
             # this warpgroup's half of the head dim of K^T (dQ^T's A operand: d x keys), all of dS^T
             # (its B operand: rows x keys)
@@ -533,12 +537,17 @@ class HopperAttentionBackward(DeviceWorkTileList):
         dp_scale = out_scale * score_scale if const_expr(cfg.ds_prescaled) else out_scale
 
         kv_handle = kv_consumer.wait_and_advance()
+        tile_parity = Int32(0)
         for g in cutlass.range(group, unroll=1):
             for i in cutlass.range(m_start, m_end, unroll=1):
                 m_block = self.query_tile_at(i, m_start, m_end)
                 m0 = m_block * tile_m
                 handle = qdo_consumer.wait_and_advance()
                 stage = handle.index
+                ds_buf = stage
+                if const_expr(cfg.split_head_dim):
+                    ds_buf = tile_parity
+                    tile_parity ^= 1
                 acc_s = cute.make_rmem_tensor(s_shape, Float32)
                 acc_dp = cute.make_rmem_tensor(s_shape, Float32)
                 issue_gemm(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, stage], True)
@@ -584,7 +593,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 p16 = cute.make_rmem_tensor(s_shape, self.dtype)
                 store_as_16bit_pairs(p16, acc_s)
                 if const_expr(cfg.split_head_dim):  # the other warpgroup's dV product reads it too
-                    cute.copy(st_atom, thr_st.retile(p16), tdSsdS[None, None, None, 1])
+                    cute.copy(st_atom, thr_st.retile(p16), tdSsdS[None, None, None, _P_BUFFER])
                 warpgroup.wait_group(0)
                 dp = as_rows_cols(acc_dp)
                 for j in cutlass.range_constexpr(num_cols):
@@ -600,7 +609,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 # alternates with the stage, so the other warpgroup may still read the last one
                 ds_first = cfg.ds_stored_before_dv or cfg.split_head_dim
                 if const_expr(ds_first):
-                    cute.copy(st_atom, thr_st.retile(ds16), tdSsdS[None, None, None, stage])
+                    cute.copy(st_atom, thr_st.retile(ds16), tdSsdS[None, None, None, ds_buf])
                 if const_expr(not cfg.split_head_dim):
                     issue_gemm(mma_dkv, acc_dv, as_operand_a(p16), tVrdO[None, None, None, stage], False)
                 if const_expr(not ds_first):
@@ -609,19 +618,23 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 cute.arch.barrier(barrier_id=NamedBarrierBwd.DS_READY, number_of_threads=2 * _WG)
                 if const_expr(cfg.split_head_dim):
                     issue_gemm(mma_dkv, acc_dv, tVrP, tVrdO[None, None, None, stage], False)
+                    issue_gemm(mma_dkv, acc_dk, tKrdS[None, None, None, ds_buf], tKrQ[None, None, None, stage], False)
                 if const_expr(cfg.dq_transposed):
                     acc_dq = cute.make_rmem_tensor(
                         thr_dq.partition_shape_C((cfg.dq_cols_per_warpgroup, cfg.dq_rows_per_warpgroup)), Float32)
-                    issue_gemm(mma_dq, acc_dq, tQrK, tQrdS[None, None, None, stage], True)
+                    issue_gemm(mma_dq, acc_dq, tQrK, tQrdS[None, None, None, ds_buf], True)
                 else:
                     acc_dq = cute.make_rmem_tensor(
                         thr_dq.partition_shape_C((cfg.dq_rows_per_warpgroup, cfg.dq_cols_per_warpgroup)), Float32)
-                    issue_gemm(mma_dq, acc_dq, tQrdS[None, None, None, stage], tQrK, True)
+                    issue_gemm(mma_dq, acc_dq, tQrdS[None, None, None, ds_buf], tQrK, True)
                 if const_expr(cfg.split_head_dim):
-                    issue_gemm(mma_dkv, acc_dk, tKrdS, tKrQ[None, None, None, stage], False)
+                    # dV and dK have read Q and dO: the next tile's load runs under dQ's product
+                    warpgroup.wait_group(1)
+                    release_by_one_lane(handle)
+                    warpgroup.wait_group(0)
                 else:
                     issue_gemm(mma_dkv, acc_dk, as_operand_a(ds16), tKrQ[None, None, None, stage], False)
-                warpgroup.wait_group(1)  # dV and dQ are done; dK still runs
+                    warpgroup.wait_group(1)  # dV and dQ are done; dK still runs
                 # stage this warpgroup's half of dQ once the writer's last add has read it
                 cute.arch.barrier(barrier_id=NamedBarrierBwd.DQ_EMPTY + wg, number_of_threads=_WG + 32)
                 if const_expr(not cfg.ds_prescaled):
@@ -629,8 +642,9 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout(tdQsdQ.shape)), tdQsdQ)
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=NamedBarrierBwd.DQ_FULL + wg, number_of_threads=_WG + 32)
-                warpgroup.wait_group(0)
-                release_by_one_lane(handle)
+                if const_expr(not cfg.split_head_dim):
+                    warpgroup.wait_group(0)
+                    release_by_one_lane(handle)
         release_by_one_lane(kv_handle)
         dk_out = cute.make_rmem_tensor_like(acc_dk, self.dtype)
         dv_out = cute.make_rmem_tensor_like(acc_dv, self.dtype)
