@@ -3,7 +3,9 @@
 # the report's details page, its per-instruction SASS counters (xz) and their stall summary.
 #   lab/ncu_profile.sh OUTDIR NAME KERNEL_REGEX [lab.profile_kernel arguments...]
 #   lab/ncu_profile.sh $OUT fa3_bf16 FlashAttnFwdSm90 --impl fa3 --batch 1 --seqlen 16384
-# KERNEL_REGEX matches the demangled name (fmha: HopperAttentionForward; FA3: FlashAttnFwdSm90).
+# KERNEL_REGEX matches the demangled name (fmha: HopperAttentionForward / HopperAttentionBackward;
+# FA3: FlashAttnFwdSm90; FA4's SM90 backward: FlashAttentionBackwardSm90). Each profile leaves four
+# files: profile into a scratch folder and tar it into $OUT (a device call returns 8 files at most).
 set -u
 out=$1 name=$2 regex=$3
 shift 3
