@@ -34,14 +34,6 @@ VARIANTS = {
     # fp8 at D=256 with the 64-key tile (8 K/V stages) it had before 128 keys were adopted
     "fmha_fp8_d256_n64": dict(tile_n=64, fp8_only=True, head_dims=(256,)),
     "fmha_fp8_d256_n96": dict(tile_n=96, fp8_only=True, head_dims=(256,)),  # 5 K/V stages beside O's buffer
-    # fp8 V re-laid key-major inside the kernel by producer warps 1-3 (FlashAttention-3's way)
-    # instead of by the staging pass before it (HopperForwardConfig.v_transposed_in_kernel); not
-    # at D=256, whose 128-key tile leaves no shared memory for the raw ring, nor at D=32
-    "fmha_fp8_v_in_kernel": dict(v_transposed_in_kernel=True, fp8_only=True, head_dims=(64, 128)),
-    # the same, every thread loading the same 8-byte half of a chunk first (the version before the
-    # halves were swapped: 8-way bank conflicts on the loads instead of 4-way)
-    "fmha_fp8_v_in_kernel_same_half": dict(v_transposed_in_kernel=True, v_transpose_halves_swapped=False,
-                                           fp8_only=True, head_dims=(64, 128)),
 }
 
 

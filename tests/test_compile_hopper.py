@@ -383,8 +383,9 @@ def test_the_gpu_check_can_run_a_backward_variant(monkeypatch):
 
 def test_the_gpu_check_can_run_a_forward_variant(monkeypatch):
     """``pytest -m gpu --fwd-variant NAME``: the library's choice of forward kernel becomes the
-    variant where it is timed (fp8 only here), its configs pickle for the compile workers, and
-    the fp8 problems it serves then skip the V staging pass (the runner reads the config)."""
+    variant where it is timed (fp8 at D=128 for ``fmha_fp8_n192``), and its configs pickle for
+    the compile workers, also those of a variant that pins a derived property (a config
+    subclass made by ``lab.variants``)."""
     import pickle
 
     import conftest
@@ -392,12 +393,18 @@ def test_the_gpu_check_can_run_a_forward_variant(monkeypatch):
     from fmha.problem import KernelOptions
     from kernel_configs import problem_for
 
-    monkeypatch.setattr(HopperForwardConfig, "from_problem", HopperForwardConfig.__dict__["from_problem"])
-    conftest.use_forward_variant("fmha_fp8_v_in_kernel")
+    library = HopperForwardConfig.__dict__["from_problem"]
+    monkeypatch.setattr(HopperForwardConfig, "from_problem", library)
+    conftest.use_forward_variant("fmha_fp8_n192")
     fp8 = HopperForwardConfig.from_problem(problem_for(torch.float8_e4m3fn, 128, "causal"), KernelOptions())
-    assert fp8.v_transposed_in_kernel and not fp8.v_staged and pickle.loads(pickle.dumps(fp8)) == fp8
+    assert fp8.tile_n == 192 and pickle.loads(pickle.dumps(fp8)) == fp8
     bf16 = HopperForwardConfig.from_problem(problem_for(torch.bfloat16, 128, "causal"), KernelOptions())
-    assert type(bf16) is HopperForwardConfig and not bf16.v_transposed_in_kernel
+    assert type(bf16) is HopperForwardConfig and bf16.tile_n == 128
+    monkeypatch.setattr(HopperForwardConfig, "from_problem", library)
+    conftest.use_forward_variant("fmha_eager_rescale")
+    eager = HopperForwardConfig.from_problem(problem_for(torch.bfloat16, 128, "causal"), KernelOptions())
+    assert type(eager) is not HopperForwardConfig and not eager.lazy_rescale
+    assert pickle.loads(pickle.dumps(eager)) == eager
 
 
 def test_tma_stored_dkv_narrow_two_more_descriptors_for_packed_batches(tmp_path):
@@ -449,75 +456,11 @@ def _prmt(a, b, selector):
     return sum(((pool >> 8 * ((selector >> 4 * k) & 7)) & 0xFF) << 8 * k for k in range(4))
 
 
-@pytest.mark.parametrize("head_dim,tile_n,halves_swapped", [(64, 128, True), (128, 128, True), (256, 128, True),
-                                                            (128, 64, True), (64, 64, True), (128, 128, False)])
-def test_in_kernel_v_transpose_addresses_match_the_swizzled_layouts(head_dim, tile_n, halves_swapped):
-    """The in-kernel fp8 V transpose (lab variant ``fmha_fp8_v_in_kernel``) computes its shared
-    memory addresses with the swizzles applied by hand (``VRelayoutAddresses``): against the
-    layouts' own offsets (``cute.crd2idx`` of the swizzled layouts the kernel builds), in a raw and
-    a ring stage other than the first, every thread's load reads 8 consecutive bytes of one key,
-    the key its slot word holds in the fp8 key order, and every store writes that slot word of the
-    head-dim row the byte permutes put in it; together the threads read every byte of a raw
-    stage once and write every byte of a ring stage once."""
-    import collections
+def test_the_4x4_byte_transpose_of_v_staging():
+    """``transpose_4x4_bytes`` (the fp8 V staging kernel's byte permutes), on a model of
+    ``prmt``: word j of the result holds byte j of each of the four input words, in order."""
+    from fmha.kernels.hopper.v_relayout import transpose_4x4_bytes
 
-    import cutlass
-    import cutlass.cute as cute
-    import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass.utils import LayoutEnum
-
-    from fmha.kernels.common.fp8_order import FP8_KEY_ORDER
-    from fmha.kernels.hopper.fwd import _TRANSPOSER_WARPS
-    from fmha.kernels.hopper.v_relayout import VRelayoutAddresses, transpose_4x4_bytes
-
-    threads, raw_index, ring_index = _TRANSPOSER_WARPS * 32, 1, 2
-    problems = []
-
-    def check(raw, ring):  # plain Python: the DSL rewrites the loops of the jit function only
-        read, written = collections.Counter(), collections.Counter()
-        for tid in range(threads):
-            at = VRelayoutAddresses.create(raw, ring, head_dim, tile_n, threads, tid, halves_swapped)
-            keys = [32 * ((4 * at.w + i) // 32) + FP8_KEY_ORDER[(4 * at.w + i) % 32] for i in range(4)]
-            raw_stage, ring_stage = at.raw_stage(raw_index), at.ring_stage(ring_index)
-            for k in range(at.num_chunks):
-                chunk = at.chunk(k)
-                for h in range(2):
-                    first_dim = 16 * chunk + 8 * (at.half ^ h)
-                    for i, key in enumerate(keys):
-                        byte = 8 * at.load(raw_stage, at.chunk_in_key_row(chunk), i, h)
-                        expect = [cute.crd2idx((first_dim + b, key, raw_index), raw) for b in range(8)]
-                        if expect != list(range(byte, byte + 8)):
-                            problems.append(("load", tid, chunk, h, i, byte, expect[0]))
-                        read.update(expect)
-                    # the values: head-dim byte first_dim + b of key i is 8 i + b of a 32-byte pool
-                    words = [[sum((8 * i + 4 * c + b) << 8 * b for b in range(4)) for i in range(4)] for c in range(2)]
-                    for c in range(2):
-                        rows = transpose_4x4_bytes(_prmt, *words[c])
-                        for j in range(4):
-                            byte = 4 * at.store(at.ring_half(ring_stage, chunk, h), c, j)
-                            expect = [cute.crd2idx((first_dim + 4 * c + j, 4 * at.w + q, ring_index), ring)
-                                      for q in range(4)]
-                            if expect != list(range(byte, byte + 4)):
-                                problems.append(("store", tid, chunk, h, c, j, byte, expect[0]))
-                            # slot 4w + q of head-dim row first_dim + 4c + j: key q's byte 4c + j
-                            if rows[j] != sum((8 * q + 4 * c + j) << 8 * q for q in range(4)):
-                                problems.append(("permute", c, j, hex(rows[j])))
-                            written.update(expect)
-        stage_bytes = head_dim * tile_n
-        raw_stage_bytes = {cute.crd2idx((d, key, raw_index), raw) for d in range(head_dim) for key in range(tile_n)}
-        ring_stage_bytes = {cute.crd2idx((d, s, ring_index), ring) for d in range(head_dim) for s in range(tile_n)}
-        assert len(raw_stage_bytes) == len(ring_stage_bytes) == stage_bytes
-        if set(read) != raw_stage_bytes or set(read.values()) != {1}:
-            problems.append("the loads do not read each byte of the raw stage once")
-        if set(written) != ring_stage_bytes or set(written.values()) != {1}:
-            problems.append("the stores do not write each byte of the ring stage once")
-
-    @cute.jit
-    def layouts():
-        fp8 = cutlass.Float8E4M3FN
-        shape = (128, head_dim, tile_n)
-        check(sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, shape, fp8, 2),
-              sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, shape, fp8, 4))
-
-    layouts()
-    assert not problems, problems[:8]
+    words = [sum((4 * i + b) << 8 * b for b in range(4)) for i in range(4)]  # byte b of word i: 4 i + b
+    rows = transpose_4x4_bytes(_prmt, *words)
+    assert list(rows) == [sum((4 * i + j) << 8 * i for i in range(4)) for j in range(4)]

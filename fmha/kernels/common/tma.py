@@ -30,18 +30,3 @@ def bulk_reduce_add_f32(gmem: cute.Pointer, smem: cute.Pointer, num_bytes: int, 
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
 
-
-@dsl_user_op
-def mbarrier_complete_tx(mbar: cute.Pointer, num_bytes, *, loc=None, ip=None):
-    """Count ``num_bytes`` of an mbarrier's expected transaction bytes as arrived, as a TMA load
-    does when it lands (for data that threads wrote instead; relaxed: the caller orders those
-    writes before it, e.g. with ``fence_acq_rel_cta``)."""
-    llvm.inline_asm(
-        None,
-        [mbar.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), Int32(num_bytes).ir_value(loc=loc, ip=ip)],
-        "mbarrier.complete_tx.relaxed.cta.shared::cta.b64 [$0], $1;",
-        "r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )

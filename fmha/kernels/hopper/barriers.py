@@ -14,8 +14,6 @@ class NamedBarrier(enum.IntEnum):
     O_STAGED = GEMM_TURN + MAX_CONSUMER_WARPGROUPS
     #: warpgroup ``wg`` has zeroed the V rows past a cache's last key (``mainloop.zero_keys_past_end``)
     KEYS_ZEROED = O_STAGED + MAX_CONSUMER_WARPGROUPS
-    #: the transposer warps have written a V tile into its ring stage (``fwd.transpose_v``)
-    V_TRANSPOSED = KEYS_ZEROED + MAX_CONSUMER_WARPGROUPS
 
 
 class NamedBarrierBwd(enum.IntEnum):

@@ -28,8 +28,6 @@ L2_BYTES = 50 * 2**20
 SMEM_LIMIT = 227 * 1024
 SMEM_BYTES = SMEM_LIMIT - 2048
 MAX_KV_STAGES = 8
-#: fp8 V tiles in flight between the TMA loads and the transposer (``v_transposed_in_kernel``)
-V_RAW_STAGES = 2
 
 
 class Schedule(enum.Enum):
@@ -177,8 +175,6 @@ class HopperForwardConfig:
             raise ValueError("the decode options take dense 16-bit batches")
         if self.split_kv and (self.out_dtype != torch.float32 or not self.has_lse):
             raise ValueError("split-KV writes fp32 partial outputs with their LSE")
-        if self.v_transposed_in_kernel and (self.dtype != torch.float8_e4m3fn or self.tile_n not in (64, 128)):
-            raise ValueError("V is re-laid out in the kernel for fp8 inputs with key tiles of 64 or 128 keys")
         if self.page_run and (not self.cache_lengths or self.page_run % 16 or self.tile_n % self.page_run):
             raise ValueError("a paged cache has lengths per sequence, and loads runs of a multiple of 16 keys "
                              "that divide the key tile")
@@ -226,8 +222,6 @@ class HopperForwardConfig:
     @property
     def kv_stages(self) -> int:
         reserved = o_buffer_reserved(self.dtype, self.out_dtype, self.varlen, self.tile_m, self.head_dim)
-        if self.v_transposed_in_kernel:  # the raw V tiles' ring
-            reserved += V_RAW_STAGES * self.tile_n * self.head_dim * element_bytes(self.dtype)
         return kv_stages_for(self.dtype, self.head_dim, self.tile_m, self.tile_n, self.q_stages, reserved)
 
     @property
@@ -256,24 +250,9 @@ class HopperForwardConfig:
         return element_bytes(self.dtype) == 2 and self.head_dim >= 128
 
     @property
-    def v_transposed_in_kernel(self) -> bool:
-        """fp8: V loaded as the caller lays it out (D contiguous) into a ring of its own, and
-        re-laid key-major into the K/V ring by producer warps 1-3 (FlashAttention-3's way) instead
-        of by ``stage_v_fp8`` before the kernel; lab variant ``fmha_fp8_v_in_kernel`` (key tiles
-        of 64 or 128; dense or varlen, whose V tiles come through each sequence's descriptor)."""
-        return False
-
-    @property
-    def v_transpose_halves_swapped(self) -> bool:
-        """``v_transposed_in_kernel``: half the threads of each swizzle phase load the other 8-byte
-        half of a chunk first (a warp's loads hit twice the banks); lab variant
-        ``fmha_fp8_v_in_kernel_same_half`` loads the same half first in every thread."""
-        return True
-
-    @property
     def v_staged(self) -> bool:
         """fp8: the P.V product needs V key-major; V goes through ``stage_v_fp8`` first."""
-        return self.dtype == torch.float8_e4m3fn and not self.v_transposed_in_kernel
+        return self.dtype == torch.float8_e4m3fn
 
     @property
     def o_via_tma(self) -> bool:

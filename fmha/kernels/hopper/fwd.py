@@ -44,18 +44,12 @@ from ..common.mask import FragmentMask
 from ..common.scheduler import ClaimingTileScheduler, StaticTileScheduler, TileHandOff, TileTableScheduler, WorkTile
 from ..common.seqinfo import SequenceInfo
 from ..common.softmax import MAX_SLACK, OnlineSoftmax
-from ..common.pipelines import release_by_one_lane
-from ..common.tma import mbarrier_complete_tx, tma_tiles
+from ..common.tma import tma_tiles
 from .barriers import NamedBarrier
-from .config import SMEM_LIMIT, V_RAW_STAGES, HopperForwardConfig, OStore
+from .config import SMEM_LIMIT, HopperForwardConfig, OStore
 from .epilogue import drain_o_stores, store_lse, store_o_direct, store_o_tma, wg_slice_layout
 from .mainloop import ConsumerFragments, ConsumerMainloop
-from .v_relayout import VRelayoutAddresses, transpose_4x4_bytes
 from .wgmma import WARPGROUP_THREADS as _WG
-
-
-#: producer warps that re-lay fp8 V tiles out (``transpose_v``): warps 1-3
-_TRANSPOSER_WARPS = 3
 
 
 class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, DeviceWorkTileList):
@@ -105,11 +99,6 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
             # (B, H, D, S) -> (D, S, H, B), keys contiguous: the K-major B of P.V (fp8 needs it)
             v = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 3, 1, 0]))
             v_major, v_smem_major = cute.nvgpu.OperandMajorMode.K, LayoutEnum.ROW_MAJOR
-        elif const_expr(cfg.v_transposed_in_kernel):
-            # loaded as the caller lays it out (D contiguous) into the raw ring; the ring's V
-            # stages are key-major, written by ``transpose_v``
-            v = bshd_to_sdhb(mV, varlen, d_first=True)
-            v_major, v_smem_major = cute.nvgpu.OperandMajorMode.K, LayoutEnum.ROW_MAJOR
         else:
             v = bshd_to_sdhb(mV, varlen, d_first=True)  # (D, S, H, B): the MN-major B of P.V
             v_major, v_smem_major = cute.nvgpu.OperandMajorMode.MN, LayoutEnum.COL_MAJOR
@@ -128,9 +117,6 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d), self.dtype, cfg.q_stages)
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d), self.dtype, cfg.kv_stages)
         sV_layout = sm90_utils.make_smem_layout_b(v_smem_major, (tile_m, d, tile_n), self.dtype, cfg.kv_stages)
-        raw_stages = V_RAW_STAGES if const_expr(cfg.v_transposed_in_kernel) else 0
-        sVraw_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (tile_m, d, tile_n), self.dtype,
-                                                     max(raw_stages, 1))
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(
@@ -138,7 +124,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         # A paged cache loads each K/V tile in runs of ``kv_load_rows`` keys (``load_kv_paged``).
         kv_rows = cfg.kv_load_rows
         sK_box = cute.select(sK_layout, mode=[0, 1])
-        sV_box = cute.select(sVraw_layout if const_expr(cfg.v_transposed_in_kernel) else sV_layout, mode=[0, 1])
+        sV_box = cute.select(sV_layout, mode=[0, 1])
         if const_expr(kv_rows != tile_n):
             sK_box = cute.composition(sK_box, cute.make_layout((kv_rows, d), stride=(1, tile_n)))
             sV_box = cute.composition(sV_box, cute.make_layout((d, kv_rows), stride=(1, d)))
@@ -155,7 +141,6 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         self.kv_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
 
         ring_elems = cute.cosize(sK_layout)
-        raw_elems = cute.cosize(sVraw_layout) if const_expr(cfg.v_transposed_in_kernel) else 0
         o_elems = cute.cosize(sO_layout) if const_expr(cfg.o_store == OStore.TMA_OWN_BUFFER) else 0
         hand_off_stages = TileHandOff.STAGES if cfg.claims_tiles else 0
 
@@ -166,10 +151,6 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, ring_elems], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.out_dtype, o_elems], 1024]
-            # fp8 V as loaded, and the ring stage each is for (``transpose_v``)
-            sVraw: cute.struct.Align[cute.struct.MemRange[self.dtype, raw_elems], 1024]
-            raw_mbar: cute.struct.MemRange[cutlass.Int64, raw_stages * 2]
-            raw_meta: cute.struct.MemRange[Int32, raw_stages]
             # claimed tiles on their way from the producer to the consumers
             tile_mbar: cute.struct.MemRange[cutlass.Int64, hand_off_stages * 2]
             next_tile: cute.struct.MemRange[Int32, hand_off_stages]
@@ -211,7 +192,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
             num_splits,
             page_size,
             scale_log2, output_scale, window_left, window_right,
-            sQ_layout, sK_layout, sV_layout, sO_layout, sVraw_layout,
+            sQ_layout, sK_layout, sV_layout, sO_layout,
         ).launch(
             grid=[grid_x, 1, 1],
             block=[self.num_threads, 1, 1],
@@ -258,7 +239,6 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
-        sVraw_layout: cute.ComposedLayout,
     ):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -284,22 +264,6 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
             num_stages=cfg.kv_stages, producer_group=one_thread, consumer_group=consumer_warps,
             tx_count=self.kv_bytes, barrier_storage=storage.kv_mbar.data_ptr(), defer_sync=True,
         ).make_participants()
-        raw_producer = raw_consumer = raw_meta = sVraw = raw_words = ring_words = None
-        if const_expr(cfg.v_transposed_in_kernel):
-            # two arrivals per stage: the TMA's (with its bytes) and the producer's after it has
-            # written the stage's ring index into ``raw_meta``, which that arrival publishes
-            raw_producer, raw_consumer = pipeline.PipelineTmaAsync.create(
-                num_stages=V_RAW_STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _TRANSPOSER_WARPS),
-                tx_count=self.kv_bytes, barrier_storage=storage.raw_mbar.data_ptr(), defer_sync=True,
-            ).make_participants()
-            raw_meta = storage.raw_meta.get_tensor(cute.make_layout(V_RAW_STAGES))
-            sVraw = storage.sVraw.get_tensor(sVraw_layout.outer, swizzle=sVraw_layout.inner)
-            # the transposer loads 8-byte and stores 4-byte words, swizzles applied by hand
-            raw_words = cute.make_tensor(cute.recast_ptr(storage.sVraw.data_ptr(), dtype=cutlass.Int64),
-                                         cute.make_layout(cute.cosize(sVraw_layout) // 8))
-            ring_words = cute.make_tensor(cute.recast_ptr(storage.sKV.data_ptr(), dtype=Int32),
-                                          cute.make_layout(cute.cosize(sK_layout) // 4))
         hand_off = None
         if const_expr(cfg.claims_tiles):
             hand_off = TileHandOff.create(
@@ -327,13 +291,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
                 self.producer(
                     scheduler, cache, mQ_tma, mK_tma, mV_tma, mQ_sdhb, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors,
                     window_left, window_right, tma_q, tma_k, tma_v, sQ, sK, sV, q_producer, kv_producer,
-                    raw_producer, raw_meta, sVraw,
                 )
-            if const_expr(cfg.v_transposed_in_kernel):
-                if warp_idx >= 4 - _TRANSPOSER_WARPS:
-                    self.transpose_v(raw_consumer, raw_meta, raw_words, ring_words, sVraw_layout, sV_layout,
-                                     storage.kv_mbar.data_ptr(),
-                                     tidx - (4 - _TRANSPOSER_WARPS) * 32)
         else:
             cute.arch.setmaxregister_increase(cfg.register_budgets[1])
             self.consumer(
@@ -394,12 +352,8 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, window_left, window_right,
         tma_q, tma_k, tma_v, sQ, sK, sV,
         q_producer: pipeline.PipelineProducer, kv_producer: pipeline.PipelineProducer,
-        raw_producer: Optional[pipeline.PipelineProducer] = None, raw_meta: Optional[cute.Tensor] = None,
-        sVraw: Optional[cute.Tensor] = None,
     ):
-        """Per work tile: Q, then the K/V tiles its mask keeps, in the order the mainloop waits.
-        ``v_transposed_in_kernel``: V tiles into the raw ring (``raw_producer``), and at the end a
-        stop for the transposer."""
+        """Per work tile: Q, then the K/V tiles its mask keeps, in the order the mainloop waits."""
         cfg = self.cfg
         cursor = scheduler.producer_cursor()
         tile_idx = scheduler.first()
@@ -441,90 +395,17 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
                     gK = cute.local_tile(mK_cur, (cfg.tile_n, cfg.head_dim), (None, 0))
                     gV = cute.local_tile(mV_cur, (cfg.head_dim, cfg.tile_n), (0, None))
                     tKsK, tKgK = tma_tiles(tma_k, sK, gK)
-                    # V lands in the raw ring when the kernel re-lays it out (``transpose_v``)
-                    tVsV, tVgV = tma_tiles(tma_v, sVraw if const_expr(cfg.v_transposed_in_kernel) else sV, gV)
-                    kv_producer, raw_producer = self.load_kv(kv_tiles, (tma_k, tKgK, tKsK, desc_k),
-                                                             (tma_v, tVgV, tVsV, desc_v), kv_producer,
-                                                             raw_producer, raw_meta)
+                    tVsV, tVgV = tma_tiles(tma_v, sV, gV)
+                    kv_producer = self.load_kv(kv_tiles, (tma_k, tKgK, tKsK, desc_k), (tma_v, tVgV, tVsV, desc_v),
+                                               kv_producer)
             # Claimed tiles are claimed once this tile's loads are issued: the consumers get the
             # claim well before they finish the tile, and the claim order stays the start order.
             tile_idx, cursor = scheduler.producer_next(tile_idx, cursor)
-        if const_expr(cfg.v_transposed_in_kernel):
-            # the transposer's stop: a raw stage with ring index -1 and its bytes counted as landed
-            raw_producer, handle = self.claim_raw_stage(raw_producer, raw_meta, Int32(-1))
-            with cute.arch.elect_one():
-                mbarrier_complete_tx(handle.barrier, self.kv_bytes)
 
     @cute.jit
-    def load_raw_v(self, kv_producer: pipeline.PipelineProducer, raw_producer: pipeline.PipelineProducer,
-                   raw_meta: cute.Tensor, tma, src, raw_stages, desc):
-        """One V tile into the raw ring, for the K/V ring's next stage: that stage is acquired
-        (free, its full barrier expecting a tile's bytes, which ``transpose_v`` counts)."""
-        ring = kv_producer.acquire_and_advance()
-        raw_producer, handle = self.claim_raw_stage(raw_producer, raw_meta, ring.index)
-        cute.copy(tma, src, raw_stages[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc)
-        return kv_producer, raw_producer
-
-    @cute.jit
-    def claim_raw_stage(self, raw_producer: pipeline.PipelineProducer, raw_meta: cute.Tensor, ring_index: Int32):
-        """The raw ring's next stage with ``ring_index`` in its meta slot: the stage is acquired
-        (free; the TMA's arrival), then the slot written and published by the second arrival."""
-        handle = raw_producer.acquire_and_advance()
-        raw_meta[handle.index] = ring_index
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive(handle.barrier)
-        return raw_producer, handle
-
-    @cute.jit
-    def transpose_v(self, raw_consumer: pipeline.PipelineConsumer, raw_meta: cute.Tensor, raw_words: cute.Tensor,
-                    ring_words: cute.Tensor, raw_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout,
-                    ring_full: cute.Pointer, tid: Int32):
-        """Producer warps 1-3: each raw V tile (keys x D, D contiguous) into the K/V ring stage its
-        meta slot names, key-major and in the fp8 P.V product's key order (``FP8_KEY_ORDER``), then
-        the stage's bytes counted on its full barrier, until a stop (ring index -1).
-
-        Each thread owns one slot word (4 keys) and a share of the 16-byte head-dim chunks
-        (``VRelayoutAddresses``, which also says where each access goes): per half chunk it loads
-        the four keys' 8 bytes (one round trip to shared memory feeds two transposes), transposes
-        each 4 x 4 bytes with byte permutes and stores one word per head-dim row (a warp's stores
-        of one row cover its 32 slot words: no bank conflict; its loads of one key offset hit four
-        16-byte bank groups, base % 8 taking four values, and both 8-byte halves of each: 4-way)."""
-        threads = _TRANSPOSER_WARPS * 32
-        at = VRelayoutAddresses.create(raw_layout, ring_layout, self.cfg.head_dim, self.cfg.tile_n, threads, tid,
-                                       self.cfg.v_transpose_halves_swapped)
-        ring_index = Int32(0)
-        while ring_index >= 0:
-            handle = raw_consumer.wait_and_advance()
-            ring_index = raw_meta[handle.index]
-            if ring_index >= 0:
-                raw_stage = at.raw_stage(handle.index)
-                ring_stage = at.ring_stage(ring_index)
-                for k in cutlass.range(at.num_chunks, unroll=1):
-                    chunk = at.chunk(k)
-                    chunk_in_key_row = at.chunk_in_key_row(chunk)
-                    for h in cutlass.range_constexpr(2):
-                        # the four keys' 8 bytes: head-dim words 2 (h ^ half) + 0, 1 of the chunk
-                        pairs = [raw_words[at.load(raw_stage, chunk_in_key_row, i, h)] for i in range(4)]
-                        ring_half = at.ring_half(ring_stage, chunk, h)
-                        for c in cutlass.range_constexpr(2):
-                            rows = transpose_4x4_bytes(cute.arch.prmt,
-                                                       *(Int32(p if c == 0 else p >> 32) for p in pairs))
-                            for j in cutlass.range_constexpr(4):
-                                ring_words[at.store(ring_half, c, j)] = rows[j]
-                # the consumers' wgmma reads these bytes through the async proxy
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=NamedBarrier.V_TRANSPOSED, number_of_threads=threads)
-                if tid == 0:
-                    cute.arch.fence_acq_rel_cta()
-                    mbarrier_complete_tx(ring_full + ring_index, self.kv_bytes)
-            release_by_one_lane(handle)
-
-    @cute.jit
-    def load_kv(self, kv_tiles, k_load, v_load, kv_producer: pipeline.PipelineProducer,
-                raw_producer: Optional[pipeline.PipelineProducer] = None, raw_meta: Optional[cute.Tensor] = None):
+    def load_kv(self, kv_tiles, k_load, v_load, kv_producer: pipeline.PipelineProducer):
         """K_0, then (K_n, V_n-1) pairs, then the last V: the order ``mainloop`` waits in.
-        ``k_load``/``v_load``: (TMA atom, global tiles, shared stages, descriptor or None); with
-        ``raw_producer`` the V tiles go into the raw ring (``load_raw_v``). Returns both producers."""
+        ``k_load``/``v_load``: (TMA atom, global tiles, shared stages, descriptor or None)."""
         tma_k, tKgK, tKsK, desc_k = k_load
         tma_v, tVgV, tVsV, desc_v = v_load
         if kv_tiles.total > 0:
@@ -532,23 +413,10 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
             for i in cutlass.range(1, kv_tiles.total, unroll=1):
                 n_block = kv_tiles.start + i
                 kv_producer = self.load_stage(kv_producer, tma_k, tKgK[None, n_block], tKsK, desc_k)
-                kv_producer, raw_producer = self.load_v(kv_producer, raw_producer, raw_meta, tma_v,
-                                                        tVgV[None, n_block - 1], tVsV, desc_v)
-            kv_producer, raw_producer = self.load_v(kv_producer, raw_producer, raw_meta, tma_v,
-                                                    tVgV[None, kv_tiles.start + kv_tiles.total - 1], tVsV, desc_v)
-        return kv_producer, raw_producer
-
-    @cute.jit
-    def load_v(self, kv_producer: pipeline.PipelineProducer, raw_producer: Optional[pipeline.PipelineProducer],
-               raw_meta: Optional[cute.Tensor], tma, src, dst_stages, desc):
-        """One V tile: into the K/V ring's next stage, or with ``raw_producer`` into the raw ring
-        for that stage."""
-        if const_expr(raw_producer is None):
-            kv_producer = self.load_stage(kv_producer, tma, src, dst_stages, desc)
-        else:
-            kv_producer, raw_producer = self.load_raw_v(kv_producer, raw_producer, raw_meta, tma, src, dst_stages,
-                                                        desc)
-        return kv_producer, raw_producer
+                kv_producer = self.load_stage(kv_producer, tma_v, tVgV[None, n_block - 1], tVsV, desc_v)
+            kv_producer = self.load_stage(
+                kv_producer, tma_v, tVgV[None, kv_tiles.start + kv_tiles.total - 1], tVsV, desc_v)
+        return kv_producer
 
     @cute.jit
     def load_stage(self, kv_producer: pipeline.PipelineProducer, tma, src, dst_stages, desc):
