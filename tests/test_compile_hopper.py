@@ -135,12 +135,15 @@ def test_fp8_v_staging_kernel_compiles(head_dim, varlen, tmp_path):
 
     compile_stage_v(head_dim, varlen, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
-    # per thread: one 32-bit load per key of its block of 32, the 4 x 32 byte transpose as
-    # byte permutes, and four 32-byte runs written as 16-byte stores
-    assert len(re.findall(r"ld\.global(\.nc)?\.b32", ptx)) == 32 + 2 * varlen  # + cu_seqlens
-    assert ptx.count("prmt.b32") == 64
-    assert len(re.findall(r"st\.global\.v4\.b32", ptx)) == 8
-    assert StageVKernel(head_dim, varlen).blocks_per_cta * head_dim // 4 == 128
+    # the 128-key tile in 16-byte loads through shared memory; per head-dim word a thread reads
+    # 16 words (four slot words x four keys), transposes them with byte permutes (8 per 4 x 4
+    # bytes) and writes four 16-byte pieces of four rows; nothing else touches global memory
+    assert len(re.findall(r"ld\.global(\.nc)?\.v4\.b32", ptx)) == head_dim // 16
+    assert len(re.findall(r"ld\.global(\.nc)?\.b32", ptx)) == 2 * varlen  # cu_seqlens
+    assert len(re.findall(r"st\.shared\.v4\.b32", ptx)) == head_dim // 16
+    assert len(re.findall(r"ld\.shared\.b32", ptx)) == 16 and ptx.count("prmt.b32") == 32
+    assert len(re.findall(r"st\.global\.v4\.b32", ptx)) == 4
+    assert StageVKernel(head_dim, varlen).words == head_dim // 4
 
 
 @pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 256), (torch.float16, 256), (torch.bfloat16, 128)],
@@ -464,3 +467,48 @@ def test_the_4x4_byte_transpose_of_v_staging():
     words = [sum((4 * i + b) << 8 * b for b in range(4)) for i in range(4)]  # byte b of word i: 4 i + b
     rows = transpose_4x4_bytes(_prmt, *words)
     assert list(rows) == [sum((4 * i + j) << 8 * i for i in range(4)) for j in range(4)]
+
+
+@pytest.mark.parametrize("head_dim,seqlen", [(32, 300), (64, 200), (128, 77), (128, 256), (256, 33)])
+def test_v_staging_kernel_addresses_match_the_torch_staging(head_dim, seqlen):
+    """The staging kernel's index arithmetic, run in Python over every CTA and thread with a model
+    of ``prmt`` (its shared-memory swizzle, the slot words' keys, the pieces' places, the blocks
+    past S_pad left out, zeros past the sequence), gives the bytes of ``stage_v_fp8_torch``;
+    every shared-memory word is written once and every staged word once."""
+    import itertools
+
+    from fmha.kernels.hopper.v_relayout import transpose_4x4_bytes
+    from fmha.kernels.hopper.v_staging import stage_v_fp8_torch, staged_length
+    from fmha.kernels.hopper.v_transpose import _KEY_OFFSETS, _ROW_PIECES, _THREADS, _TILE_KEYS, StageVKernel
+
+    torch.manual_seed(head_dim + seqlen)
+    batch, heads = 2, 3
+    v = torch.randint(0, 256, (batch, seqlen, heads, head_dim), dtype=torch.uint8)
+    kernel, words, s_pad = StageVKernel(head_dim, False), head_dim // 4, staged_length(seqlen)
+    src = v.view(torch.int32).tolist()  # [b][key][h][word]
+    staged = [[[[None] * (s_pad // 4) for _ in range(head_dim)] for _ in range(heads)] for _ in range(batch)]
+    num_blocks = s_pad // 32
+    for b, h, tile in itertools.product(range(batch), range(heads), range(-(-s_pad // _TILE_KEYS))):
+        raw = [[None] * words for _ in range(_TILE_KEYS)]
+        key0, pieces = tile * _TILE_KEYS, words // 4
+        for c in range(_TILE_KEYS * pieces):  # thread c % 128, load c // 128
+            key, col = c // pieces, (c % pieces) * 4
+            at = kernel.swizzled(key, col)
+            assert all(raw[key][at + e] is None for e in range(4))
+            for e in range(4):
+                raw[key][at + e] = src[b][key0 + key][h][col + e] & 0xFFFFFFFF if key0 + key < seqlen else 0
+        for tid in range(_THREADS):
+            p = tid % _ROW_PIECES
+            if tile * (_TILE_KEYS // 32) + p // 2 >= num_blocks:
+                continue
+            for w in range(tid // _ROW_PIECES, words, _THREADS // _ROW_PIECES):
+                for q in range(4):
+                    keys = [16 * p + 2 * q + off for off in _KEY_OFFSETS]
+                    out = transpose_4x4_bytes(_prmt, *(raw[k][kernel.swizzled(k, w)] for k in keys))
+                    for j in range(4):
+                        slot = 4 * (tile * _ROW_PIECES + p) + q
+                        assert staged[b][h][4 * w + j][slot] is None
+                        staged[b][h][4 * w + j][slot] = out[j]
+    got = torch.tensor(staged, dtype=torch.int64).to(torch.int32).view(torch.uint8)
+    want = stage_v_fp8_torch(v.view(torch.float8_e4m3fn), None, seqlen).view(torch.uint8)
+    assert torch.equal(got.reshape(want.shape), want)
