@@ -1,11 +1,11 @@
 """Hopper (SM90) attention backward: dK and dV per K/V tile, dQ accumulated in fp32.
 
-One CTA owns one K/V tile (128 keys of one K/V head of one sequence) and keeps its dK and dV in
+One CTA owns one K/V tile (128 keys of one K/V head of one sequence; 64 at D=256) and keeps its dK and dV in
 registers while it walks every query tile (``tile_m`` rows) of every query head of the group
 whose mask keeps some key of the tile. Roles:
 
 * warp 0 of warpgroup 0, the **producer**: TMA-loads K and V once, then each query tile's Q,
-  dO, LSE (log2) and delta rows into a two-stage ring.
+  dO, LSE (log2) and delta rows into a two-stage ring (one stage at D=256).
 * warp 1 of warpgroup 0, the **dQ writer**: adds each warpgroup's block of a query tile's dQ,
   staged in shared memory in the MMA fragments' order (``dq_layout.py``), into the fp32
   accumulator by one bulk reduce-add of contiguous bytes (asynchronous, instead of per-element
@@ -21,6 +21,12 @@ whose mask keeps some key of the tile. Roles:
   head dim; at D=128 with 80-row tiles, ``dq_transposed``: dQ^T = K^T dS^T, its half of the head
   dim as M), which it stages for the writer. At the end dK and dV go from registers to global
   memory, or at D=128 (``dkv_store_tma``) through the freed K and V buffers by TMA stores.
+* D=256 (``split_head_dim``): both consumer warpgroups hold all 64 keys, each over its half of
+  the head dim; S^T and dP^T are split by query columns instead (64 keys x 32 queries each), and
+  P^T and dS^T go through shared memory, from where both warpgroups' dV, dK and dQ products read
+  them. dV and dK are issued before dQ and release the one Q/dO stage once done, so the next
+  tile's loads run under dQ's product; dS^T alternates between two buffers by tile parity (the
+  other warpgroup's dQ may still read the last tile's), P^T has a third.
 
 Before it, a row pass (``kernels/common/backward_rows.py``) turns the LSE into log2 units (+inf
 for rows that keep nothing, so their P is 0) and computes delta = (rowsum(dO * O) - dLSE) *
@@ -390,7 +396,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
                  sQ, sdO, sK, sV, sLSE2, sDelta, qdo_producer: pipeline.PipelineProducer,
                  kv_producer: pipeline.PipelineProducer, mSeqDescriptors: Optional[cute.Tensor], n_block, head_kv,
                  batch, group, m_start, m_end, seq: SequenceInfo):
-        """Warp 0: K and V once, then per query tile its Q, dO, LSE and delta into a two-stage ring."""
+        """Warp 0: K and V once, then per query tile its Q, dO, LSE and delta into the ring
+        (``cfg.q_stages``)."""
         d, tile_m = self.cfg.head_dim, self.tile_m
         desc_q = desc_do = desc_k = desc_v = None  # None: the descriptor built into the TMA atom
         row_batch = batch

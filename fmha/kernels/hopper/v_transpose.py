@@ -5,7 +5,8 @@ A byte transpose that torch can only do as a strided element-wise copy (one byte
 reads 32x amplified) at a fraction of the memory bandwidth. A CTA stages a tile of 128 keys x D
 bytes in shared memory with 16-byte loads (a warp reads whole key rows), then each thread turns
 four slot words x 4 head-dim bytes into four 16-byte pieces of four head-dim rows with byte
-permutes, so that a warp's store writes whole 128-byte lines of four rows. (Writing each
+permutes, so that a warp's store writes 128 contiguous bytes of each of four rows (whole lines
+where S_pad is a multiple of 128 keys, else whole 32-byte sectors). (Writing each
 thread's 32 keys of 4 rows straight from registers put one 16-byte piece of a different row in
 each lane's store: ncu read the L2 at 75% of its throughput and the DRAM at 26%.) Everything is
 moved as int32, so the kernel never sees an fp8 type.
@@ -43,7 +44,7 @@ class StageVKernel:
         self.words = head_dim // 4  # 4-byte words of a key row
         self.varlen = varlen
         # a key row's 16-byte pieces sit XOR-ed with 4 x its 16-key group (mod this), so that the
-        # eight pieces of a warp's loads read distinct banks
+        # eight pieces of a warp's loads read distinct banks (D >= 128; 2-way at D=64, 4-way at 32)
         self.swizzle_groups = min(_ROW_PIECES, head_dim // 16)
 
     @cute.jit
