@@ -1,8 +1,8 @@
 """Hopper (SM90) attention backward: dK and dV per K/V tile, dQ accumulated in fp32.
 
-One CTA owns one K/V tile (128 keys of one K/V head of one sequence; 64 at D=256) and keeps its dK and dV in
-registers while it walks every query tile (``tile_m`` rows) of every query head of the group
-whose mask keeps some key of the tile. Roles:
+One CTA owns one K/V tile (128 keys of one K/V head of one sequence; 64 at D=256) and keeps its
+dK and dV in registers while it walks every query tile (``tile_m`` rows) of every query head of
+the group whose mask keeps some key of the tile. Roles:
 
 * warp 0 of warpgroup 0, the **producer**: TMA-loads K and V once, then each query tile's Q,
   dO, LSE (log2) and delta rows into a two-stage ring (one stage at D=256).
