@@ -462,7 +462,7 @@ def _prmt(a, b, selector):
 def test_the_4x4_byte_transpose_of_v_staging():
     """``transpose_4x4_bytes`` (the fp8 V staging kernel's byte permutes), on a model of
     ``prmt``: word j of the result holds byte j of each of the four input words, in order."""
-    from fmha.kernels.hopper.v_relayout import transpose_4x4_bytes
+    from fmha.kernels.hopper.v_transpose import transpose_4x4_bytes
 
     words = [sum((4 * i + b) << 8 * b for b in range(4)) for i in range(4)]  # byte b of word i: 4 i + b
     rows = transpose_4x4_bytes(_prmt, *words)
@@ -477,9 +477,9 @@ def test_v_staging_kernel_addresses_match_the_torch_staging(head_dim, seqlen):
     every shared-memory word is written once and every staged word once."""
     import itertools
 
-    from fmha.kernels.hopper.v_relayout import transpose_4x4_bytes
     from fmha.kernels.hopper.v_staging import stage_v_fp8_torch, staged_length
-    from fmha.kernels.hopper.v_transpose import _KEY_OFFSETS, _ROW_PIECES, _THREADS, _TILE_KEYS, StageVKernel
+    from fmha.kernels.hopper.v_transpose import (_KEY_OFFSETS, _ROW_PIECES, _THREADS, _TILE_KEYS, StageVKernel,
+                                                 transpose_4x4_bytes)
 
     torch.manual_seed(head_dim + seqlen)
     batch, heads = 2, 3

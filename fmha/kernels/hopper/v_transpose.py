@@ -23,7 +23,6 @@ from fmha.jit.compile import compile_for
 
 from ..common.fp8_order import FP8_KEY_BLOCK as KEY_BLOCK
 from ..common.fp8_order import FP8_KEY_ORDER
-from .v_relayout import transpose_4x4_bytes
 
 _THREADS = 128
 #: keys of a CTA's tile: four blocks of 32
@@ -36,6 +35,15 @@ _ROW_PIECES = _TILE_KEYS // 16
 _KEY_OFFSETS = (0, 1, 8, 9)
 assert all(FP8_KEY_ORDER[4 * w + i] == 16 * (w // 4) + 2 * (w % 4) + _KEY_OFFSETS[i]
            for w in range(KEY_BLOCK // 4) for i in range(4))
+
+
+def transpose_4x4_bytes(prmt, a, b, c, d):
+    """Four words of 4 bytes each (one per key) -> four words, word j holding byte j of a, b, c,
+    d; ``prmt`` is ``cute.arch.prmt`` (or, in the tests, a model of it on Python ints)."""
+    ab_lo, ab_hi = prmt(a, b, 0x5140), prmt(a, b, 0x7362)  # a0 b0 a1 b1 | a2 b2 a3 b3
+    cd_lo, cd_hi = prmt(c, d, 0x5140), prmt(c, d, 0x7362)
+    return (prmt(ab_lo, cd_lo, 0x5410), prmt(ab_lo, cd_lo, 0x7632),
+            prmt(ab_hi, cd_hi, 0x5410), prmt(ab_hi, cd_hi, 0x7632))
 
 
 class StageVKernel:
