@@ -107,3 +107,26 @@ def test_profile_step_names_kernels_by_module_and_class():
     assert short_kernel_name(dsl) == "fmhakernelshopperfwdHopperAttentionForward"
     torch_kernel = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, " + "x" * 80
     assert short_kernel_name(torch_kernel) == torch_kernel[:70]
+
+
+def test_the_report_divides_by_every_peer_and_finds_fp8s_bf16_twin_in_any_group(tmp_path, monkeypatch):
+    """FA3 and cuDNN's fp8 get ratio columns; the bf16 summary against FA3 counts every bf16 group;
+    an fp8 point is compared with our bf16 of the same shape, also outside the standard grid."""
+    P = bench.Point
+    d256 = bench.asdict(P(2, 8192, 8, 8, 256, True, "d256"))
+    d256_fp8 = bench.asdict(P(2, 8192, 8, 8, 256, True, "fp8", dtype="float8_e4m3fn"))
+    std = bench.asdict(P(1, 16384, 16, 16, 128, False))
+    t = lambda pt, impl, tf: dict(point=pt, impl=impl, ms=1.0, tflops=tf)
+    rows = [t(std, "fmha", 650.0), t(std, "fa3", 650.0), t(std, "fa4", 500.0),
+            t(d256, "fmha", 600.0), t(d256, "fa3", 500.0), t(d256, "fa4", 600.0),
+            t(d256_fp8, "fmha", 960.0), t(d256_fp8, "fa3", 1200.0), t(d256_fp8, "cudnn_fp8", 800.0),
+            dict(point=d256_fp8, impl="fa4", error="NotImplementedError: no fp8")]
+    monkeypatch.setattr(bench, "_plot", lambda *a, **k: None)
+    text = bench.write_reports(rows, str(tmp_path), dict(device="GPU", date="today", command="x"))
+    lines = text.splitlines()
+    assert lines[4].endswith("| fmha / fa4 | fmha / fa3 | fmha / cudnn_fp8 |")
+    fp8_row = next(line for line in lines if line.startswith("| B2 S8192 H8/8 D256 causal fp8 |"))
+    assert fp8_row.endswith("| 960 | 1200 | n/a | 800 | - | 0.80 | 1.20 |")  # columns in first-seen order
+    assert "- all bf16 points, fmha/fa3: median 1.10, min 1.00 over 2 points" in text
+    assert "- fp8, fmha/cudnn_fp8: median 1.20, min 1.20, max 1.20 over 1 points" in text
+    assert "- fp8 / bf16 (fmha, B2 S8192 H8/8 D256 causal fp8): 1.60" in text
