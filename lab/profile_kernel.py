@@ -119,6 +119,8 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"])
+    ap.add_argument("--varlen", action="store_true",
+                    help="the benchmark's packed documents (lab.bench.realistic_lengths) instead of B x S")
     ap.add_argument("--calls", type=int, default=3, help="calls after the compiling one")
     ap.add_argument("--backward", action="store_true",
                     help="call the backward (autograd of the implementation's forward) instead")
@@ -133,10 +135,10 @@ def main(argv=None):
 
     import torch
 
-    from lab.bench import Point, _implementations, _inputs
+    from lab.bench import Point, _implementations, _inputs, realistic_lengths
 
     p = Point(args.batch, args.seqlen, args.heads, args.heads_k or args.heads, args.head_dim, args.causal,
-              dtype=args.dtype)
+              dtype=args.dtype, varlen=realistic_lengths() if args.varlen else None)
     impls = _implementations(torch, variants=args.impl not in ("fmha", "fa4", "cudnn", "sdpa_flash"))
     fn = impls[args.impl]
     q, k, v, cu = _inputs(p, torch)
