@@ -92,14 +92,17 @@ def test_machine_code_has_wgmma_and_tma(tmp_path):
 _TMA_STORE = re.compile(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta")
 
 
-@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 128), (FP8, 128)])
-def test_o_is_staged_with_stmatrix_and_tma_stored(dtype, head_dim, tmp_path):
-    """16-bit dense output goes through shared memory and TMA (epilogue.store_o_tma): D=64 and
-    fp8 inputs in a buffer of its own, bf16 D=128 in the tile's Q buffer. The only global stores
-    left are the LSE's."""
-    cfg = _config(dtype, head_dim, "causal", True)
+@pytest.mark.parametrize("dtype,head_dim,varlen", [(torch.bfloat16, 64, False), (torch.bfloat16, 128, False),
+                                                   (FP8, 128, False), (torch.bfloat16, 64, True),
+                                                   (torch.bfloat16, 128, True)])
+def test_o_is_staged_with_stmatrix_and_tma_stored(dtype, head_dim, varlen, tmp_path):
+    """16-bit output goes through shared memory and TMA (epilogue.store_o_tma): D=64 and fp8
+    inputs in a buffer of its own, bf16 D=128 in the tile's Q buffer; varlen alike, through each
+    sequence's own descriptor. The only global stores left are the LSE's."""
+    cfg = _config(dtype, head_dim, "causal", False if varlen else True, varlen=varlen)
     assert cfg.o_store == (OStore.TMA_OWN_BUFFER if head_dim == 64 or dtype == FP8 else OStore.TMA_Q_BUFFER)
-    ptx = _ptx(cfg, tmp_path)
+    # the attention kernel's own code (varlen modules also hold the descriptor-writing kernel)
+    ptx = next(entry for entry in _ptx(cfg, tmp_path).split(".entry")[1:] if "wgmma" in entry)
     assert len(_TMA_STORE.findall(ptx)) == head_dim // 64  # one TMA box per 64 columns (128B swizzle)
     assert "stmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx
     assert "cp.async.bulk.wait_group.read" in ptx
@@ -107,14 +110,14 @@ def test_o_is_staged_with_stmatrix_and_tma_stored(dtype, head_dim, tmp_path):
 
 
 @pytest.mark.parametrize("dtype,head_dim,kw", [
-    (torch.bfloat16, 64, dict(varlen=True)),
+    (FP8, 256, dict(varlen=True)),
     (torch.bfloat16, 128, dict(out_dtype=torch.float16)),
     (FP8, 128, dict(out_dtype=FP8)),
-], ids=["varlen", "mixed_out_d128", "fp8_out"])
+], ids=["fp8_varlen_d256", "mixed_out_d128", "fp8_out"])
 def test_o_is_stored_directly_where_tma_cannot_write_it(dtype, head_dim, kw, tmp_path):
-    """Varlen (a TMA box does not stop at a sequence's end), an output type other than the
-    input's where O would be staged in the Q buffer (D=128), and fp8 outputs keep the direct
-    stores."""
+    """fp8 varlen at D=256 (its ring leaves no room for O's buffer, and the Q buffer holds fp8),
+    an output type other than the input's where O would be staged in the Q buffer (D=128), and
+    fp8 outputs keep the direct stores."""
     ptx = _ptx(_config(dtype, head_dim, "none", True, **kw), tmp_path)
     assert not _TMA_STORE.search(ptx) and "stmatrix" not in ptx
     assert "st.global" in ptx

@@ -53,7 +53,8 @@ def test_tiles_fit_shared_memory_and_the_fp8_key_blocks(dtype, d):
 def test_o_gets_its_own_buffer_only_beside_a_full_kv_ring():
     """Where the K/V ring has reached its cap (head dim <= 64), and with fp8 inputs, O is staged
     in a buffer of its own; elsewhere in the Q buffer, so that the ring keeps its depth. Varlen
-    and fp8 outputs store O directly."""
+    does the same through each sequence's descriptor; fp8 outputs, and fp8 varlen (no buffer
+    kept for O), store O directly."""
     def cfg(d, dtype=torch.bfloat16, out=None, varlen=False, persistent=True, seqlen=1024, mask="causal"):
         return library_config(dtype, d, mask, persistent, varlen, out_dtype=out, seqlen_k=seqlen)
     for d in (32, 64):
@@ -67,7 +68,9 @@ def test_o_gets_its_own_buffer_only_beside_a_full_kv_ring():
         assert (c.q_stages * c.tile_m + c.kv_stages * c.tile_n) * d + c.tile_m * d * 2 <= 227 * 1024 - 2048
     assert cfg(128).o_store == OStore.TMA_Q_BUFFER and cfg(256).o_store == OStore.TMA_Q_BUFFER
     assert cfg(128, out=torch.float16).o_store == OStore.DIRECT  # the Q buffer holds bf16
-    assert cfg(64, varlen=True).o_store == OStore.DIRECT and cfg(64, FP8, out=FP8).o_store == OStore.DIRECT
+    assert cfg(64, FP8, out=FP8).o_store == OStore.DIRECT
+    assert cfg(64, varlen=True).o_store == OStore.TMA_OWN_BUFFER and cfg(128, varlen=True).o_store == OStore.TMA_Q_BUFFER
+    assert cfg(128, varlen=True).sequence_descriptors == 4 and cfg(256, FP8, varlen=True).sequence_descriptors == 3
     assert cfg(64, out=torch.float16).o_store == OStore.TMA_OWN_BUFFER
     for c in (cfg(256, FP8, varlen=True), cfg(256, FP8, out=FP8)):  # stored directly: no buffer kept
         assert c.o_store == OStore.DIRECT and c.kv_stages == 6

@@ -170,7 +170,8 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
 
         if const_expr(varlen):
             self.describe_sequences(
-                tma_q, tma_k, tma_v, q, k, v, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, mErrors, max_seqlen_q,
+                tma_q, tma_k, tma_v, None, q, k, v, None, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, mErrors,
+                max_seqlen_q,  # O: stored from registers for varlen
             ).launch(grid=[num_batches, 1, 1], block=[32, 1, 1], stream=stream)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,

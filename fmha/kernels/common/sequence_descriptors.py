@@ -10,6 +10,8 @@ through the sequence's own descriptors, with coordinates relative to the sequenc
 TMA zero-fills loads (and drops stores) past its end.
 """
 
+from typing import Optional
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
@@ -20,9 +22,10 @@ from .error_bits import BAD_OFFSETS
 from .errors import flag_error
 from .seqinfo import SequenceInfo
 
-#: which descriptor of a sequence's (forward: q, k, v; backward: q, k, v, dO, and dK, dV where the
-#: backward stores them by TMA)
+#: which descriptor of a sequence's (forward: q, k, v, and O where it stores O by TMA; backward:
+#: q, k, v, dO, and dK, dV where it stores them by TMA)
 Q, K, V, DO, DK, DV = 0, 1, 2, 3, 4, 5
+O = 3  # the forward's fourth: it has no dO
 
 
 def sequence_descriptor(descriptors: cute.Tensor, batch, which: int, for_copy: bool = True):
@@ -93,11 +96,12 @@ class SequenceDescriptors:
 
     @cute.kernel
     def describe_sequences(self, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
-                           q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,
-                           mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                           tma_o: Optional[cute.CopyAtom], q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,
+                           o: Optional[cute.Tensor], mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
                            mSeqDescriptors: cute.Tensor, mErrors: cute.Tensor, max_seqlen_q: Int32):
-        """One warp per sequence. q, k: (S, D, H, 1); v: (D, S, H, 1). Staged fp8 V has a batch
-        row per sequence already and keeps the atom's descriptor."""
+        """One warp per sequence. q, k, o: (S, D, H, 1); v: (D, S, H, 1). Staged fp8 V has a batch
+        row per sequence already and keeps the atom's descriptor; ``tma_o`` is None where O is
+        stored from registers."""
         batch = Int32(cute.arch.block_idx()[0])
         seq = SequenceInfo.create(batch, q.shape[0], k.shape[0], mCuSeqlensQ, mCuSeqlensK, max_seqlen_q)
         flag_bad_offsets(mCuSeqlensQ, mCuSeqlensK, batch, seq, q.shape[0], k.shape[0], mErrors)
@@ -106,4 +110,6 @@ class SequenceDescriptors:
         write_sequence_descriptor(tma_k, sequence_rows(k, offset_k, len_k, 0), mSeqDescriptors, batch, K)
         if const_expr(not self.cfg.v_staged):
             write_sequence_descriptor(tma_v, sequence_rows(v, offset_k, len_k, 1), mSeqDescriptors, batch, V)
+        if const_expr(tma_o is not None):
+            write_sequence_descriptor(tma_o, sequence_rows(o, offset_q, len_q, 0), mSeqDescriptors, batch, O)
         cpasync.fence_tma_desc_release()

@@ -54,7 +54,8 @@ def _fake_arguments(cfg: HopperForwardConfig) -> tuple:
         cu_q, cu_k = fake_vector(cutlass.Int32), fake_vector(cutlass.Int32)
         tiles = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=4)
         count = fake_vector(cutlass.Int32, 1) if cfg.tiles_on_device else None
-        descriptors = cute.runtime.make_fake_tensor(cutlass.Int64, (cute.sym_int(), 3, 16), stride=(48, 16, 1),
+        n = cfg.sequence_descriptors
+        descriptors = cute.runtime.make_fake_tensor(cutlass.Int64, (cute.sym_int(), n, 16), stride=(16 * n, 16, 1),
                                                     assumed_align=128)
         errors = fake_vector(cutlass.Int32, 1)
     counter = fake_vector(cutlass.Int32, 1) if cfg.claims_tiles else None
@@ -99,8 +100,9 @@ class HopperRunner:
             v = stage_v_fp8(v, cu_seqlens_k if cfg.varlen else None, problem.seqlen_k)
         tiles = count = descriptors = None
         if cfg.varlen:
-            # per-sequence TMA descriptors (q, k, v; 128 bytes each), written by the launch
-            descriptors = torch.empty((problem.batch, 3, 16), dtype=torch.int64, device=q.device)
+            # per-sequence TMA descriptors (q, k, v[, o]; 128 bytes each), written by the launch
+            descriptors = torch.empty((problem.batch, cfg.sequence_descriptors, 16), dtype=torch.int64,
+                                      device=q.device)
             lens_q, lens_k = problem.seqlens_q, problem.seqlens_k
             if cfg.tiles_on_device:  # listed by the launch: room for every tile up to the max length
                 capacity = max(problem.batch * -(-problem.seqlen_q // cfg.tile_m), 1)

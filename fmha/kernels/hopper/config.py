@@ -111,10 +111,10 @@ def q_stages_for(schedule: Schedule, head_dim: int, seqlen_k: int) -> int:
 
 def o_store_for(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, varlen: bool, unmasked: bool,
                 seqlen_k: int, tile_m: int, tile_n: int, q_stages: int) -> OStore:
-    """TMA stores of O (whole lines) where they measured faster and can work: not for varlen (a
-    TMA box does not stop at a sequence's end), 16-bit outputs only; D <= 64 rows reading more
-    than 2k keys keep the direct store, which measured faster there."""
-    if varlen or element_bytes(out_dtype) != 2 or (head_dim <= 64 and unmasked and seqlen_k > 2048):
+    """TMA stores of O (whole lines) where they measured faster and can work: 16-bit outputs
+    only (varlen through each sequence's own descriptor, which stops the box at its end); D <= 64
+    rows reading more than 2k keys keep the direct store, which measured faster there."""
+    if element_bytes(out_dtype) != 2 or (head_dim <= 64 and unmasked and seqlen_k > 2048):
         return OStore.DIRECT
     reserved = o_buffer_reserved(dtype, out_dtype, varlen, tile_m, head_dim)
     used = (q_stages * tile_m + kv_stages_for(dtype, head_dim, tile_m, tile_n, q_stages, reserved) * tile_n) \
@@ -164,8 +164,8 @@ class HopperForwardConfig:
             raise ValueError(f"tiles are 64 query rows per warpgroup and 16-key steps, not {self.tile_m}x{self.tile_n}")
         if self.schedule == Schedule.CLAIMED and self.varlen:
             raise ValueError("varlen problems walk their tile table; they do not claim tiles")
-        if self.o_store != OStore.DIRECT and (self.varlen or element_bytes(self.out_dtype) != 2):
-            raise ValueError("O is TMA-stored only for fixed-length batches with a 16-bit output")
+        if self.o_store != OStore.DIRECT and element_bytes(self.out_dtype) != 2:
+            raise ValueError("O is TMA-stored only with a 16-bit output")
         if self.tiles_on_device and not self.varlen:
             raise ValueError("only varlen problems have a tile list")
         if self.o_store == OStore.TMA_Q_BUFFER and self.out_dtype != self.dtype:
@@ -257,6 +257,11 @@ class HopperForwardConfig:
     @property
     def o_via_tma(self) -> bool:
         return self.o_store != OStore.DIRECT
+
+    @property
+    def sequence_descriptors(self) -> int:
+        """Varlen: TMA descriptors per sequence (q, k, v; o where O is TMA-stored)."""
+        return 4 if self.o_via_tma else 3
 
     @property
     def kv_load_rows(self) -> int:

@@ -20,6 +20,7 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
 
 from ..common.fragments import as_rows_cols
 from ..common.tma import tma_tiles
@@ -107,6 +108,8 @@ def store_o_tma(o_out: cute.Tensor, tiled_mma_pv: cute.TiledMma, num_wgs: cutlas
     cute.arch.fence_view_async_shared()
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WARPGROUP_THREADS)
     if storing_warp:
+        if const_expr(tma_desc_ptr is not None):
+            cpasync.fence_tma_desc_acquire(tma_desc_ptr)
         wg_tile = (64, cute.size(sO, mode=[1]))
         sO_wg = cute.local_tile(sO, wg_tile, (wg, 0))
         gO = cute.local_tile(mO_tma[None, None, head, batch], wg_tile, (m_block * num_wgs + wg, 0))

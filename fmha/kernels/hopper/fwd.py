@@ -132,11 +132,11 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load_op, v, sV_box, (d, kv_rows))
         # O as staged for the TMA store: the Q tile's layout, in the output type.
         sO_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d), self.out_dtype, 1)
-        tma_o = tma_tensor_o = None
+        tma_o = tma_tensor_o = o = None
         if const_expr(cfg.o_via_tma):
+            o = bshd_to_sdhb(mO, varlen)
             o_wg_layout = wg_slice_layout(cute.select(sO_layout, mode=[0, 1]), tile_m, d)
-            tma_o, tma_tensor_o = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), bshd_to_sdhb(mO, varlen), o_wg_layout, (64, d))
+            tma_o, tma_tensor_o = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), o, o_wg_layout, (64, d))
         self.q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
         self.kv_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
 
@@ -176,7 +176,8 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
 
         if const_expr(varlen):
             self.describe_sequences(
-                tma_q, tma_k, tma_v, q, k, v, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, mErrors, max_seqlen_q,
+                tma_q, tma_k, tma_v, tma_o, q, k, v, o, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, mErrors,
+                max_seqlen_q,
             ).launch(grid=[num_batches, 1, 1], block=[32, 1, 1], stream=stream)
         if const_expr(cfg.tiles_on_device):
             self.list_work_tiles(mCuSeqlensQ, mCuSeqlensK, q.shape[0], k.shape[0], max_seqlen_q, None, window_left,
@@ -296,7 +297,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
             cute.arch.setmaxregister_increase(cfg.register_budgets[1])
             self.consumer(
                 scheduler, cache, tiled_mma_qk, tiled_mma_pv, mQ_sdhb, mK_tma, mO, mLSE, tma_o, mO_tma,
-                mCuSeqlensQ, mCuSeqlensK, scale_log2, output_scale, window_left, window_right,
+                mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, scale_log2, output_scale, window_left, window_right,
                 sQ, sK, sV, sO, q_consumer, kv_consumer, tidx - _WG,
             )
 
@@ -478,7 +479,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
     @cute.jit
     def consumer(
         self, scheduler, cache: KvCache, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-        mQ_sdhb, mK_tma, mO, mLSE, tma_o, mO_tma, mCuSeqlensQ, mCuSeqlensK,
+        mQ_sdhb, mK_tma, mO, mLSE, tma_o, mO_tma, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors,
         scale_log2: Float32, output_scale: Float32, window_left, window_right,
         sQ, sK, sV, sO: Optional[cute.Tensor], q_consumer: pipeline.PipelineConsumer,
         kv_consumer: pipeline.PipelineConsumer, tidx: Int32,
@@ -539,7 +540,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
                     q_handle.release()  # else once the O staged in it has been stored
                 softmax.finalize(acc_o, output_scale, lse_rows)
                 self.epilogue(acc_o, lse_rows, tiled_mma_pv, tOcO, tidx, wg, q_handle, sQ, sO, tma_o, mO_tma,
-                              mO, mLSE, tile, seq)
+                              mO, mLSE, mSeqDescriptors, tile, seq)
             tile_idx, cursor = scheduler.consumer_next(tile_idx, cursor)
         if const_expr(cfg.o_store == OStore.TMA_OWN_BUFFER):
             drain_o_stores()
@@ -548,7 +549,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
     def epilogue(self, acc_o: cute.Tensor, lse_rows: cute.Tensor, tiled_mma_pv: cute.TiledMma, tOcO: cute.Tensor,
                  tidx: Int32, wg: Int32, q_handle, sQ: cute.Tensor, sO: Optional[cute.Tensor],
                  tma_o: Optional[cute.CopyAtom], mO_tma: Optional[cute.Tensor], mO: cute.Tensor,
-                 mLSE: Optional[cute.Tensor], tile, seq: SequenceInfo):
+                 mLSE: Optional[cute.Tensor], mSeqDescriptors: Optional[cute.Tensor], tile, seq: SequenceInfo):
         """Write this warpgroup's rows of the normalized O and their LSE."""
         cfg = self.cfg
         o_out = cute.make_rmem_tensor_like(acc_o, self.out_dtype)
@@ -560,8 +561,13 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
                 q_index = q_handle.index
                 staging = sQ[None, None, q_index]
                 release_q = lambda: q_pipe.sync_object_empty.arrive(q_index, q_pipe.consumer_mask)  # noqa: E731
+            # varlen: the sequence's own descriptor, rows counted from its first (the packed tensor
+            # has one batch row)
+            desc_o = seq_desc.sequence_descriptor(mSeqDescriptors, tile.batch, seq_desc.O) if const_expr(
+                cfg.varlen) else None
             store_o_tma(o_out, tiled_mma_pv, cfg.num_consumer_warpgroups, tidx, wg, NamedBarrier.O_STAGED + wg,
-                        staging, tma_o, mO_tma, tile.m_block, tile.head, tile.batch, release_q)
+                        staging, tma_o, mO_tma, tile.m_block, tile.head,
+                        Int32(0) if const_expr(cfg.varlen) else tile.batch, release_q, desc_o)
         else:
             store_o_direct(o_out, tOcO, mO, cfg.varlen, tile.m_block, cfg.tile_m, tile.head, tile.batch,
                            seq.offset_q, seq.seqlen_q)
