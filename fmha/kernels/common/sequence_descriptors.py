@@ -3,7 +3,7 @@
 A packed batch's tensors hold every sequence back to back, and a TMA box clips only at the
 tensor's end. A query or key tile that runs past its sequence's last row would read the next
 sequence's rows (whose V, if it held NaN or inf, would turn P = 0 into 0 * NaN), and a store past
-it would write into the next sequence's gradients (the backward's dK and dV). So before the attention kernel a small
+it would write into the next sequence's output (the forward's O, the backward's dK and dV). So before the attention kernel a small
 kernel (one warp per sequence, on the same stream) copies each TMA atom's descriptor and narrows it
 to one sequence: base address at its first row, extent its length. The kernel then moves data
 through the sequence's own descriptors, with coordinates relative to the sequence's first row, and

@@ -5,10 +5,11 @@ Two ways to write O:
 * ``store_o_direct``: every thread stores its accumulator pairs straight to global memory,
   predicated on the sequence length. Each store instruction covers half of every 32-byte sector
   it touches (a quad of threads holds 8 adjacent columns of a row), so L2 sees twice the write
-  requests the data needs. Used for varlen (a TMA box would not stop at a sequence's end), fp8
-  outputs, and where the host measured it faster (``config.o_store_for``).
+  requests the data needs. Used for fp8 outputs, fp8 varlen at D=256 (no buffer for O), and
+  where the host measured it faster (``config.o_store_for``).
 * ``store_o_tma``: the warpgroup writes its rows into shared memory with ``stmatrix``, then its
-  first warp hands them to a TMA store, which writes whole lines and clips at the tensor's end.
+  first warp hands them to a TMA store, which writes whole lines and clips at the tensor's end
+  (varlen: at the sequence's end, through the sequence's own descriptor).
   The buffer is O's own where shared memory has room beside the K/V ring (``OStore.TMA_OWN_BUFFER``),
   else the tile's own Q buffer, which no MMA reads any more once the mainloop is over: each
   warpgroup only ever read its own 64 rows of Q, so it can overwrite them without waiting for the
