@@ -87,7 +87,8 @@ def store_o_tma(o_out: cute.Tensor, tiled_mma_pv: cute.TiledMma, num_wgs: cutlas
     storing thread once the TMA has read it, which frees it for the producer's next Q load. Own
     buffer: the store runs on while the next tile computes; the storing thread waits for its read
     only before the next tile's O overwrites it. ``barrier_id``: the warpgroup's own named barrier.
-    ``tma_desc_ptr``: a descriptor of the rows' own (a packed sequence's) instead of the atom's.
+    ``tma_desc_ptr``: a descriptor of the rows' own (a packed sequence's) instead of the atom's,
+    fenced by the storing warp before its use.
     ``fresh_buffer``: no store of this warpgroup reads ``sO`` (its first use as a staging buffer),
     so the staging starts without waiting for one; the stores still in flight are left running.
 

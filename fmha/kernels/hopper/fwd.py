@@ -561,10 +561,9 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
                 q_index = q_handle.index
                 staging = sQ[None, None, q_index]
                 release_q = lambda: q_pipe.sync_object_empty.arrive(q_index, q_pipe.consumer_mask)  # noqa: E731
-            # varlen: the sequence's own descriptor, rows counted from its first (the packed tensor
-            # has one batch row)
-            desc_o = seq_desc.sequence_descriptor(mSeqDescriptors, tile.batch, seq_desc.O) if const_expr(
-                cfg.varlen) else None
+            desc_o = None
+            if const_expr(cfg.varlen):  # the sequence's own: rows count from its first, in batch row 0
+                desc_o = seq_desc.sequence_descriptor(mSeqDescriptors, tile.batch, seq_desc.O)
             store_o_tma(o_out, tiled_mma_pv, cfg.num_consumer_warpgroups, tidx, wg, NamedBarrier.O_STAGED + wg,
                         staging, tma_o, mO_tma, tile.m_block, tile.head,
                         Int32(0) if const_expr(cfg.varlen) else tile.batch, release_q, desc_o)
