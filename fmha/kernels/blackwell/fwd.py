@@ -29,6 +29,7 @@ import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, Int64, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from fmha.masking import num_q_tiles
@@ -228,7 +229,7 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
             if const_expr(cfg.o_via_tma):
                 cpasync.prefetch_descriptor(tma_o)
 
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        storage = SmemAllocator().allocate(self.shared_storage)
         pipes = self.make_pipelines(storage)
         tmem_dealloc_mbar = storage.tmem_dealloc_mbar.data_ptr()
         if warp_idx == WarpRoles.IDLE:

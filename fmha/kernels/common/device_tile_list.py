@@ -16,6 +16,7 @@ and ``listed_tile_cost(tile, seq, window_left, window_right)``.
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+from cutlass.memory import SmemAllocator
 
 from .seqinfo import SequenceInfo
 
@@ -46,7 +47,7 @@ class DeviceWorkTileList:
         """One CTA of ``COST_BINS`` threads: ``mTileTable[:count]`` = (batch, tile) by cost,
         ``mTileCount[0]`` = count. ``max_seqlen_k``: None where the kernel does not clamp to it."""
         tidx = cute.arch.thread_idx()[0]
-        storage = cutlass.utils.SmemAllocator().allocate(_bins_struct())
+        storage = SmemAllocator().allocate(_bins_struct())
         counts = storage.counts.get_tensor(cute.make_layout(COST_BINS))
         warp_sums = storage.warp_sums.get_tensor(cute.make_layout(COST_BINS // 32))
         counts[tidx] = Int32(0)

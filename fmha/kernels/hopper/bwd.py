@@ -60,6 +60,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from fmha.masking import MaskKind, first_row_past, row_key_bounds
@@ -282,7 +283,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
             if const_expr(self.cfg.dkv_store_tma):
                 cpasync.prefetch_descriptor(tma_dk)
                 cpasync.prefetch_descriptor(tma_dv)
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        storage = SmemAllocator().allocate(self.shared_storage)
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, 8)
         qdo_producer, qdo_consumer = pipeline.PipelineTmaAsync.create(

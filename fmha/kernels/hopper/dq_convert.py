@@ -15,6 +15,7 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, const_expr
+from cutlass.memory import SmemAllocator
 
 from ..common.seqinfo import SequenceInfo
 from . import dq_layout
@@ -87,7 +88,7 @@ class DqConvert:
         m0 = m_block * tile_m
         if m0 < rows:
             row_stride = d + _PAD
-            smem = cutlass.utils.SmemAllocator()
+            smem = SmemAllocator()
             sTile = smem.allocate_tensor(mdQ.element_type, cute.make_layout((tile_m, d), stride=(row_stride, 1)), 16)
             wg, t = tidx // _WG, tidx % _WG
             # the MMA's row of this thread's registers 0-1 (2-3 are 8 below) and its first column

@@ -31,6 +31,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from fmha.masking import kv_tile_schedule, num_q_tiles, split_share
@@ -250,7 +251,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
             if const_expr(cfg.o_via_tma):
                 cpasync.prefetch_descriptor(tma_o)
 
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        storage = SmemAllocator().allocate(self.shared_storage)
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # TMA pipelines count one arrival per consumer warp on release.
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, cfg.num_consumer_warpgroups * 4)

@@ -18,6 +18,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
+from cutlass.memory import SmemAllocator
 
 from fmha.jit.compile import compile_for
 
@@ -76,7 +77,7 @@ class StageVKernel:
         tidx, _, _ = cute.arch.thread_idx()
         tile, head, batch = cute.arch.block_idx()
         words = self.words
-        smem = cutlass.utils.SmemAllocator()
+        smem = SmemAllocator()
         sRaw = smem.allocate_tensor(Int32, cute.make_layout((_TILE_KEYS, words), stride=(words, 1)), 16)
         if const_expr(self.varlen):
             first = cu_seqlens[batch]
