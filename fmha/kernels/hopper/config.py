@@ -66,7 +66,8 @@ def allowed_tiles(dtype: torch.dtype, head_dim: int) -> tuple:
 
 def o_buffer_reserved(dtype: torch.dtype, out_dtype: torch.dtype, varlen: bool, tile_m: int, head_dim: int) -> int:
     """Shared memory kept for O's staging buffer before the K/V ring takes the rest: fp8 inputs
-    with a 16-bit O that TMA can store (an fp8 ring stays deep enough beside it)."""
+    with a 16-bit O (an fp8 ring stays deep enough beside it); not yet for varlen, whose fp8 D=256
+    ring was verified at full depth with O stored directly."""
     if dtype == torch.float8_e4m3fn and element_bytes(out_dtype) == 2 and not varlen:
         return tile_m * head_dim * 2
     return 0
