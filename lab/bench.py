@@ -33,6 +33,8 @@ REL_L2_LIMIT = 2e-2  # bf16 outputs against the fp32 reference
 FP8_REL_L2_LIMIT = 5e-2  # fp8 inputs: against the reference on the same fp8 values
 FP8_OUT_REL_L2_LIMIT = 1e-1  # and an fp8 output (cuDNN's): e4m3's rounding of O adds about 3.6% RMS
 FP8_OUTPUT_IMPLS = ("cudnn_fp8",)
+#: fmha through its public API (the rest of the ``fmha_*`` names are lab/variants.py's)
+LIBRARY_IMPLS = ("fmha", "fmha_new_offsets", "fmha_unchecked", "fmha_deterministic")
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,7 @@ def _implementations(torch, variants: bool = False, peers: bool = True) -> dict[
 
     impls: dict[str, Callable] = {"fmha": ours, "fmha_new_offsets": ours_new_offsets,
                                   "fmha_unchecked": ours_unchecked, "fmha_deterministic": ours_deterministic}
+    assert set(impls) == set(LIBRARY_IMPLS)
     if variants:
         from lab.variants import BACKWARD_VARIANTS, VARIANTS, backward_variant, kernel_variant
 
@@ -670,12 +673,12 @@ def startup_table(rows: list[dict]) -> str:
 def _compile_point(args) -> str:
     """Worker of ``warm_compile_cache``: run the given implementations once at one point (and
     their backward, for ``--backward``/``--step``), so that their kernels land in a disk cache."""
-    fields, names, variants, backward = args
+    fields, names, backward = args
     p = Point(**{**fields, "varlen": tuple(fields["varlen"]) if fields["varlen"] else None})
     try:
         import torch
 
-        impls = _implementations(torch, variants, peers=any(not n.startswith("fmha") for n in names))
+        impls = _implementations(torch, peers=any(n not in LIBRARY_IMPLS for n in names))
         q, k, v, cu = _inputs(p, torch)
     except Exception as e:
         return f"{p.label()}: {type(e).__name__}: {e}"
@@ -693,19 +696,20 @@ def _compile_point(args) -> str:
     return f"{p.label()}: {', '.join(failed) if failed else 'compiled'}"
 
 
-def warm_compile_cache(points: list[Point], names: list[str], workers: int, variants: bool, backward: bool) -> None:
+def warm_compile_cache(points: list[Point], names: list[str], workers: int, backward: bool) -> None:
     """Compile the kernels of ``points`` in ``workers`` processes before timing: fmha's land in
     its on-disk cache (fmha.jit.disk_cache), FA4's in its own where the environment turns that on
     (``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``), so the timed process loads each in a fraction
     of a second instead of compiling the grid one kernel after another (7-12 s each)."""
     import multiprocessing
 
-    cached = [n for n in names if n.startswith("fmha")
+    # the variants compile below the library (lab/variants.py), past its disk cache
+    cached = [n for n in names if n in LIBRARY_IMPLS
               or (n == "fa4" and os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") == "1")]
     if not cached or not points:
         return
     start = time.perf_counter()
-    tasks = [(asdict(p), cached, variants, backward) for p in points]
+    tasks = [(asdict(p), cached, backward) for p in points]
     with multiprocessing.get_context("spawn").Pool(min(workers, len(tasks))) as pool:
         for line in pool.imap_unordered(_compile_point, tasks):
             if not line.endswith("compiled"):
@@ -771,7 +775,7 @@ def main(argv=None):
     points = [p for p in points if wanted(p.label())]
     if args.compile_workers:
         try:
-            warm_compile_cache(points, list(impls), args.compile_workers, args.variants, args.backward or args.step)
+            warm_compile_cache(points, list(impls), args.compile_workers, args.backward or args.step)
         except Exception as e:  # the timed loop compiles what is missing
             print(f"warm-up failed ({type(e).__name__}: {e}); compiling in the timed process", flush=True)
         if args.compile_only:
