@@ -562,12 +562,11 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
                 q_index = q_handle.index
                 staging = sQ[None, None, q_index]
                 release_q = lambda: q_pipe.sync_object_empty.arrive(q_index, q_pipe.consumer_mask)  # noqa: E731
-            desc_o = None
+            desc_o, o_batch = None, tile.batch
             if const_expr(cfg.varlen):  # the sequence's own: rows count from its first, in batch row 0
-                desc_o = seq_desc.sequence_descriptor(mSeqDescriptors, tile.batch, seq_desc.O)
+                desc_o, o_batch = seq_desc.sequence_descriptor(mSeqDescriptors, tile.batch, seq_desc.O), Int32(0)
             store_o_tma(o_out, tiled_mma_pv, cfg.num_consumer_warpgroups, tidx, wg, NamedBarrier.O_STAGED + wg,
-                        staging, tma_o, mO_tma, tile.m_block, tile.head,
-                        Int32(0) if const_expr(cfg.varlen) else tile.batch, release_q, desc_o)
+                        staging, tma_o, mO_tma, tile.m_block, tile.head, o_batch, release_q, desc_o)
         else:
             store_o_direct(o_out, tOcO, mO, cfg.varlen, tile.m_block, cfg.tile_m, tile.head, tile.batch,
                            seq.offset_q, seq.seqlen_q)
