@@ -22,7 +22,7 @@ from .backends import (
     unsupported_reasons,
 )
 from . import device_errors
-from .problem import AttentionProblem
+from .problem import AttentionProblem, lse_dtype
 from .validation import (ALIGN_BYTES, kernel_options, lse_shape, offsets_read_record, out_shape, validate,
                          validate_backward)
 
@@ -34,7 +34,7 @@ def _allocate(q: torch.Tensor, problem: AttentionProblem, out, lse):
         out = torch.empty(out_shape(q, problem.head_dim_v), dtype=problem.out_dtype,
                           device=q.device)
     if lse is None and problem.return_lse:
-        lse = torch.empty(lse_shape(q, problem.varlen), dtype=torch.float32, device=q.device)
+        lse = torch.empty(lse_shape(q, problem.varlen), dtype=lse_dtype(q.dtype), device=q.device)
     return out, lse
 
 
@@ -99,19 +99,19 @@ def _pointers_aligned(tensors) -> bool:
     return all(t is None or t.data_ptr() % ALIGN_BYTES == 0 for t in tensors)
 
 
-def _needs_autograd(q, k, v) -> bool:
+def _needs_autograd(q, k, v, sinks=None) -> bool:
     """Whether the call must go through the custom ops: an input requires grad (and grad mode is
     on), or torch.compile is tracing it."""
     if torch.compiler.is_compiling():
         return True
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, sinks))
 
 
 def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqlen_k,
          return_lse, out, lse, out_dtype, backend, persistent, tile_mn, deterministic, **mask_and_scales):
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-    if _needs_autograd(q, k, v):
+    if _needs_autograd(q, k, v, mask_and_scales.get("sinks")):
         from . import ops
 
         if out is not None or lse is not None:
@@ -131,14 +131,15 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_s
              return_lse, out, lse, out_dtype, backend, persistent, tile_mn, **mask_and_scales):
     """Validate, dispatch and run one forward call (no autograd)."""
     cu_seqlens = (cu_seqlens_q, cu_seqlens_k) if varlen else ()
-    key, hit = _recall((q, k, v, out, lse), (return_lse, out_dtype, backend, persistent, tile_mn, varlen,
-                                             max_seqlen_q, max_seqlen_k) + tuple(mask_and_scales.values()),
-                       cu_seqlens)
+    sinks = mask_and_scales.get("sinks")
+    plain = tuple(v for n, v in mask_and_scales.items() if n != "sinks")
+    key, hit = _recall((q, k, v, out, lse, sinks), (return_lse, out_dtype, backend, persistent, tile_mn, varlen,
+                                                    max_seqlen_q, max_seqlen_k) + plain, cu_seqlens)
     if hit is not None and _pointers_aligned((q, k, v, out)):
         problem, runner = hit
         out, lse = _allocate(q, problem, out, lse)
         with _offsets_checked_on_device(problem):
-            runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+            runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks)
         return (out, lse) if return_lse else out
     check_backend_name(backend)
     problem = validate(
@@ -152,7 +153,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_s
     runner = get_runner(chosen, problem, options)
     _remember(key, problem, runner, cu_seqlens)
     with _offsets_checked_on_device(problem):
-        runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -170,7 +171,7 @@ def _offsets_checked_on_device(problem):
 def attention(
     q, k, v, *,
     causal=False, window_size=(None, None), mask_align="top_left", compressed_causal=False,
-    softmax_scale=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
+    softmax_scale=None, softcap=0.0, sinks=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
     return_lse=False, out=None, lse=None, out_dtype=None,
     backend="auto", persistent=None, tile_mn=None, deterministic=False,
 ):
@@ -179,14 +180,18 @@ def attention(
     the input dtype, bf16 for fp8), or ``(O, LSE)`` with LSE (B, H_q, S_q) fp32 when
     ``return_lse``. ``out``/``lse`` preallocated are written in place (``lse`` is filled even
     without ``return_lse``). Semantics: docs/semantics.md; ``window_size`` sides are ints or None
-    (unbounded). With inputs that require grad, autograd records the call; ``deterministic=True``
-    makes its backward bitwise-repeatable (the forward always is).
+    (unbounded) and may be negative (a band offset: ``(None, -5)`` keeps keys at least five
+    positions back); ``causal=True`` with a window clips its right side to 0. ``softcap`` > 0 caps
+    the scaled scores at ``softcap * tanh(s / softcap)``; ``sinks`` (H_q,) adds one logit per query
+    head to every row's softmax denominator (gpt-oss). With inputs that require grad (``sinks``
+    too), autograd records the call; ``deterministic=True`` makes its backward bitwise-repeatable
+    (the forward always is).
     """
     return _run(
         q, k, v, None, None, varlen=False, max_seqlen_q=None, max_seqlen_k=None,
         causal=causal, window_size=window_size, mask_align=mask_align,
-        compressed_causal=compressed_causal, softmax_scale=softmax_scale, scale_q=scale_q,
-        scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o, return_lse=return_lse,
+        compressed_causal=compressed_causal, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks,
+        scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o, return_lse=return_lse,
         out=out, lse=lse, out_dtype=out_dtype, backend=backend, persistent=persistent,
         tile_mn=tile_mn, deterministic=deterministic,
     )
@@ -195,7 +200,7 @@ def attention(
 def attention_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
     causal=False, window_size=(None, None), mask_align="top_left", compressed_causal=False,
-    softmax_scale=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
+    softmax_scale=None, softcap=0.0, sinks=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
     return_lse=False, out=None, lse=None, out_dtype=None,
     backend="auto", persistent=None, tile_mn=None, deterministic=False,
 ):
@@ -209,8 +214,8 @@ def attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=True, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
         causal=causal, window_size=window_size, mask_align=mask_align,
-        compressed_causal=compressed_causal, softmax_scale=softmax_scale, scale_q=scale_q,
-        scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o, return_lse=return_lse,
+        compressed_causal=compressed_causal, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks,
+        scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o, return_lse=return_lse,
         out=out, lse=lse, out_dtype=out_dtype, backend=backend, persistent=persistent,
         tile_mn=tile_mn, deterministic=deterministic,
     )
@@ -219,33 +224,34 @@ def attention_varlen(
 def attention_backward(
     dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, *,
     dlse=None, causal=False, window_size=(None, None), mask_align="top_left", compressed_causal=False,
-    softmax_scale=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
-    deterministic=False, dq=None, dk=None, dv=None, backend="auto",
+    softmax_scale=None, softcap=0.0, sinks=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
+    deterministic=False, dq=None, dk=None, dv=None, dsinks=None, backend="auto",
 ):
     """Gradients of attention with respect to q, k and v: ``(dq, dk, dv)`` in the dtypes and
     shapes of q, k, v (written into ``dq``/``dk``/``dv`` when given). ``out`` and ``lse`` are
     the forward's (``return_lse=True``), ``dout`` the gradient of ``out``, ``dlse`` (optional)
     that of ``lse``. Dense (BSHD) or, with ``cu_seqlens_q/k``, packed (THD) as in the forward,
     with the forward's keywords; ``deterministic=True`` asks for bitwise-repeatable gradients.
+    With ``sinks``, returns ``(dq, dk, dv, dsinks)`` (written into ``dsinks`` when given).
     For frameworks that drive the backward themselves (ring attention); ``attention(...)`` with
     inputs that require grad records autograd on its own."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    tensors = (dout, q, k, v, out, lse, dlse, dq, dk, dv)
+    tensors = (dout, q, k, v, out, lse, dlse, dq, dk, dv, sinks, dsinks)
     cu_seqlens = (cu_seqlens_q, cu_seqlens_k) if varlen else ()
     # a training loop repeats its calls: validation and dispatch are reused as the forward's are
     key, hit = _recall(tensors, ("backward", causal, window_size, mask_align, compressed_causal, softmax_scale,
-                                 scale_q, scale_k, scale_v, inv_scale_o, deterministic, backend, varlen,
+                                 softcap, scale_q, scale_k, scale_v, inv_scale_o, deterministic, backend, varlen,
                                  max_seqlen_q, max_seqlen_k), cu_seqlens)
     if hit is not None and _pointers_aligned((dout, q, k, v, out, dq, dk, dv)):
         problem, runner = hit
     else:
         check_backend_name(backend)
         problem = validate_backward(
-            dout, q, k, v, out, lse, dlse=dlse, dq=dq, dk=dk, dv=dv, varlen=varlen,
+            dout, q, k, v, out, lse, dlse=dlse, dq=dq, dk=dk, dv=dv, dsinks=dsinks, varlen=varlen,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, causal=causal, window_size=window_size, mask_align=mask_align,
-            compressed_causal=compressed_causal, softmax_scale=softmax_scale, scale_q=scale_q, scale_k=scale_k,
-            scale_v=scale_v, inv_scale_o=inv_scale_o,
+            compressed_causal=compressed_causal, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks,
+            scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o,
         )
         if not isinstance(deterministic, bool):
             raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
@@ -256,9 +262,12 @@ def attention_backward(
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
+    if sinks is not None and dsinks is None:
+        dsinks = torch.empty_like(sinks)
     with _offsets_checked_on_device(problem):
-        runner(problem, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, deterministic)
-    return dq, dk, dv
+        runner(problem, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, deterministic,
+               sinks, dsinks)
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)
 
 
 class FusedAttention:
@@ -280,18 +289,19 @@ class FusedAttention:
         self, sample_q, sample_k, sample_v, sample_o, sample_lse=None, *,
         cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
         causal=False, window_size=(None, None), mask_align="top_left", compressed_causal=False,
-        softmax_scale=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
+        softmax_scale=None, softcap=0.0, sinks=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
         backend="auto", persistent=None, tile_mn=None,
     ):
         check_backend_name(backend)
         self._varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
         self._kwargs = dict(
             causal=causal, window_size=window_size, mask_align=mask_align,
-            compressed_causal=compressed_causal, softmax_scale=softmax_scale, scale_q=scale_q,
+            compressed_causal=compressed_causal, softmax_scale=softmax_scale, softcap=softcap, scale_q=scale_q,
             scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o,
         )
+        self._sinks = sinks
         self.problem = self._validate(sample_q, sample_k, sample_v, sample_o, sample_lse,
-                                      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                                      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks)
         self.options = kernel_options(persistent, tile_mn)
         # execute(check=False) does not read cu_seqlens, so the sequence lengths are unknown:
         # the kernel then enumerates every query tile up to max_seqlen_q.
@@ -300,12 +310,12 @@ class FusedAttention:
         self._backend = None
         self._runner = None
 
-    def _validate(self, q, k, v, o, lse, cu_q, cu_k, max_q, max_k) -> AttentionProblem:
+    def _validate(self, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, sinks) -> AttentionProblem:
         if o is None:
             raise TypeError("o must be a preallocated torch.Tensor")
         return validate(
             q, k, v, varlen=self._varlen, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-            max_seqlen_q=max_q, max_seqlen_k=max_k, out=o, lse=lse, **self._kwargs,
+            max_seqlen_q=max_q, max_seqlen_k=max_k, out=o, lse=lse, sinks=sinks, **self._kwargs,
         )
 
     @property
@@ -329,7 +339,7 @@ class FusedAttention:
         self._runner = get_runner(self._backend, self.problem, self.options)
         return self
 
-    def execute(self, q, k, v, o, lse=None, cu_seqlens_q=None, cu_seqlens_k=None, *,
+    def execute(self, q, k, v, o, lse=None, cu_seqlens_q=None, cu_seqlens_k=None, *, sinks=None,
                 check: bool = True) -> None:
         """Write attention of q, k, v into ``o`` (and ``lse``); compiles on first use.
 
@@ -340,11 +350,11 @@ class FusedAttention:
             if self._runner is None:
                 self.compile()
             with _offsets_checked_on_device(self._problem_unread):
-                self._runner(self._problem_unread, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+                self._runner(self._problem_unread, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, sinks)
             return
         problem = self._validate(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
                                  self.problem.seqlen_q if self._varlen else None,
-                                 self.problem.seqlen_k if self._varlen else None)
+                                 self.problem.seqlen_k if self._varlen else None, sinks)
         # per-sequence lengths may change between executions (within the max lengths)
         diffs = [
             f"{f.name}: {getattr(problem, f.name)} (samples: {getattr(self.problem, f.name)})"
@@ -360,4 +370,4 @@ class FusedAttention:
         if self._runner is None:
             self.compile()
         with _offsets_checked_on_device(problem):
-            self._runner(problem, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+            self._runner(problem, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, sinks)

@@ -13,12 +13,14 @@ A kernel backend is any object with
   the key holds what is compiled in (dtypes, head dim, mask kind, ...) and leaves out what the
   runner reads per call (sizes, scales, window lengths): new sizes then do not recompile.
 - ``prepare(problem, options) -> runner``: compiles. ``runner(problem, q, k, v, out, lse,
-  cu_seqlens_q, cu_seqlens_k)`` runs the call described by ``problem`` (whose key equals the
-  prepared one), writes ``out`` (and ``lse`` unless it is None) in place and returns nothing.
+  cu_seqlens_q, cu_seqlens_k, sinks=None)`` runs the call described by ``problem`` (whose key
+  equals the prepared one), writes ``out`` (and ``lse`` unless it is None) in place and returns
+  nothing; ``sinks`` is the (H_q,) tensor when ``problem.has_sinks``.
 - optionally, for the backward: ``why_unsupported_backward(problem, options)``,
   ``backward_cache_key(problem, options)`` (as ``cache_key``, for the backward's runners) and
   ``prepare_backward(problem, options) -> runner``, ``runner(problem, dout, q, k, v, out, lse,
-  dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, deterministic)`` writing ``dq``, ``dk``, ``dv``.
+  dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, deterministic, sinks=None, dsinks=None)`` writing
+  ``dq``, ``dk``, ``dv`` (and ``dsinks`` when ``problem.has_sinks``).
   A backend without them has no backward; the reference then computes it.
 
 Kernel backends are imported lazily (the CuTe DSL costs about a second to import) and only
@@ -92,13 +94,14 @@ class ReferenceBackend:
         return self.run
 
     @staticmethod
-    def run(problem: AttentionProblem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k) -> None:
+    def run(problem: AttentionProblem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks=None) -> None:
         with torch.no_grad():
             o, l = attention_reference(
                 q, k, v, cu_seqlens_q, cu_seqlens_k,
                 mask=problem.mask, softmax_scale=problem.softmax_scale,
                 scale_q=problem.scale_q, scale_k=problem.scale_k,
                 scale_v=problem.scale_v, inv_scale_o=problem.inv_scale_o,
+                softcap=problem.softcap, sinks=sinks, compute_dtype=compute_dtype_for(problem.dtype),
             )
             out.copy_(cast_output(o, out.dtype))
             if lse is not None:
@@ -109,16 +112,23 @@ class ReferenceBackend:
 
     @staticmethod
     def run_backward(problem: AttentionProblem, dout, q, k, v, out, lse, dlse, dq, dk, dv,
-                     cu_seqlens_q, cu_seqlens_k, deterministic: bool) -> None:
+                     cu_seqlens_q, cu_seqlens_k, deterministic: bool, sinks=None, dsinks=None) -> None:
         with torch.no_grad():
             grads = attention_backward_reference(
                 dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                 mask=problem.mask, softmax_scale=problem.softmax_scale,
                 scale_q=problem.scale_q, scale_k=problem.scale_k,
                 scale_v=problem.scale_v, inv_scale_o=problem.inv_scale_o, dlse=dlse,
+                softcap=problem.softcap, sinks=sinks, compute_dtype=compute_dtype_for(problem.dtype),
             )
-            for dst, g in zip((dq, dk, dv), grads):
-                dst.copy_(g)
+            for dst, g in zip((dq, dk, dv, dsinks), grads):
+                if dst is not None:
+                    dst.copy_(g)
+
+
+def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """The reference computes fp64 inputs in fp64, everything else in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 REFERENCE = ReferenceBackend()

@@ -26,8 +26,8 @@ import torch
 
 from . import device_errors
 from .masking import MaskSpec
-from .problem import INPUT_DTYPES, default_out_dtype, output_dtypes_for
-from .validation import _check_layout, _dtype_name, _require_tensor, _scale
+from .problem import INPUT_DTYPES, ScoreScaling, default_out_dtype, lse_dtype, output_dtypes_for
+from .validation import _check_layout, _dtype_name, _require_tensor, _scale, check_sinks, check_softcap
 
 #: page sizes a paged cache may have (the kernels' TMA boxes are 16-row multiples)
 PAGE_SIZES = tuple(range(16, 257, 16))
@@ -107,7 +107,7 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_n
 
 
 @dataclass(frozen=True)
-class DecodeProblem:
+class DecodeProblem(ScoreScaling):
     """What a kernel needs to know of an ``attention_with_kvcache`` call (no tensor values)."""
 
     batch: int
@@ -127,11 +127,9 @@ class DecodeProblem:
     output_scale: float
     return_lse: bool
     num_splits: Optional[int] = None  # None: the kernel's heuristic
+    softcap: float = 0.0  # as AttentionProblem's
+    has_sinks: bool = False
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    @property
-    def score_scale_log2(self) -> float:
-        return self.score_scale * math.log2(math.e)
 
 
 def _append_on_device(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, page_size, capacity) -> None:
@@ -208,8 +206,9 @@ def _key_positions(b: int, length: int, block_table, page_size: Optional[int], n
 
 
 def decode_problem(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None, v_new=None,
-                   causal=True, window_size=(None, None), softmax_scale=None, scale_q=1.0, scale_k=1.0,
-                   scale_v=1.0, inv_scale_o=1.0, return_lse=False, out_dtype=None, num_splits=None) -> tuple:
+                   causal=True, window_size=(None, None), softmax_scale=None, softcap=0.0, sinks=None, scale_q=1.0,
+                   scale_k=1.0, scale_v=1.0, inv_scale_o=1.0, return_lse=False, out_dtype=None,
+                   num_splits=None) -> tuple:
     """Validate an ``attention_with_kvcache`` call (nothing read from the GPU): its
     ``DecodeProblem`` and the scales as the reference takes them."""
     paged, page_size, capacity, out_dtype = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
@@ -219,7 +218,9 @@ def decode_problem(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_ne
     mask = MaskSpec.from_args(causal, window_size, "bottom_right", False)
     scales = dict(softmax_scale=_scale("softmax_scale", softmax_scale, allow_none=True),
                   scale_q=_scale("scale_q", scale_q), scale_k=_scale("scale_k", scale_k),
-                  scale_v=_scale("scale_v", scale_v), inv_scale_o=_scale("inv_scale_o", inv_scale_o))
+                  scale_v=_scale("scale_v", scale_v), inv_scale_o=_scale("inv_scale_o", inv_scale_o),
+                  softcap=check_softcap(softcap))
+    check_sinks(sinks, q.shape[2], q.device)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                    or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
@@ -239,14 +240,14 @@ def decode_problem(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_ne
         capacity=capacity, num_pages=k_cache.shape[0], seqlen_new=s_new,
         score_scale=softmax * scales["scale_q"] * scales["scale_k"],
         output_scale=scales["scale_v"] * scales["inv_scale_o"], return_lse=return_lse, num_splits=num_splits,
-        device=q.device)
+        softcap=scales["softcap"], has_sinks=sinks is not None, device=q.device)
     return problem, scales
 
 
 def _check_outputs(problem: DecodeProblem, out, lse) -> None:
     want_o = (problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim_v)
     want_l = (problem.batch, problem.heads_q, problem.seqlen_q)
-    for name, t, shape, dtype in (("out", out, want_o, problem.out_dtype), ("lse", lse, want_l, torch.float32)):
+    for name, t, shape, dtype in (("out", out, want_o, problem.out_dtype), ("lse", lse, want_l, lse_dtype(problem.dtype))):
         if t is None:
             continue
         _require_tensor(name, t)
@@ -261,8 +262,9 @@ def _check_outputs(problem: DecodeProblem, out, lse) -> None:
 
 def attention_with_kvcache(
     q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None, v_new=None,
-    causal=True, window_size=(None, None), softmax_scale=None, scale_q=1.0, scale_k=1.0, scale_v=1.0,
-    inv_scale_o=1.0, return_lse=False, out_dtype=None, out=None, lse=None, backend="auto", num_splits=None,
+    causal=True, window_size=(None, None), softmax_scale=None, softcap=0.0, sinks=None, scale_q=1.0, scale_k=1.0,
+    scale_v=1.0, inv_scale_o=1.0, return_lse=False, out_dtype=None, out=None, lse=None, backend="auto",
+    num_splits=None,
 ):
     """Attention of the new query rows q (B, S_q, H_q, D) over each sequence's cached keys (and
     ``k_new``/``v_new``, appended to the cache first). ``cache_seqlens`` (B,) int32: valid
@@ -270,7 +272,8 @@ def attention_with_kvcache(
     D) with ``block_table`` (B, max_pages) int32. Masks are bottom-right aligned: with ``causal``
     (the default) row i of S_q sees keys up to L - S_q + i, L the sequence's length including
     the new keys. Returns O (B, S_q, H_q, D_v), or (O, LSE (B, H_q, S_q)) with ``return_lse``;
-    ``out``/``lse`` preallocated (contiguous) are written in place.
+    ``out``/``lse`` preallocated (contiguous) are written in place. ``softcap`` and ``sinks`` as in
+    ``fmha.attention``.
     ``num_splits``: how many CTAs share each query tile's keys (split-KV); None lets the kernel
     choose (``fmha.split_kv.choose_num_splits``). On the kernel path ``cache_seqlens`` and the
     block table are checked on the GPU: a bad value raises at a later call or at
@@ -279,11 +282,11 @@ def attention_with_kvcache(
     from .backends import check_backend_name, recall_dispatch, remember_dispatch
     from .reference import attention_reference, cast_output
 
-    tensors = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, lse)
+    tensors = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, lse, sinks)
     key = None
     if all(t is None or isinstance(t, torch.Tensor) for t in tensors):
         # a decode loop repeats its call: what validation and dispatch decided is reused
-        key = _memo_key(tensors, ("kvcache", causal, window_size, softmax_scale, scale_q, scale_k, scale_v,
+        key = _memo_key(tensors, ("kvcache", causal, window_size, softmax_scale, softcap, scale_q, scale_k, scale_v,
                                   inv_scale_o, return_lse, out_dtype, backend, num_splits))
     hit = recall_dispatch(key) if key is not None else None
     if hit is not None and _pointers_aligned(tensors):
@@ -294,8 +297,8 @@ def attention_with_kvcache(
             out_dtype = out.dtype
         problem, scales = decode_problem(
             q, k_cache, v_cache, cache_seqlens, block_table=block_table, k_new=k_new, v_new=v_new, causal=causal,
-            window_size=window_size, softmax_scale=softmax_scale, scale_q=scale_q, scale_k=scale_k, scale_v=scale_v,
-            inv_scale_o=inv_scale_o, return_lse=return_lse or lse is not None, out_dtype=out_dtype,
+            window_size=window_size, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks, scale_q=scale_q,
+            scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o, return_lse=return_lse or lse is not None, out_dtype=out_dtype,
             num_splits=num_splits)
         _check_outputs(problem, out, lse)
         runner = _decode_runner(backend, problem)
@@ -313,8 +316,8 @@ def attention_with_kvcache(
             _append_on_device(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, page_size, capacity)
             lengths = cache_seqlens + s_new
         if lse is None and return_lse:
-            lse = torch.empty((batch, heads_q, s_q), dtype=torch.float32, device=q.device)
-        runner(problem, q, k_cache, v_cache, lengths, block_table, out, lse)
+            lse = torch.empty((batch, heads_q, s_q), dtype=lse_dtype(q.dtype), device=q.device)
+        runner(problem, q, k_cache, v_cache, lengths, block_table, out, lse, sinks)
         device_errors.watch(q.device)
         return (out, lse) if return_lse else out
     lengths = cache_seqlens.tolist()  # host read: the reference walks each sequence
@@ -332,11 +335,11 @@ def attention_with_kvcache(
             k_cache[rows[n:], cols[n:]] = k_new[b]
             v_cache[rows[n:], cols[n:]] = v_new[b]
     if lse is None:
-        lse = torch.empty((batch, heads_q, s_q), dtype=torch.float32, device=q.device)
+        lse = torch.empty((batch, heads_q, s_q), dtype=lse_dtype(q.dtype), device=q.device)
     lse.fill_(-math.inf)
     for b, (rows, cols) in enumerate(positions):
         k, v = k_cache[rows, cols], v_cache[rows, cols]  # (L, H_k, D)
-        o_b, lse_b = attention_reference(q[b:b + 1], k[None], v[None], mask=mask, **scales)
+        o_b, lse_b = attention_reference(q[b:b + 1], k[None], v[None], mask=mask, sinks=sinks, **scales)
         out[b] = cast_output(o_b[0], out_dtype)
         lse[b] = lse_b[0]
     return (out, lse) if return_lse else out

@@ -41,7 +41,9 @@ class MaskKind(enum.IntEnum):
 
 @dataclass(frozen=True)
 class MaskSpec:
-    """What the caller asked for, normalized. Window sides are ``None`` when unbounded."""
+    """What the caller asked for, normalized. Window sides are ``None`` when unbounded; a bounded
+    side is a band offset from the diagonal and may be negative (``right = -5``: only keys at least
+    five positions before the diagonal; FlashAttention-4's convention)."""
 
     kind: MaskKind = MaskKind.NONE
     window_left: Optional[int] = None
@@ -83,11 +85,6 @@ class MaskSpec:
         for name, w in (("left", left), ("right", right)):
             if w is not None and (isinstance(w, bool) or not isinstance(w, int)):
                 raise ValueError(f"window_size {name} must be an int or None, got {w!r}")
-            if w is not None and w < 0:
-                raise ValueError(
-                    f"window_size {name} must be >= 0 or None (unbounded), got {w}; "
-                    "use None instead of -1 for an unbounded side"
-                )
         bottom_right = mask_align == "bottom_right"
         if compressed_causal:
             if causal or left is not None or right is not None:
@@ -100,12 +97,8 @@ class MaskSpec:
                 )
             return MaskSpec(MaskKind.COMPRESSED_CAUSAL)
         if causal:
-            if right not in (None, 0):
-                raise ValueError(
-                    f"causal=True means window_size right = 0, got window_size={window_size!r}; "
-                    "pass causal=False with the window you want instead"
-                )
-            right = 0
+            # causal with a window keeps the window's part at or before the diagonal
+            right = 0 if right is None else min(right, 0)
         if left is None and right is None:
             # An unbounded window keeps everything: alignment does not matter.
             return MaskSpec(MaskKind.NONE)

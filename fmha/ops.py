@@ -20,105 +20,110 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .masking import MaskSpec
-from .problem import default_out_dtype
-from .validation import _scale, kernel_options, lse_shape, out_shape
+from .problem import default_out_dtype, lse_dtype
+from .validation import _scale, check_softcap, kernel_options, lse_shape, out_shape
 
 
-def _forward_kwargs(causal, window_left, window_right, mask_align, compressed_causal, softmax_scale,
+def _forward_kwargs(causal, window_left, window_right, mask_align, compressed_causal, softmax_scale, softcap,
                     scale_q, scale_k, scale_v, inv_scale_o) -> dict:
     return dict(causal=causal, window_size=(window_left, window_right), mask_align=mask_align,
-                compressed_causal=compressed_causal, softmax_scale=softmax_scale, scale_q=scale_q,
+                compressed_causal=compressed_causal, softmax_scale=softmax_scale, softcap=softcap, scale_q=scale_q,
                 scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o)
 
 
-def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal, window_left,
-                  window_right, mask_align, compressed_causal, softmax_scale, scale_q, scale_k, scale_v, inv_scale_o,
-                  out_dtype, backend, persistent, tile_mn, deterministic):
+def _forward_impl(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal,
+                  window_left, window_right, mask_align, compressed_causal, softmax_scale, softcap, scale_q, scale_k,
+                  scale_v, inv_scale_o, out_dtype, backend, persistent, tile_mn, deterministic):
     from .api import _forward
 
     return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=varlen, max_seqlen_q=max_seqlen_q,
                     max_seqlen_k=max_seqlen_k, return_lse=True, out=None, lse=None, out_dtype=out_dtype,
                     backend=backend, persistent=persistent, tile_mn=None if tile_mn is None else tuple(tile_mn),
+                    sinks=sinks,
                     **_forward_kwargs(causal, window_left, window_right, mask_align, compressed_causal,
-                                      softmax_scale, scale_q, scale_k, scale_v, inv_scale_o))
+                                      softmax_scale, softcap, scale_q, scale_k, scale_v, inv_scale_o))
 
 
 @torch.library.custom_op("fmha::attention_forward", mutates_args=())
-def _forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                varlen: bool, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool,
-                window_left: Optional[int], window_right: Optional[int], mask_align: str, compressed_causal: bool,
-                softmax_scale: float, scale_q: float, scale_k: float, scale_v: float, inv_scale_o: float,
-                out_dtype: Optional[torch.dtype], backend: str, persistent: Optional[bool],
-                tile_mn: Optional[List[int]], deterministic: bool) -> Tuple[Tensor, Tensor]:
-    return _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal,
-                         window_left, window_right, mask_align, compressed_causal, softmax_scale, scale_q, scale_k,
-                         scale_v, inv_scale_o, out_dtype, backend, persistent, tile_mn, deterministic)
+def _forward_op(q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
+                cu_seqlens_k: Optional[Tensor], varlen: bool, max_seqlen_q: Optional[int],
+                max_seqlen_k: Optional[int], causal: bool, window_left: Optional[int], window_right: Optional[int],
+                mask_align: str, compressed_causal: bool, softmax_scale: float, softcap: float, scale_q: float,
+                scale_k: float, scale_v: float, inv_scale_o: float, out_dtype: Optional[torch.dtype], backend: str,
+                persistent: Optional[bool], tile_mn: Optional[List[int]],
+                deterministic: bool) -> Tuple[Tensor, Tensor]:
+    return _forward_impl(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal,
+                         window_left, window_right, mask_align, compressed_causal, softmax_scale, softcap, scale_q,
+                         scale_k, scale_v, inv_scale_o, out_dtype, backend, persistent, tile_mn, deterministic)
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal, window_left,
-                  window_right, mask_align, compressed_causal, softmax_scale, scale_q, scale_k, scale_v,
-                  inv_scale_o, out_dtype, backend, persistent, tile_mn, deterministic):
+def _forward_fake(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal,
+                  window_left, window_right, mask_align, compressed_causal, softmax_scale, softcap, scale_q, scale_k,
+                  scale_v, inv_scale_o, out_dtype, backend, persistent, tile_mn, deterministic):
     out = q.new_empty(out_shape(q, v.shape[-1]), dtype=out_dtype or default_out_dtype(q.dtype))
-    return out, q.new_empty(lse_shape(q, varlen), dtype=torch.float32)
+    return out, q.new_empty(lse_shape(q, varlen), dtype=lse_dtype(q.dtype))
 
 
-def _backward_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                   window_left, window_right, mask_align, compressed_causal, softmax_scale, scale_q, scale_k,
-                   scale_v, inv_scale_o, deterministic, backend):
+def _backward_impl(dout, q, k, v, out, lse, dlse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   causal, window_left, window_right, mask_align, compressed_causal, softmax_scale, softcap, scale_q,
+                   scale_k, scale_v, inv_scale_o, deterministic, backend):
+    """(dq, dk, dv, dsinks); dsinks is an empty tensor without sinks (an op returns tensors only)."""
     from .api import attention_backward
 
-    return attention_backward(
+    grads = attention_backward(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=dlse,
-        deterministic=deterministic, backend=backend,
+        deterministic=deterministic, backend=backend, sinks=sinks,
         **_forward_kwargs(causal, window_left, window_right, mask_align, compressed_causal, softmax_scale,
-                          scale_q, scale_k, scale_v, inv_scale_o))
+                          softcap, scale_q, scale_k, scale_v, inv_scale_o))
+    return grads if sinks is not None else grads + (q.new_empty(0, dtype=torch.float32),)
 
 
 @torch.library.custom_op("fmha::attention_backward", mutates_args=())
 def _backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
-                 cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int],
-                 max_seqlen_k: Optional[int], causal: bool, window_left: Optional[int],
+                 sinks: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                 max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool, window_left: Optional[int],
                  window_right: Optional[int], mask_align: str, compressed_causal: bool, softmax_scale: float,
-                 scale_q: float, scale_k: float, scale_v: float, inv_scale_o: float, deterministic: bool,
-                 backend: str) -> Tuple[Tensor, Tensor, Tensor]:
-    return _backward_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          causal, window_left, window_right, mask_align, compressed_causal, softmax_scale, scale_q,
-                          scale_k, scale_v, inv_scale_o, deterministic, backend)
+                 softcap: float, scale_q: float, scale_k: float, scale_v: float, inv_scale_o: float,
+                 deterministic: bool, backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _backward_impl(dout, q, k, v, out, lse, dlse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, causal, window_left, window_right, mask_align, compressed_causal,
+                          softmax_scale, softcap, scale_q, scale_k, scale_v, inv_scale_o, deterministic, backend)
 
 
 @_backward_op.register_fake
-def _backward_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                   window_left, window_right, mask_align, compressed_causal, softmax_scale, scale_q, scale_k,
-                   scale_v, inv_scale_o, deterministic, backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _backward_fake(dout, q, k, v, out, lse, dlse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   causal, window_left, window_right, mask_align, compressed_causal, softmax_scale, softcap, scale_q,
+                   scale_k, scale_v, inv_scale_o, deterministic, backend):
+    dsinks = torch.empty_like(sinks) if sinks is not None else q.new_empty(0, dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
-# Positions of the forward op's arguments that the backward reads again (after q, k, v).
+# Positions of the forward op's arguments that the backward reads again (after q, k, v, sinks).
 _FORWARD_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "varlen", "max_seqlen_q", "max_seqlen_k", "causal", "window_left",
-                 "window_right", "mask_align", "compressed_causal", "softmax_scale", "scale_q", "scale_k",
+                 "window_right", "mask_align", "compressed_causal", "softmax_scale", "softcap", "scale_q", "scale_k",
                  "scale_v", "inv_scale_o", "out_dtype", "backend", "persistent", "tile_mn", "deterministic")
 
 
 def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused LSE's gradient stays None: no zero tensor to read
-    q, k, v = inputs[:3]
-    ctx.args = dict(zip(_FORWARD_ARGS, inputs[3:]))
+    q, k, v, sinks = inputs[:4]
+    ctx.args = dict(zip(_FORWARD_ARGS, inputs[4:]))
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, ctx.args["cu_seqlens_q"], ctx.args["cu_seqlens_k"])
+    ctx.save_for_backward(q, k, v, sinks, out, lse, ctx.args["cu_seqlens_q"], ctx.args["cu_seqlens_k"])
 
 
 def _backward(ctx, grad_out, grad_lse, backward=None):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    q, k, v, sinks, out, lse, cu_q, cu_k = ctx.saved_tensors
     a = ctx.args
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = (backward or torch.ops.fmha.attention_backward)(
-        grad_out.contiguous(), q, k, v, out, lse, grad_lse,
+    dq, dk, dv, dsinks = (backward or torch.ops.fmha.attention_backward)(
+        grad_out.contiguous(), q, k, v, out, lse, grad_lse, sinks,
         cu_q, cu_k, a["max_seqlen_q"], a["max_seqlen_k"], a["causal"], a["window_left"], a["window_right"],
-        a["mask_align"], a["compressed_causal"], a["softmax_scale"], a["scale_q"], a["scale_k"], a["scale_v"],
-        a["inv_scale_o"], a["deterministic"], a["backend"])
-    return (dq, dk, dv) + (None,) * len(_FORWARD_ARGS)
+        a["mask_align"], a["compressed_causal"], a["softmax_scale"], a["softcap"], a["scale_q"], a["scale_k"],
+        a["scale_v"], a["inv_scale_o"], a["deterministic"], a["backend"])
+    return (dq, dk, dv, dsinks if sinks is not None else None) + (None,) * len(_FORWARD_ARGS)
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -130,9 +135,9 @@ class _EagerAttention(torch.autograd.Function):
     training step, more than the kernels of a small step (docs/performance.md)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, *args):
-        out, lse = _forward_impl(q, k, v, *args)
-        _setup_context(ctx, (q, k, v) + args, (out, lse))
+    def forward(ctx, q, k, v, sinks, *args):
+        out, lse = _forward_impl(q, k, v, sinks, *args)
+        _setup_context(ctx, (q, k, v, sinks) + args, (out, lse))
         return out, lse
 
     @staticmethod
@@ -161,18 +166,20 @@ class _NotDifferentiableAgain(torch.autograd.Function):
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _plain_eager_call(q, k, v) -> bool:
+def _plain_eager_call(q, k, v, sinks) -> bool:
     """Whether the call may take ``_EagerAttention``: plain tensors with no torch.compile tracing
     and no Python dispatch mode (meta and fake tensors, FlopCounterMode...), which need the ops'
     fake implementations."""
-    return (not torch.compiler.is_compiling() and all(type(t) in _PLAIN_TENSORS for t in (q, k, v))
+    return (not torch.compiler.is_compiling()
+            and all(type(t) in _PLAIN_TENSORS for t in (q, k, v) + (() if sinks is None else (sinks,)))
             and q.device.type != "meta" and _get_current_dispatch_mode() is None)
 
 
 def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqlen_k, causal=False,
                       window_size=(None, None), mask_align="top_left", compressed_causal=False, softmax_scale=None,
-                      scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0, out_dtype=None, backend="auto",
-                      persistent=None, tile_mn=None, deterministic=False) -> Tuple[Tensor, Tensor]:
+                      softcap=0.0, sinks=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
+                      out_dtype=None, backend="auto", persistent=None, tile_mn=None,
+                      deterministic=False) -> Tuple[Tensor, Tensor]:
     """(O, LSE) through the custom op, with autograd: the public API's differentiable path. The
     scalar arguments are checked here (plain Python, so torch.compile traces it) for the same
     errors validation gives; the tensors are checked when the op runs."""
@@ -181,6 +188,7 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen
     scale_q, scale_k, scale_v, inv_scale_o = (_scale(n, x) for n, x in (
         ("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v), ("inv_scale_o", inv_scale_o)))
     softmax_scale = _scale("softmax_scale", softmax_scale, allow_none=True)
+    softcap = check_softcap(softcap)
     if softmax_scale is None and isinstance(q, Tensor):
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
@@ -188,8 +196,8 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen
     kernel_options(persistent, tile_mn)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-    forward = _EagerAttention.apply if _plain_eager_call(q, k, v) else torch.ops.fmha.attention_forward
+    forward = _EagerAttention.apply if _plain_eager_call(q, k, v, sinks) else torch.ops.fmha.attention_forward
     return forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal, window_left, window_right,
-        mask_align, compressed_causal, softmax_scale, scale_q, scale_k, scale_v, inv_scale_o, out_dtype, backend,
-        persistent, None if tile_mn is None else list(tile_mn), deterministic)
+        q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal, window_left,
+        window_right, mask_align, compressed_causal, softmax_scale, softcap, scale_q, scale_k, scale_v, inv_scale_o,
+        out_dtype, backend, persistent, None if tile_mn is None else list(tile_mn), deterministic)

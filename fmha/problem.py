@@ -11,16 +11,16 @@ import torch
 
 from .masking import MaskKind, MaskSpec
 
-#: input dtypes the library accepts (docs/semantics.md, "Inputs")
-INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
-#: head dims the semantics name; a backend may support fewer
-HEAD_DIMS = (32, 64, 128, 256)
-#: output dtypes of every input dtype; fp8 inputs may also write fp8
+#: input dtypes the library accepts (docs/semantics.md, "Inputs"); fp32/fp64 run on the reference
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.float64)
+#: output dtypes of every input dtype; fp8 inputs may also write fp8, fp32/fp64 inputs their own
 OUTPUT_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def output_dtypes_for(in_dtype: torch.dtype) -> tuple:
-    return OUTPUT_DTYPES + ((torch.float8_e4m3fn,) if in_dtype == torch.float8_e4m3fn else ())
+    if in_dtype in (torch.float32, torch.float64, torch.float8_e4m3fn):
+        return OUTPUT_DTYPES + (in_dtype,)
+    return OUTPUT_DTYPES
 
 
 def default_out_dtype(in_dtype: torch.dtype) -> torch.dtype:
@@ -28,12 +28,39 @@ def default_out_dtype(in_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if in_dtype == torch.float8_e4m3fn else in_dtype
 
 
+def lse_dtype(in_dtype: torch.dtype) -> torch.dtype:
+    """The LSE is fp32, fp64 for fp64 inputs (whose gradients recompute P from it)."""
+    return torch.float64 if in_dtype == torch.float64 else torch.float32
+
+
 def element_bytes(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
+class ScoreScaling:
+    """How a kernel scales what it holds of a score, for a problem with ``score_scale`` (the factor
+    of q.k) and ``softcap`` (0: none); shared by ``AttentionProblem`` and the KV cache's problem."""
+
+    @property
+    def score_scale_log2(self) -> float:
+        """The score scale for exp2-based softmax: exp(x * s) == exp2(x * s * log2(e))."""
+        return self.score_scale * math.log2(math.e)
+
+    @property
+    def softmax_scale_log2(self) -> float:
+        """The factor a kernel's base-2 softmax applies to the score it holds: with softcap it
+        holds ``tanh(q.k * score_scale / softcap)``, whose scaled value is ``softcap`` times that;
+        else the raw q.k."""
+        return self.softcap * math.log2(math.e) if self.softcap else self.score_scale_log2
+
+    @property
+    def softcap_factor(self) -> float:
+        """What a kernel multiplies the raw q.k by before tanh (softcap only)."""
+        return self.score_scale / self.softcap if self.softcap else 1.0
+
+
 @dataclass(frozen=True)
-class AttentionProblem:
+class AttentionProblem(ScoreScaling):
     """Everything about a call except the tensors' data.
 
     Layout conventions (after validation): dense q is (B, S_q, H_q, D), k/v are (B, S_k, H_k, D);
@@ -63,6 +90,11 @@ class AttentionProblem:
     scale_k: float = 1.0
     scale_v: float = 1.0
     inv_scale_o: float = 1.0
+    #: logit softcapping: scores become ``softcap * tanh(s / softcap)`` (0: none); the value is
+    #: dynamic for kernels, whether it is 0 is not
+    softcap: float = 0.0
+    #: a per-query-head sink logit joins each row's softmax denominator (the tensor is an argument)
+    has_sinks: bool = False
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     # varlen: each sequence's lengths, read from cu_seqlens on the host by validation (schedulers
     # use them to enumerate only the query tiles that exist, costliest first); None when dense
@@ -79,11 +111,6 @@ class AttentionProblem:
         return self.softmax_scale * self.scale_q * self.scale_k
 
     @property
-    def score_scale_log2(self) -> float:
-        """The same factor for exp2-based softmax: exp(x * s) == exp2(x * s * log2(e))."""
-        return self.score_scale * math.log2(math.e)
-
-    @property
     def output_scale(self) -> float:
         return self.scale_v * self.inv_scale_o
 
@@ -94,6 +121,7 @@ class AttentionProblem:
             f"H_q={self.num_heads_q} H_k={self.num_heads_k} D={self.head_dim} "
             f"{str(self.dtype).replace('torch.', '')}->{str(self.out_dtype).replace('torch.', '')} "
             f"mask={self.mask.describe()} lse={self.return_lse}"
+            + (f" softcap={self.softcap:g}" if self.softcap else "") + (" sinks" if self.has_sinks else "")
         )
 
     def flops(self, seqlens_q: Optional[list] = None, seqlens_k: Optional[list] = None) -> float:

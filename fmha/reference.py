@@ -74,9 +74,20 @@ def _chunk_sizes(sq: int, sk: int, heads: int, elem: int, budget: int):
     return max(1, budget // per_row_head), 1
 
 
-def _attend_sequence(q, k, v, o, lse, mask, score_scale, out_scale, fp8_p, cdt, budget):
+def _scores(qc, kc, score_scale, softcap):
+    """(scaled scores (heads, rows, keys) of a block, softcapped when ``softcap`` > 0; the tanh
+    of the softcap, whose derivative the backward needs, or None)."""
+    s = torch.einsum("rhd,khd->hrk", qc, kc) * score_scale
+    if not softcap:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return t * softcap, t
+
+
+def _attend_sequence(q, k, v, o, lse, mask, score_scale, out_scale, fp8_p, cdt, budget, softcap=0.0, sinks=None):
     """One sequence: q (S_q, H_q, D), k (S_k, H_k, D), v (S_k, H_k, D_v) in any dtype and strides;
-    writes o (S_q, H_q, D_v) and lse (H_q, S_q) of dtype ``cdt``."""
+    writes o (S_q, H_q, D_v) and lse (H_q, S_q) of dtype ``cdt``. ``sinks``: (H_q,) logits in
+    ``cdt``, or None."""
     sq, hq = q.shape[0], q.shape[1]
     sk, hk = k.shape[0], k.shape[1]
     if sq == 0:
@@ -100,13 +111,19 @@ def _attend_sequence(q, k, v, o, lse, mask, score_scale, out_scale, fp8_p, cdt, 
             keep = (cols >= lo[:, None]) & (cols < hi[:, None])  # (rows, keys)
 
             qc = q[r0:r1, h0:h1].to(cdt)
-            s = torch.einsum("rhd,khd->hrk", qc, kc[k0:k1]) * score_scale
+            s, _ = _scores(qc, kc[k0:k1], score_scale, softcap)
             s.masked_fill_(~keep, -math.inf)
-            # A row with nothing kept has max -inf; subtracting 0 keeps exp() at 0 instead of NaN.
-            m = s.amax(dim=-1, keepdim=True) if k1 > k0 else s.new_zeros(s.shape[:2] + (1,))
+            m = s.amax(dim=-1, keepdim=True) if k1 > k0 else s.new_full(s.shape[:2] + (1,), -math.inf)
+            if sinks is not None:
+                sink = sinks[h0:h1, None, None].expand(m.shape)
+                m = torch.maximum(m, sink)
+            # A row with nothing kept (and no sink) has max -inf; subtracting 0 keeps exp() at 0
+            # instead of NaN.
             m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
             p = s.sub_(m).exp_()
             row_sum = p.sum(dim=-1, keepdim=True)
+            if sinks is not None:
+                row_sum = row_sum + (sink - m).exp()
             if fp8_p:
                 # The kernel feeds P to the tensor cores in the input dtype; the sum stays fp32.
                 p = p.to(torch.float8_e4m3fn).to(cdt)
@@ -129,6 +146,8 @@ def attention_reference(
     scale_k: float = 1.0,
     scale_v: float = 1.0,
     inv_scale_o: float = 1.0,
+    softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ):
@@ -138,6 +157,8 @@ def attention_reference(
     Returns ``(O, LSE)`` in ``compute_dtype``: O shaped like q with the last dim D_v, LSE
     (B, H_q, S_q) dense or (H_q, T_q) varlen (natural log; -inf for rows that keep no key, whose O
     is 0). fp8 inputs round the unnormalized P = exp(S - rowmax) to float8_e4m3fn before P.V.
+    ``softcap`` > 0 caps the scaled scores at ``softcap * tanh(s / softcap)``; ``sinks`` (H_q,)
+    adds ``exp(sinks[h])`` to every row's denominator of head h (and to its LSE).
 
     Inputs are assumed valid (see fmha.validation); varlen reads cu_seqlens on the host.
     """
@@ -149,26 +170,34 @@ def attention_reference(
     else:
         lse_shape = (q.shape[0], q.shape[2], q.shape[1])
     lse = torch.full(lse_shape, -math.inf, dtype=compute_dtype, device=q.device)
+    sinks_c = None if sinks is None else sinks.to(compute_dtype)
     for iq, ik, il in _sequences(q.shape[0], cu_seqlens_q, cu_seqlens_k):
         _attend_sequence(q[iq], k[ik], v[ik], o[iq], lse[il], mask, score_scale, out_scale, fp8_p,
-                         compute_dtype, chunk_bytes)
+                         compute_dtype, chunk_bytes, softcap, sinks_c)
     return o, lse
 
 
-def _grad_sequence(do, q, k, v, o, lse, dlse, dq, dk, dv, mask, score_scale, out_scale, cdt, budget):
+def _grad_sequence(do, q, k, v, o, lse, dlse, dq, dk, dv, mask, score_scale, out_scale, cdt, budget, softcap=0.0,
+                   sinks=None, dsinks=None):
     """One sequence's gradients (docs/semantics.md, "Backward"): do/o (S_q, H_q, D_v), q (S_q,
     H_q, D), k/v (S_k, H_k, D), lse/dlse (H_q, S_q); accumulates into dq, dk, dv of dtype ``cdt``.
-    P is recomputed from the saved LSE; dS = P * (dP - delta) with delta = rowsum(dO * O) - dlse."""
+    P is recomputed from the saved LSE; dS = P * (dP - delta) with delta = rowsum(dO * O) - dlse;
+    with softcap, dS times the tanh's derivative; with sinks, ``dsinks`` (H_q,) gains
+    -sum_i P_sink[i] * delta_i."""
     sq, hq = q.shape[0], q.shape[1]
     sk, hk = k.shape[0], k.shape[1]
-    if sq == 0 or sk == 0:
+    if sq == 0:
         return
-    group = hq // hk
     # rows that keep no key (LSE -inf) have P = 0: take their LSE as 0 so exp(-inf - 0) = 0
     lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).to(cdt)
     delta = (do.to(cdt) * o.to(cdt)).sum(-1).transpose(0, 1)  # (H_q, S_q)
     if dlse is not None:
         delta = delta - dlse.to(cdt)
+    if sinks is not None:
+        dsinks -= ((sinks[:, None] - lse).exp() * delta).sum(-1)
+    if sk == 0:
+        return
+    group = hq // hk
     rows_per, heads_per = _chunk_sizes(sq, sk, hq, torch.finfo(cdt).bits // 8, budget)
     for h0 in range(0, hq, heads_per):
         h1 = min(h0 + heads_per, hq)
@@ -189,11 +218,13 @@ def _grad_sequence(do, q, k, v, o, lse, dlse, dq, dk, dv, mask, score_scale, out
             keep = (cols >= lo[:, None]) & (cols < hi[:, None])
             qc = q[r0:r1, h0:h1].to(cdt)
             doc = do[r0:r1, h0:h1].to(cdt)
-            s = torch.einsum("rhd,khd->hrk", qc, kc[k0:k1]) * score_scale
+            s, t = _scores(qc, kc[k0:k1], score_scale, softcap)
             s.masked_fill_(~keep, -math.inf)
             p = (s - lse[h0:h1, r0:r1, None]).exp_()
             dp = torch.einsum("rhd,khd->hrk", doc, vc[k0:k1]) * out_scale
             ds = p * (dp - delta[h0:h1, r0:r1, None])
+            if softcap:
+                ds = ds * (1 - t * t)
             dq[r0:r1, h0:h1] += torch.einsum("hrk,khd->rhd", ds, kc[k0:k1]) * score_scale
             dkc[k0:k1] += torch.einsum("hrk,rhd->khd", ds, qc) * score_scale
             dvc[k0:k1] += torch.einsum("hrk,rhd->khd", p, doc) * out_scale
@@ -218,16 +249,22 @@ def attention_backward_reference(
     scale_k: float = 1.0,
     scale_v: float = 1.0,
     inv_scale_o: float = 1.0,
+    softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
     dlse: Optional[torch.Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ):
     """Gradients of ``attention_reference``'s O (and LSE, through ``dlse``) with respect to q, k
     and v, from the forward's ``out`` and ``lse``: ``(dq, dk, dv)`` in ``compute_dtype``, shaped
-    like q, k, v. Layouts and argument meanings as in ``attention_reference``; deterministic."""
+    like q, k, v, and with ``sinks`` ``(dq, dk, dv, dsinks)``. Layouts and argument meanings as in
+    ``attention_reference``; deterministic."""
     score_scale, out_scale = _scales(q.shape[-1], softmax_scale, scale_q, scale_k, scale_v, inv_scale_o)
     dq, dk, dv = (torch.zeros(t.shape, dtype=compute_dtype, device=q.device) for t in (q, k, v))
+    sinks_c = None if sinks is None else sinks.to(compute_dtype)
+    dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=compute_dtype, device=q.device)
     for iq, ik, il in _sequences(q.shape[0], cu_seqlens_q, cu_seqlens_k):
         _grad_sequence(dout[iq], q[iq], k[ik], v[ik], out[iq], lse[il], None if dlse is None else dlse[il],
-                       dq[iq], dk[ik], dv[ik], mask, score_scale, out_scale, compute_dtype, chunk_bytes)
-    return dq, dk, dv
+                       dq[iq], dk[ik], dv[ik], mask, score_scale, out_scale, compute_dtype, chunk_bytes, softcap,
+                       sinks_c, dsinks)
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)

@@ -121,7 +121,7 @@ class SelfCheckedRunner:
 
 
 def small_inputs(problem: AttentionProblem):
-    """(small problem, q, k, v, cu_q, cu_k): random inputs of ``problem``'s configuration at
+    """(small problem, q, k, v, cu_q, cu_k, sinks): random inputs of ``problem``'s configuration at
     sizes that are not multiples of any tile, validated as the API validates them."""
     from .validation import validate
 
@@ -151,13 +151,14 @@ def small_inputs(problem: AttentionProblem):
             rand(2, sk, hk, problem.head_dim_v)
         cu_q = cu_k = None
         extra = {}
+    sinks = torch.randn(hq, generator=gen, device=dev) if problem.has_sinks else None
     small = validate(q, k, v, varlen=problem.varlen, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=False,
                      window_size=(m.window_left, m.window_right) if m.kind.name == "WINDOW" else (None, None),
                      mask_align="bottom_right" if m.bottom_right else "top_left", compressed_causal=compressed,
                      softmax_scale=problem.softmax_scale, scale_q=problem.scale_q, scale_k=problem.scale_k,
                      scale_v=problem.scale_v, inv_scale_o=problem.inv_scale_o, return_lse=problem.return_lse,
-                     out_dtype=problem.out_dtype, **extra)
-    return small, q, k, v, cu_q, cu_k
+                     out_dtype=problem.out_dtype, softcap=problem.softcap, sinks=sinks, **extra)
+    return small, q, k, v, cu_q, cu_k, sinks
 
 
 def _rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -167,16 +168,16 @@ def _rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
     return diff / norm if norm > 0 else diff
 
 
-def _check_forward(runner, problem, small, q, k, v, cu_q, cu_k) -> Optional[str]:
+def _check_forward(runner, problem, small, q, k, v, cu_q, cu_k, sinks) -> Optional[str]:
     from .reference import attention_reference
     from .validation import lse_shape, out_shape
 
     out = torch.full(out_shape(q, v.shape[-1]), math.nan, device=q.device).to(small.out_dtype)
     lse = torch.full(lse_shape(q, small.varlen), math.nan, device=q.device) if small.return_lse else None
-    runner(small, q, k, v, out, lse, cu_q, cu_k)
+    runner(small, q, k, v, out, lse, cu_q, cu_k, sinks)
     want_o, want_lse = attention_reference(q, k, v, cu_q, cu_k, mask=small.mask, softmax_scale=small.softmax_scale,
                                            scale_q=small.scale_q, scale_k=small.scale_k, scale_v=small.scale_v,
-                                           inv_scale_o=small.inv_scale_o)
+                                           inv_scale_o=small.inv_scale_o, softcap=small.softcap, sinks=sinks)
     err = _rel_l2(out, want_o)
     if not err < _FORWARD_TOL.get(small.dtype, 2e-2):
         return f"O relative L2 error {err:.3g}"
@@ -190,19 +191,22 @@ def _check_forward(runner, problem, small, q, k, v, cu_q, cu_k) -> Optional[str]
     return None
 
 
-def _check_backward(runner, problem, small, q, k, v, cu_q, cu_k) -> Optional[str]:
+def _check_backward(runner, problem, small, q, k, v, cu_q, cu_k, sinks) -> Optional[str]:
     from .reference import attention_backward_reference, attention_reference, cast_output
 
     scales = dict(softmax_scale=small.softmax_scale, scale_q=small.scale_q, scale_k=small.scale_k,
-                  scale_v=small.scale_v, inv_scale_o=small.inv_scale_o)
+                  scale_v=small.scale_v, inv_scale_o=small.inv_scale_o, softcap=small.softcap, sinks=sinks)
     out, lse = attention_reference(q, k, v, cu_q, cu_k, mask=small.mask, **scales)
     out = cast_output(out, q.dtype)
     gen = torch.Generator(device=q.device).manual_seed(4321)
     dout = torch.randn(out.shape, generator=gen, device=q.device).to(q.dtype)
     want = attention_backward_reference(dout, q, k, v, out, lse, cu_q, cu_k, mask=small.mask, **scales)
     grads = [torch.full_like(t, math.nan) for t in (q, k, v)]
-    runner(small, dout, q, k, v, out, lse, None, *grads, cu_q, cu_k, False)
-    for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
+    dsinks = None if sinks is None else torch.full_like(sinks, math.nan)
+    runner(small, dout, q, k, v, out, lse, None, *grads, cu_q, cu_k, False, sinks, dsinks)
+    if dsinks is not None:
+        grads.append(dsinks)
+    for name, got, ref in zip(("dq", "dk", "dv", "dsinks"), grads, want):
         err = _rel_l2(got, ref)
         if not err < _BACKWARD_TOL.get(small.dtype, 4e-2):
             return f"{name} relative L2 error {err:.3g}"

@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .masking import MaskKind, MaskSpec
-from .problem import HEAD_DIMS, INPUT_DTYPES, AttentionProblem, KernelOptions, default_out_dtype, output_dtypes_for
+from .problem import INPUT_DTYPES, AttentionProblem, KernelOptions, default_out_dtype, lse_dtype, output_dtypes_for
 
 __all__ = ["validate", "validate_backward", "kernel_options", "lse_shape", "out_shape"]
 
@@ -92,13 +92,10 @@ def _check_shapes(q, k, v, varlen: bool) -> None:
         )
     d = q.shape[-1]
     if k.shape[-1] != d:
-        raise ValueError(f"head dim mismatch: q has D={d}, k has D={k.shape[-1]}")
-    if v.shape[-1] != d:
-        raise ValueError(f"head dim mismatch: v has D_v={v.shape[-1]}, must equal D={d}")
-    if d not in HEAD_DIMS:
-        raise ValueError(
-            f"unsupported head dim {d}; supported: {', '.join(map(str, HEAD_DIMS))}"
-        )
+        raise ValueError(f"head dim mismatch: q has D={d}, k has D={k.shape[-1]}; q and k need the same head dim")
+    for name, t in (("q/k", q), ("v", v)):
+        if t.shape[-1] < 1:
+            raise ValueError(f"{name} head dim must be at least 1, got {t.shape[-1]}")
     hq, hk = q.shape[-2], k.shape[-2]
     if hk == 0 or hq % hk != 0:
         raise ValueError(
@@ -107,7 +104,15 @@ def _check_shapes(q, k, v, varlen: bool) -> None:
         )
 
 
+def kernel_readable_rows(t: torch.Tensor) -> bool:
+    """Whether a kernel could read rows of ``t``'s head dim at all: whole 16-byte pieces. Rows that
+    are not (head dims like 36 in bf16) only the reference serves, and it reads any strides."""
+    return (t.shape[-1] * t.element_size()) % ALIGN_BYTES == 0
+
+
 def _check_layout(name: str, t: torch.Tensor) -> None:
+    if not kernel_readable_rows(t):
+        return
     if t.stride(-1) != 1 and t.shape[-1] > 1:
         raise ValueError(
             f"{name} head dim is not contiguous (stride(-1) = {t.stride(-1)}, strides "
@@ -232,6 +237,30 @@ def _scale(name: str, value, allow_none: bool = False) -> Optional[float]:
     return float(value)
 
 
+def check_softcap(softcap) -> float:
+    """``softcap``: 0 (none) or a positive finite number."""
+    softcap = _scale("softcap", softcap)
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0 turns it off), got {softcap}")
+    return softcap
+
+
+#: dtypes of a sinks tensor
+SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_sinks(sinks, num_heads_q: int, device: torch.device) -> None:
+    """``sinks``: None, or one logit per query head, (H_q,) on q's device."""
+    if sinks is None:
+        return
+    _require_tensor("sinks", sinks)
+    if sinks.dtype not in SINK_DTYPES:
+        raise TypeError(f"sinks must be float32, bfloat16, float16 or float64, got {_dtype_name(sinks.dtype)}")
+    _check_device("sinks", sinks, device)
+    if tuple(sinks.shape) != (num_heads_q,):
+        raise ValueError(f"sinks must have one logit per query head, shape ({num_heads_q},), got {tuple(sinks.shape)}")
+
+
 def out_shape(q: torch.Tensor, head_dim_v: int) -> Tuple[int, ...]:
     return tuple(q.shape[:-1]) + (head_dim_v,)
 
@@ -288,6 +317,8 @@ def validate(
     scale_k=1.0,
     scale_v=1.0,
     inv_scale_o=1.0,
+    softcap=0.0,
+    sinks=None,
     return_lse: bool = False,
     out=None,
     lse=None,
@@ -346,13 +377,15 @@ def validate(
     softmax_scale = _scale("softmax_scale", softmax_scale, allow_none=True)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    softcap = check_softcap(softcap)
+    check_sinks(sinks, q.shape[-2], q.device)
 
     out_dtype = _resolve_out_dtype(out_dtype, out, q.dtype)
     if out is not None:
         _check_output("out", out, out_shape(q, v.shape[-1]), out_dtype, q.device)
         _check_layout("out", out)
     if lse is not None:
-        _check_output("lse", lse, lse_shape(q, varlen), torch.float32, q.device)
+        _check_output("lse", lse, lse_shape(q, varlen), lse_dtype(q.dtype), q.device)
         if not lse.is_contiguous():
             raise ValueError("lse must be contiguous; allocate it with torch.empty(shape)")
 
@@ -372,6 +405,8 @@ def validate(
         total_q=q.shape[0] if varlen else batch * seqlen_q,
         total_k=k.shape[0] if varlen else batch * seqlen_k,
         softmax_scale=softmax_scale,
+        softcap=softcap,
+        has_sinks=sinks is not None,
         device=q.device,
         **scales,
         seqlens_q=tuple(lens_q) if varlen and lens_read else None,
@@ -379,7 +414,7 @@ def validate(
     )
 
 
-def validate_backward(dout, q, k, v, out, lse, *, dlse=None, dq=None, dk=None, dv=None,
+def validate_backward(dout, q, k, v, out, lse, *, dlse=None, dq=None, dk=None, dv=None, dsinks=None,
                       **forward_kwargs) -> AttentionProblem:
     """Check a backward call: q, k, v, ``out`` and ``lse`` as the forward took and returned them
     (``validate``'s checks, with ``out`` and ``lse`` required), ``dout`` (and ``dlse``) shaped
@@ -394,11 +429,16 @@ def validate_backward(dout, q, k, v, out, lse, *, dlse=None, dq=None, dk=None, d
     _check_output("dout", dout, tuple(out.shape), out.dtype, q.device, like="out")
     _check_layout("dout", dout)
     if dlse is not None:
-        _check_output("dlse", dlse, tuple(lse.shape), torch.float32, q.device, like="lse")
+        _check_output("dlse", dlse, tuple(lse.shape), lse.dtype, q.device, like="lse")
     for name, grad, like, like_name in (("dq", dq, q, "q"), ("dk", dk, k, "k"), ("dv", dv, v, "v")):
         if grad is not None:
             _check_output(name, grad, tuple(like.shape), like.dtype, q.device, like=like_name)
             _check_layout(name, grad)  # the kernel writes dk and dv (and may write dq) in place
+    sinks = forward_kwargs.get("sinks")
+    if dsinks is not None:
+        if sinks is None:
+            raise ValueError("dsinks= is the gradient of sinks: pass sinks too")
+        _check_output("dsinks", dsinks, tuple(sinks.shape), sinks.dtype, q.device, like="sinks")
     return problem
 
 

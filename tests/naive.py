@@ -25,8 +25,9 @@ def keep_matrix(sq, sk, mask):
 
 
 def naive_sequence(q, k, v, mask, softmax_scale=None, scale_q=1.0, scale_k=1.0, scale_v=1.0,
-                   inv_scale_o=1.0, round_p_fp8=None):
-    """q (S_q, H_q, D), k/v (S_k, H_k, D). Returns O (S_q, H_q, D) and LSE (H_q, S_q), fp64."""
+                   inv_scale_o=1.0, round_p_fp8=None, softcap=0.0, sinks=None):
+    """q (S_q, H_q, D), k/v (S_k, H_k, D_v). Returns O (S_q, H_q, D_v) and LSE (H_q, S_q), fp64;
+    differentiable (autograd) in q, k, v and ``sinks`` (H_q,)."""
     sq, hq, d = q.shape
     sk, hk = k.shape[0], k.shape[1]
     if softmax_scale is None:
@@ -44,11 +45,19 @@ def naive_sequence(q, k, v, mask, softmax_scale=None, scale_q=1.0, scale_k=1.0, 
         for i in range(sq):
             cols = keep[i].nonzero().flatten()
             if len(cols) == 0:
+                if sinks is not None:  # the sink alone: O = 0, LSE = the sink
+                    lse[h, i] = sinks[h].double()
                 continue
             s = (kh[cols] @ qh[i]) * softmax_scale * scale_q * scale_k
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
             m = s.max()
+            if sinks is not None:
+                m = torch.maximum(m, sinks[h].double())
             p = torch.exp(s - m)
             total = p.sum()
+            if sinks is not None:
+                total = total + torch.exp(sinks[h].double() - m)
             if round_p_fp8:
                 p = p.to(torch.float8_e4m3fn).double()
             o[i, h] = (p @ vh[cols]) / total * scale_v * inv_scale_o
@@ -74,6 +83,6 @@ def naive_mask(causal=False, window_size=(None, None), mask_align="top_left",
         return {"kind": "compressed"}
     left, right = window_size
     if causal:
-        right = 0
+        right = 0 if right is None else min(right, 0)
     return {"kind": "window", "left": left, "right": right,
             "bottom_right": mask_align == "bottom_right"}

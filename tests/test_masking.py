@@ -123,10 +123,16 @@ def test_mask_spec_from_args():
     s = MaskSpec.from_args(causal=True, window_size=(16, None), mask_align="bottom_right")
     assert (s.kind, s.window_left, s.window_right, s.bottom_right) == (MaskKind.WINDOW, 16, 0, True)
     assert MaskSpec.from_args(compressed_causal=True).kind == MaskKind.COMPRESSED_CAUSAL
-    with pytest.raises(ValueError, match="window_size left must be >= 0"):
-        MaskSpec.from_args(window_size=(-1, 0))
-    with pytest.raises(ValueError, match="causal=True means window_size right = 0"):
-        MaskSpec.from_args(causal=True, window_size=(None, 4))
+    # negative sides are band offsets (FlashAttention-4's convention)
+    s = MaskSpec.from_args(window_size=(-1, 0))
+    assert (s.kind, s.window_left, s.window_right) == (MaskKind.WINDOW, -1, 0)
+    assert MaskSpec.from_args(window_size=(None, -5)).window_right == -5
+    # causal clips the window's right side to 0
+    assert MaskSpec.from_args(causal=True, window_size=(None, 4)).is_causal
+    s = MaskSpec.from_args(causal=True, window_size=(8, -3))
+    assert (s.window_left, s.window_right) == (8, -3)
+    with pytest.raises(ValueError, match="window_size left must be an int or None"):
+        MaskSpec.from_args(window_size=(1.5, 0))
     with pytest.raises(ValueError, match="mask_align"):
         MaskSpec.from_args(mask_align="center")
     with pytest.raises(ValueError, match="compressed_causal=True cannot be combined"):

@@ -42,7 +42,7 @@ class Counting:
 
 
 def _call_forward(runner, problem):
-    small, q, k, v, cu_q, cu_k = self_check.small_inputs(problem)
+    small, q, k, v, cu_q, cu_k, _ = self_check.small_inputs(problem)
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=small.out_dtype)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1]) if not small.varlen else torch.empty(q.shape[1], q.shape[0])
     runner(small, q, k, v, out, lse, cu_q, cu_k)

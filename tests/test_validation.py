@@ -64,9 +64,16 @@ def test_not_a_tensor(name):
 
 
 def test_unsupported_dtype():
-    raises(TypeError, "unsupported input dtype float32", run,
-           q=t(B, S, H, D, dtype=torch.float32), k=t(B, S, H, D, dtype=torch.float32),
-           v=t(B, S, H, D, dtype=torch.float32))
+    raises(TypeError, "unsupported input dtype int32", run,
+           q=torch.zeros(B, S, H, D, dtype=torch.int32), k=torch.zeros(B, S, H, D, dtype=torch.int32),
+           v=torch.zeros(B, S, H, D, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_wide_float_inputs_are_problems(dtype):
+    """fp32/fp64 inputs are valid: the reference serves them (in fp64 for fp64)."""
+    p = validate(t(B, S, H, D, dtype=dtype), t(B, S, H, D, dtype=dtype), t(B, S, H, D, dtype=dtype))
+    assert p.dtype == dtype and p.out_dtype == dtype
 
 
 @pytest.mark.parametrize("name", ["k", "v"])
@@ -113,8 +120,13 @@ def test_head_dim_mismatch_q_k():
            k=t(B, S, H, 64), v=t(B, S, H, 64))
 
 
-def test_head_dim_v_must_equal_d():
-    raises(ValueError, "v has D_v=64, must equal D=32", run, v=t(B, S + 3, H, 64))
+def test_head_dim_v_may_differ():
+    p = validate(t(B, S, H, D), t(B, S + 3, H, D), t(B, S + 3, H, 64))
+    assert (p.head_dim, p.head_dim_v) == (D, 64)
+
+
+def test_head_dim_k_must_equal_q():
+    raises(ValueError, "head dim mismatch: q has D=32, k has D=64", run, k=t(B, S + 3, H, 64))
 
 
 def test_seqlen_k_mismatch():
@@ -129,9 +141,14 @@ def test_gqa_divisibility():
     raises(ValueError, "H_q=3 is not a multiple of H_k=2", run, q=t(B, S, 3, D))
 
 
-def test_unsupported_head_dim():
-    raises(ValueError, "unsupported head dim 48", run,
-           q=t(B, S, H, 48), k=t(B, S, H, 48), v=t(B, S, H, 48))
+def test_any_head_dim():
+    """Every head dim is a valid call (the reference serves what no kernel does); rows that no
+    kernel could read (not whole 16-byte pieces) skip the layout checks."""
+    for d in (48, 36, 7):
+        p = validate(t(B, S, H, d), t(B, S, H, d), t(B, S, H, d))
+        assert p.head_dim == d
+    q = t(B, S, 36, H).transpose(2, 3)  # head dim not contiguous, rows of 72 bytes: the reference reads it
+    assert validate(q, t(B, S, H, 36), t(B, S, H, 36)).head_dim == 36
 
 
 # --- layout -------------------------------------------------------------------------------
@@ -269,8 +286,25 @@ def test_compressed_causal_per_sequence():
     assert o.shape == (9, H, D)
 
 
-def test_negative_window():
-    raises(ValueError, "window_size left must be >= 0", run, window_size=(-1, 0))
+def _problem(**over):
+    kw = dense(**over)
+    return validate(kw.pop("q"), kw.pop("k"), kw.pop("v"), **kw)
+
+
+def test_negative_window_is_a_band_offset():
+    assert _problem(window_size=(-1, 0)).mask.window_left == -1
+    run(window_size=(-1, 0))
+
+
+def test_softcap_and_sinks():
+    p = _problem(softcap=30.0, sinks=torch.zeros(H))
+    assert p.softcap == 30.0 and p.has_sinks
+    run(softcap=30.0, sinks=torch.zeros(H))
+    raises(ValueError, "softcap must be >= 0", run, softcap=-1.0)
+    raises(TypeError, "softcap must be a Python float", run, softcap=torch.tensor(1.0))
+    raises(ValueError, r"sinks must have one logit per query head, shape \(2,\)", run, sinks=torch.zeros(3))
+    raises(TypeError, "sinks must be float32, bfloat16, float16 or float64", run, sinks=torch.zeros(H, dtype=torch.int64))
+    raises(TypeError, "sinks must be a torch.Tensor", run, sinks=[0.0, 0.0])
 
 
 # --- outputs ------------------------------------------------------------------------------
