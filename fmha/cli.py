@@ -25,7 +25,7 @@ import torch
 
 from .api import FusedAttention
 from .backends import UnsupportedError
-from .problem import default_out_dtype
+from .problem import default_out_dtype, lse_dtype
 from .reference import attention_reference
 from .validation import lse_shape, out_shape
 
@@ -33,9 +33,12 @@ DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float8_e4m3fn": torch.float8_e4m3fn,
+    "float32": torch.float32,
+    "float64": torch.float64,
 }
 #: default --tolerance (relative L2 error of O) by output dtype: a few ulps of the output format
-TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 2e-2, torch.float8_e4m3fn: 1e-1}
+TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 2e-2, torch.float8_e4m3fn: 1e-1, torch.float32: 1e-5,
+             torch.float64: 1e-12}
 #: fp8 inputs: P is rounded to fp8 with a running (not the final) row max in a kernel
 FP8_INPUT_TOLERANCE = 5e-2
 
@@ -77,6 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("scale_q", "scale_k", "scale_v", "inv_scale_o"):
         p.add_argument(f"--{name}", type=float, default=1.0)
     p.add_argument("--scale_softmax", type=float, default=None, help="default: 1/sqrt(D)")
+    p.add_argument("--softcap", type=float, default=0.0, help="cap the scaled scores at C * tanh(s / C) (0: none)")
+    p.add_argument("--sinks", action="store_true", help="a random sink logit per query head (gpt-oss)")
     p.add_argument("--mma_tiler_mn", type=_pair, default=None, metavar="M,N")
     p.add_argument("--varlen_q", type=_ints, default=None, metavar="L1,L2,...")
     p.add_argument("--varlen_k", type=_ints, default=None, metavar="L1,L2,...")
@@ -278,13 +283,16 @@ def run(args) -> int:
         mask_align="bottom_right" if args.bottom_right_align else "top_left",
         compressed_causal=args.compressed_causal, softmax_scale=args.scale_softmax,
         scale_q=args.scale_q, scale_k=args.scale_k, scale_v=args.scale_v,
-        inv_scale_o=args.inv_scale_o,
+        inv_scale_o=args.inv_scale_o, softcap=args.softcap,
     )
+    sinks = None
+    if args.sinks:
+        sinks = torch.randn(q.shape[-2], generator=torch.Generator().manual_seed(args.seed + 2)).to(device)
     o = torch.empty(out_shape(q, v.shape[-1]), dtype=out_dtype, device=device)
     lse = None
     if args.lse:
-        lse = torch.empty(lse_shape(q, lens is not None), dtype=torch.float32, device=device)
-    fa = FusedAttention(q, k, v, o, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        lse = torch.empty(lse_shape(q, lens is not None), dtype=lse_dtype(q.dtype), device=device)
+    fa = FusedAttention(q, k, v, o, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, sinks=sinks,
                         backend=args.backend, persistent=True if args.is_persistent else None,
                         tile_mn=tuple(args.mma_tiler_mn) if args.mma_tiler_mn else None, **kwargs)
     problem = fa.problem
@@ -302,10 +310,10 @@ def run(args) -> int:
     if reasons:
         print("kernel not used:\n" + "\n".join(f"  - {r}" for r in reasons))
 
-    fa.execute(q, k, v, o, lse, cu_q, cu_k)  # checked once; the timed calls skip the checks
+    fa.execute(q, k, v, o, lse, cu_q, cu_k, sinks=sinks)  # checked once; the timed calls skip the checks
 
     def call():
-        fa.execute(q, k, v, o, lse, cu_q, cu_k, check=False)
+        fa.execute(q, k, v, o, lse, cu_q, cu_k, sinks=sinks, check=False)
 
     seconds, clock = _time_per_call(call, args.warmup_iterations, args.iterations, device)
     flops = problem.flops(*(lens if lens is not None else (None, None)))
@@ -320,7 +328,7 @@ def run(args) -> int:
     ref_o, ref_lse = attention_reference(
         q, k, v, cu_q, cu_k, mask=problem.mask, softmax_scale=problem.softmax_scale,
         scale_q=problem.scale_q, scale_k=problem.scale_k, scale_v=problem.scale_v,
-        inv_scale_o=problem.inv_scale_o, compute_dtype=torch.float64,
+        inv_scale_o=problem.inv_scale_o, softcap=problem.softcap, sinks=sinks, compute_dtype=torch.float64,
     )
     tolerance = args.tolerance
     if tolerance is None:

@@ -194,7 +194,7 @@ def _grad_sequence(do, q, k, v, o, lse, dlse, dq, dk, dv, mask, score_scale, out
     if dlse is not None:
         delta = delta - dlse.to(cdt)
     if sinks is not None:
-        dsinks -= ((sinks[:, None] - lse).exp() * delta).sum(-1)
+        dsinks += sink_gradient(sinks, lse, delta, varlen=True)
     if sk == 0:
         return
     group = hq // hk
@@ -231,6 +231,23 @@ def _grad_sequence(do, q, k, v, o, lse, dlse, dq, dk, dv, mask, score_scale, out
         # a K/V head's gradient is the sum over the query heads that read it
         dk.index_add_(1, kv_heads, dkc)
         dv.index_add_(1, kv_heads, dvc)
+
+
+def lse_delta(out: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.Tensor]) -> torch.Tensor:
+    """delta = rowsum(dO * O) - dLSE in fp32, laid out like the LSE: (B, H, S) from (B, S, H, D)
+    tensors, (H, T) from (T, H, D) ones."""
+    delta = (dout.float() * out.float()).sum(-1).movedim(-1, -2)
+    return delta if dlse is None else delta - dlse.float()
+
+
+def sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """dsinks[h] = -sum over the rows of head h of P_sink * delta, P_sink = exp(sinks[h] - lse)
+    (docs/semantics.md); ``lse``/``delta`` (B, H, S) or, ``varlen``, (H, T). In ``sinks``' dtype
+    when it is wider than fp32, else fp32 (the callers cast into their output)."""
+    cdt = torch.float64 if torch.float64 in (sinks.dtype, lse.dtype) else torch.float32
+    p_sink = (sinks.to(cdt)[:, None] - lse.to(cdt)).exp()
+    per_row = p_sink * delta.to(cdt)
+    return -(per_row.sum(-1) if varlen else per_row.sum((0, 2)))
 
 
 def attention_backward_reference(

@@ -33,7 +33,7 @@ class FakeKernel:
     def prepare(self, problem, options):
         self.prepared.append(problem)
 
-        def run(problem, q, k, v, out, lse, cu_q, cu_k):
+        def run(problem, q, k, v, out, lse, cu_q, cu_k, sinks=None):
             self.calls += 1
             for lens, cu in ((problem.seqlens_q, cu_q), (problem.seqlens_k, cu_k)):
                 if lens is not None:  # a problem whose lengths were read: this call's offsets'

@@ -36,14 +36,23 @@ def test_varlen_fp8_window_lse():
     assert "LSE max abs err" in r.stdout and r.stdout.splitlines()[-1] == "verified"
 
 
+def test_variants_run_and_verify():
+    """Head dims no kernel serves, softcap and sinks: the reference runs them, checked in fp64."""
+    r = fmha_cli("--q_shape", "2,37,4,48", "--k_shape", "2,41,2,48", "--is_causal", "--softcap", "5", "--sinks",
+                 "--lse", "--in_dtype", "bfloat16")
+    assert r.returncode == 0 and "softcap=5 sinks" in r.stdout and r.stdout.strip().endswith("verified"), r.stdout
+    r = fmha_cli("--q_shape", "1,20,2,16", "--in_dtype", "float64", "--window_size", "4,-2")
+    assert r.returncode == 0 and r.stdout.strip().endswith("verified"), r.stdout + r.stderr
+
+
 def test_failed_check_exits_nonzero():
     r = fmha_cli("--q_shape", "1,64,2,32", "--tolerance", "0")
     assert r.returncode == 1 and "FAILED" in r.stdout
 
 
 def test_bad_arguments_exit_2():
-    r = fmha_cli("--q_shape", "1,64,2,48")
-    assert r.returncode == 2 and "unsupported head dim 48" in r.stderr
+    r = fmha_cli("--q_shape", "1,64,2,0")
+    assert r.returncode == 2 and "head dim must be at least 1" in r.stderr
     r = fmha_cli("--q_shape", "2,64,2,32", "--varlen_q", "1,2,3")
     assert r.returncode == 2 and "must equal the number of lengths" in r.stderr
 

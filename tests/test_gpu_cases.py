@@ -15,7 +15,7 @@ CASE = gpu_check.Case("bfloat16", 64, "none", varlen_q=(100, 0, 200, 0), varlen_
                       heads_q=2, heads_k=1)
 
 
-def exact(problem, q, k, v, out, lse, cu_q, cu_k):
+def exact(problem, q, k, v, out, lse, cu_q, cu_k, sinks=None):
     o, l = attention_reference(q, k, v, cu_q, cu_k, mask=problem.mask, compute_dtype=torch.float64)
     out.copy_(cast_output(o, out.dtype))
     if lse is not None:
@@ -41,7 +41,7 @@ def reads_past_the_last_key(problem, q, k, v, out, lse, cu_q, cu_k, tile=128):
         out[q0:q1] = torch.einsum("hqk,khd->qhd", p, vv).to(out.dtype)
 
 
-def writes_past_the_last_row(problem, q, k, v, out, lse, cu_q, cu_k):
+def writes_past_the_last_row(problem, q, k, v, out, lse, cu_q, cu_k, sinks=None):
     exact(problem, q, k, v, out, lse, cu_q, cu_k)
     out.as_strided((1,) + out.shape[1:], out.stride(), out.storage_offset() + out.shape[0] * out.stride(0)).zero_()
 

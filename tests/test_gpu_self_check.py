@@ -62,7 +62,7 @@ def test_a_broken_configuration_falls_back_with_a_warning(forced, caplog, monkey
     def broken_prepare(self, problem, options):
         runner = real_prepare(self, problem, options)
 
-        def off(problem, q, k, v, out, lse, cu_q, cu_k):
+        def off(problem, q, k, v, out, lse, cu_q, cu_k, sinks=None):
             runner(problem, q, k, v, out, lse, cu_q, cu_k)
             out.mul_(1.1)  # wrong by 10%
 

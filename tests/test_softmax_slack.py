@@ -48,7 +48,7 @@ def tiled_attention(q, k, v, scale, slack, rescale_o=True, stats=None):
 
 
 def _runner(slack, rescale_o=True, stats=None):
-    def run(problem, q, k, v, out, lse, cu_q, cu_k):
+    def run(problem, q, k, v, out, lse, cu_q, cu_k, sinks=None):
         out.copy_(cast_output(tiled_attention(q, k, v, problem.score_scale, slack, rescale_o, stats), out.dtype))
         if lse is not None:
             _, ref_lse = attention_reference(q, k, v, mask=problem.mask, compute_dtype=torch.float64)

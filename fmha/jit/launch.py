@@ -17,18 +17,26 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def answered_without_launch(problem, out: torch.Tensor, lse) -> bool:
+def answered_without_launch(problem, out: torch.Tensor, lse, sinks=None) -> bool:
     """Write the answer of a forward with nothing to launch and say so: no query rows (a
     zero-size grid is not a launch), or no keys at all (a TMA descriptor needs a non-empty
-    tensor), where O = 0 and LSE = -inf."""
+    tensor), where O = 0 and LSE = -inf (its head's sink with ``sinks``)."""
     if problem.total_q == 0 or problem.num_heads_q == 0:
         return True
     if problem.total_k == 0:
         out.zero_()
         if lse is not None:
-            lse.fill_(float("-inf"))
+            fill_empty_lse(lse, sinks)
         return True
     return False
+
+
+def fill_empty_lse(lse: torch.Tensor, sinks=None) -> None:
+    """The LSE of rows that keep no key, (B, H, S) or (H, T): -inf, or their head's sink."""
+    if sinks is None:
+        lse.fill_(float("-inf"))
+    else:
+        lse.copy_(sinks.to(lse.dtype).view(-1, 1).expand(lse.shape[-2:]))
 
 
 @contextlib.contextmanager

@@ -70,7 +70,8 @@ class BlackwellRunner:
         self.cfg = cfg
         self.compiled = compiled
 
-    def __call__(self, problem: AttentionProblem, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None):
+    def __call__(self, problem: AttentionProblem, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
+                 sinks=None):
         cfg = self.cfg
         m = problem.mask
         if answered_without_launch(problem, out, lse):

@@ -171,4 +171,8 @@ def why_unsupported(problem: AttentionProblem, options: KernelOptions) -> list:
                            f"got {options.tile_m}x{options.tile_n}")
     if options.claim_tiles:
         reasons.append("the Blackwell kernel walks tiles statically; it does not claim them (claim_tiles=True)")
+    if problem.softcap:
+        reasons.append("the Blackwell kernel has no softcap yet")
+    if problem.has_sinks:
+        reasons.append("the Blackwell kernel has no attention sinks yet")
     return reasons

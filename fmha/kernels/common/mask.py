@@ -1,5 +1,11 @@
-"""Element-wise masking of a score fragment, from the same row bands the host uses
-(``fmha.masking.row_key_bounds``). Only tiles the tile schedule marks as masked call this.
+"""The score-and-mask object of a score fragment: softcap (every tile) and the element-wise mask
+from the same row bands the host uses (``fmha.masking.row_key_bounds``; only tiles the tile
+schedule marks as masked pay for it).
+
+Softcap keeps the kernels' score units: a kernel holds ``tanh(q.k * softcap_factor)`` in place of
+the raw q.k and its softmax scale becomes ``softcap * log2(e)`` (``AttentionProblem.
+softmax_scale_log2``), so the running max, the LSE and the backward's P recomputation need no
+other change. The backward's derivative of the cap comes back from P itself (``softcap_slope``).
 
 A row's kept keys are one interval ``[lo, hi)``. Instead of two compares per score, each thread
 turns the interval into a 32-bit mask over its own columns of the row (``kept_column_bits``) and
@@ -12,7 +18,8 @@ from typing import Any
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from fmha.masking import MaskKind, row_key_bounds
 
@@ -54,6 +61,32 @@ def _ones_shifted(amount: Int32, left: bool, *, loc=None, ip=None) -> Uint32:
     return Uint32(ptx_b32(f"{op}.b32 $0, -1, $1;", "=r,r", [Int32(amount)], loc=loc, ip=ip))
 
 
+@dsl_user_op
+def tanh_approx(x: Float32, *, loc=None, ip=None) -> Float32:
+    """One MUFU ``tanh.approx.f32`` (relative error about 2^-11, as FlashAttention's softcap)."""
+    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "tanh.approx.f32 $0, $1;",
+                                   "=f,f", has_side_effects=False, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def softcap_scores(s: cute.Tensor, factor: Float32):
+    """``s = tanh(s * factor)`` for every element of the (rows, cols) view ``s``."""
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            s[r, c] = tanh_approx(s[r, c] * factor)
+
+
+@cute.jit
+def softcap_slope(p: Float32, lse_log2: Float32, inv_scale_log2: Float32) -> Float32:
+    """The cap's derivative ``1 - t^2`` of a score whose probability is ``p = exp2(t * scale_log2 -
+    lse_log2)``: t comes back as ``(log2 p + lse_log2) / scale_log2``, clamped to [-1, 1] (a p of 0,
+    masked or underflowed, gives -inf or NaN there, which the clamp turns into a slope of 0)."""
+    t = (cute.math.log2(p, fastmath=True) + lse_log2) * inv_scale_log2
+    t = cute.arch.fmin(cute.arch.fmax(t, Float32(-1.0)), Float32(1.0))
+    return Float32(1.0) - t * t
+
+
 @dataclass(frozen=True)
 class FragmentMask:
     """Mask parameters of one (sequence, query tile); ``kind``/``bottom_right`` and the
@@ -67,6 +100,17 @@ class FragmentMask:
     bottom_right: bool = False
     #: rows per query position (a packed GQA group, ``kv_tile_schedule``): ``seqlen_q`` counts rows
     rows_per_query: int = 1
+    #: softcap: the raw q.k's factor before tanh; None (static) for none
+    softcap_factor: Any = None
+
+    @cute.jit
+    def apply_scores(self, acc_s: cute.Tensor, coords: cute.Tensor, row_base, col_base, masked: cutlass.Constexpr):
+        """A tile's scores as the softmax takes them: softcapped (before the mask: tanh(-inf)
+        would keep a masked key), then masked where ``masked``."""
+        if cutlass.const_expr(self.softcap_factor is not None):
+            softcap_scores(as_rows_cols(acc_s), self.softcap_factor)
+        if cutlass.const_expr(masked):
+            self.apply(acc_s, coords, row_base, col_base)
 
     def key_bounds(self, row):
         g = self.rows_per_query

@@ -19,6 +19,7 @@ first tiles of a row its max rarely moves, the output's correction factor is exa
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -160,18 +161,16 @@ class OnlineSoftmax:
                 o[r, c] = o[r, c] * row_scale[r]
 
     @cute.jit
-    def finalize(self, acc_o: cute.Tensor, output_scale: Float32, lse_out: cute.Tensor):
+    def finalize(self, acc_o: cute.Tensor, output_scale: Float32, lse_out: cute.Tensor,
+                 sinks_log2: Optional[cute.Tensor] = None):
         """Normalize ``acc_o`` by the row sums (times ``output_scale``) and write each row's
-        natural-log LSE of the scaled scores into ``lse_out`` (one entry per fragment row)."""
+        natural-log LSE of the scaled scores into ``lse_out`` (one entry per fragment row).
+        ``sinks_log2``: each row's sink logit in log2 units (-inf: none), or None (static)."""
         o = as_rows_cols(acc_o)
-        ln2 = Float32(math.log(2.0))
         for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
             total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=_THREADS_PER_ROW)
-            inv = Float32(0.0)
-            lse = Float32(-math.inf)
-            if total > Float32(0.0):
-                inv = output_scale / total
-                lse = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * ln2
+            sink = None if cutlass.const_expr(sinks_log2 is None) else sinks_log2[r]
+            lse, inv = row_lse_and_inverse(self.row_max[r], total, self.scale_log2, output_scale, sink)
             lse_out[r] = lse
             for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
                 o[r, c] = o[r, c] * inv
@@ -188,13 +187,26 @@ def finite_row_max(row_max: Float32) -> Float32:
 
 
 @cute.jit
-def row_lse_and_inverse(row_max: Float32, row_sum: Float32, scale_log2: Float32, output_scale: Float32):
+def row_lse_and_inverse(row_max: Float32, row_sum: Float32, scale_log2: Float32, output_scale: Float32,
+                        sink_log2=None):
     """(natural-log LSE of the scaled scores, factor that normalizes the row's O) for a row whose
     probabilities exp2((s - row_max) * scale_log2) sum to ``row_sum``; a row that kept nothing
-    (sum 0) gets (-inf, 0) (docs/semantics.md)."""
+    (sum 0) gets (-inf, 0) (docs/semantics.md). ``sink_log2`` (a dynamic value, -inf for none, or
+    None when the kernel has no sinks): a logit in log2 units that joins the denominator and the
+    LSE but adds no value row; a row with only the sink gets (the sink, 0)."""
     inv = Float32(0.0)
     lse = Float32(-math.inf)
-    if row_sum > Float32(0.0):
-        inv = output_scale / row_sum
-        lse = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * Float32(math.log(2.0))
+    if cutlass.const_expr(sink_log2 is None):
+        if row_sum > Float32(0.0):
+            inv = output_scale / row_sum
+            lse = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * Float32(math.log(2.0))
+    else:
+        # against the larger of the row's max and the sink, so that neither exponential overflows
+        max_log2 = row_max * scale_log2
+        top = cute.arch.fmax(max_log2, sink_log2)
+        if top > Float32(-math.inf):
+            keys_part = cute.math.exp2(max_log2 - top, fastmath=True)
+            total = row_sum * keys_part + cute.math.exp2(sink_log2 - top, fastmath=True)
+            inv = output_scale * keys_part / total
+            lse = (top + cute.math.log2(total, fastmath=True)) * Float32(math.log(2.0))
     return lse, inv

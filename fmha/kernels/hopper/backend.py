@@ -11,8 +11,9 @@ import torch
 from fmha import device_errors
 from fmha.jit import disk_cache
 from fmha.jit.compile import compile_for, cutlass_dtype, fake_rows, fake_vector
-from fmha.jit.launch import answered_without_launch, sm_count
+from fmha.jit.launch import answered_without_launch, fill_empty_lse, sm_count
 from fmha.masking import MaskKind, MaskSpec
+from fmha.reference import lse_delta, sink_gradient
 from fmha.problem import AttentionProblem, KernelOptions
 from fmha.work_tiles import kv_work_tile_table, work_tile_table
 
@@ -59,7 +60,8 @@ def _fake_arguments(cfg: HopperForwardConfig) -> tuple:
                                                     assumed_align=128)
         errors = fake_vector(cutlass.Int32, 1)
     counter = fake_vector(cutlass.Int32, 1) if cfg.claims_tiles else None
-    return q, k, v, o, lse, cu_q, cu_k, tiles, count, descriptors, errors, counter, cache_seqlens, block_table
+    sinks = fake_vector(cutlass.Float32) if cfg.has_sinks else None
+    return q, k, v, o, lse, cu_q, cu_k, tiles, count, descriptors, errors, counter, cache_seqlens, block_table, sinks
 
 
 def compile_forward(cfg: HopperForwardConfig, extra_options: str = "", kernel_class=None):
@@ -75,6 +77,7 @@ def compile_forward(cfg: HopperForwardConfig, extra_options: str = "", kernel_cl
         Int32(1),  # max_seqlen_q
         Float32(1.0),  # scale_log2
         Float32(1.0),  # output_scale
+        Float32(1.0) if cfg.softcap else None,  # softcap_factor
         Int32(0) if cfg.window_left_bounded else None,
         Int32(0) if cfg.window_right_bounded else None,
         Int32(1),  # num_ctas
@@ -91,10 +94,11 @@ class HopperRunner:
         self.cfg = cfg
         self.compiled = compiled
 
-    def __call__(self, problem: AttentionProblem, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None):
+    def __call__(self, problem: AttentionProblem, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
+                 sinks=None):
         cfg = self.cfg
         m = problem.mask
-        if answered_without_launch(problem, out, lse):
+        if answered_without_launch(problem, out, lse, sinks):
             return
         if cfg.v_staged:
             v = stage_v_fp8(v, cu_seqlens_k if cfg.varlen else None, problem.seqlen_k)
@@ -123,14 +127,21 @@ class HopperRunner:
             # the claim counter starts at 0 in every launch (ClaimingTileScheduler)
             torch.zeros(1, dtype=torch.int32, device=q.device) if cfg.claims_tiles else None,
             None, None,  # a KV cache's lengths and block table (``HopperDecodeRunner``)
+            sinks_fp32(sinks) if cfg.has_sinks else None,
             problem.seqlen_q,
-            problem.score_scale_log2,
+            problem.softmax_scale_log2,
             problem.output_scale,
+            problem.softcap_factor if cfg.softcap else None,
             m.window_left if cfg.window_left_bounded else None,
             m.window_right if cfg.window_right_bounded else None,
             sm_count(q.device) if cfg.persistent else 1,
             None, None,  # num_splits, page_size (``HopperDecodeRunner``)
         )
+
+
+def sinks_fp32(sinks: torch.Tensor) -> torch.Tensor:
+    """The kernels read the sink logits as fp32."""
+    return sinks if sinks.dtype == torch.float32 else sinks.float()
 
 
 def compile_split_combine(cfg, extra_options: str = ""):
@@ -183,22 +194,24 @@ class HopperDecodeRunner:
             span = min(span, m.window_left + problem.seqlen_q + (m.window_right or 0))
         elif m.kind == MaskKind.WINDOW and not m.bottom_right:
             span = min(span, problem.seqlen_q + m.window_right)
+        span = max(span, 1)  # negative window sides can leave nothing
         splits = problem.num_splits or split_kv.choose_num_splits(tiles, num_sms, -(-span // self.tile_n))
-        if problem.seqlen_q == 1 and m.kind == MaskKind.WINDOW and m.bottom_right and m.window_left is None:
+        if (problem.seqlen_q == 1 and m.kind == MaskKind.WINDOW and m.bottom_right and m.window_left is None
+                and m.window_right >= 0):
             m = MaskSpec(MaskKind.NONE)  # one bottom-right row sees every key up to the last
         cfg = decode_config(problem.dtype, problem.out_dtype, problem.head_dim, m.kind, m.window_left is not None,
                             m.window_right is not None, m.bottom_right, problem.return_lse, group if packed else 1,
-                            splits > 1, problem.page_size, problem.capacity)
+                            splits > 1, problem.page_size, problem.capacity, problem.softcap > 0, problem.has_sinks)
         return DecodePlan(cfg, packed, rows, heads, splits, m)
 
-    def __call__(self, problem, q, k_cache, v_cache, lengths, block_table, out, lse):
+    def __call__(self, problem, q, k_cache, v_cache, lengths, block_table, out, lse, sinks=None):
         from fmha import split_kv
 
         b, s_q, h_q, d = q.shape
         if b == 0 or s_q == 0 or h_q == 0 or problem.capacity == 0 or problem.num_pages == 0:
             out.zero_()
             if lse is not None:
-                lse.fill_(float("-inf"))
+                fill_empty_lse(lse, sinks)
             if b and (problem.capacity == 0 or problem.num_pages == 0):  # any length > 0 cannot be held
                 from fmha.kernels.common.error_bits import BAD_CACHE_LENGTH
 
@@ -225,9 +238,11 @@ class HopperDecodeRunner:
             o_k, lse_k = out, lse
         m = plan.mask
         kernel(q_in, k_cache, v_cache, o_k, lse_k if plan.cfg.has_lse else None, None, None, None, None, None,
-               device_errors.flag(q.device), None, lengths, block_table, rows, problem.score_scale_log2,
-               problem.output_scale, m.window_left, m.window_right, sm_count(q.device),
-               splits if plan.cfg.split_kv else None, problem.page_size if plan.cfg.page_run else None)
+               device_errors.flag(q.device), None, lengths, block_table,
+               sinks_fp32(sinks) if plan.cfg.has_sinks else None, rows, problem.softmax_scale_log2,
+               problem.output_scale, problem.softcap_factor if plan.cfg.softcap else None, m.window_left,
+               m.window_right, sm_count(q.device), splits if plan.cfg.split_kv else None,
+               problem.page_size if plan.cfg.page_run else None)
         if splits > 1:  # merged, and unpacked on the way
             from ..common.split_combine import SplitCombineConfig
 
@@ -268,7 +283,7 @@ def dense_decode_problem(problem: AttentionProblem, return_lse: bool):
         head_dim=problem.head_dim, head_dim_v=problem.head_dim_v, dtype=problem.dtype, out_dtype=problem.out_dtype,
         mask=problem.mask, page_size=0, capacity=problem.seqlen_k, num_pages=problem.batch, seqlen_new=0,
         score_scale=problem.score_scale, output_scale=problem.output_scale, return_lse=return_lse,
-        device=problem.device)
+        softcap=problem.softcap, has_sinks=problem.has_sinks, device=problem.device)
 
 
 class HopperDenseDecodeRunner:
@@ -289,11 +304,13 @@ class HopperDenseDecodeRunner:
                 self._lengths[key] = lengths
         return lengths
 
-    def __call__(self, problem: AttentionProblem, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None):
-        if answered_without_launch(problem, out, lse):
+    def __call__(self, problem: AttentionProblem, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
+                 sinks=None):
+        if answered_without_launch(problem, out, lse, sinks):
             return
         decode = dense_decode_problem(problem, lse is not None)
-        self.decode(decode, q, k, v, self.lengths(problem.batch, problem.seqlen_k, q.device), None, out, lse)
+        self.decode(decode, q, k, v, self.lengths(problem.batch, problem.seqlen_k, q.device), None, out, lse,
+                    sinks)
 
 
 def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
@@ -332,6 +349,7 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
         errors, semaphores, tiles, count,
         Int32(1), Int32(1),  # max_seqlen_q, max_seqlen_k
         Float32(1.0), Float32(1.0), Float32(1.0),  # scale_log2, out_scale, score_scale
+        Float32(1.0) if cfg.softcap else None,  # softcap_factor
         Int32(0) if cfg.window_left_bounded else None,
         Int32(0) if cfg.window_right_bounded else None,
         extra_options=extra_options,
@@ -399,10 +417,12 @@ class HopperBackwardRunner:
         return dq_layout.allocate(self.cfg, q, problem.batch, problem.num_heads_q, problem.seqlen_q, zeroed=False)
 
     def __call__(self, problem: AttentionProblem, dout, q, k, v, out, lse, dlse, dq, dk, dv,
-                 cu_seqlens_q=None, cu_seqlens_k=None, deterministic: bool = False):
+                 cu_seqlens_q=None, cu_seqlens_k=None, deterministic: bool = False, sinks=None, dsinks=None):
         if problem.total_q == 0 or problem.total_k == 0 or problem.num_heads_q == 0:
             for grad in (dq, dk, dv):
                 grad.zero_()
+            if dsinks is not None:
+                dsinks.copy_(sink_gradient(sinks, lse, lse_delta(out, dout, dlse), problem.varlen))
             return
         m = problem.mask
         lse = lse.contiguous()
@@ -415,6 +435,9 @@ class HopperBackwardRunner:
         self.row_pass(dlse is not None)(out, dout, lse, dlse, lse2[..., :rows], delta[..., :rows], dq_acc,
                                         cu_seqlens_q if self.cfg.varlen else None,
                                         problem.score_scale if self.cfg.ds_prescaled else 1.0)
+        if dsinks is not None:  # from the row pass's delta, which carries the delta scale
+            delta_scale = problem.score_scale if self.cfg.ds_prescaled else 1.0
+            dsinks.copy_(sink_gradient(sinks, lse, delta[..., :rows] / delta_scale, self.cfg.varlen))
         if self.cfg.varlen:  # (H, T) -> (1, H, T): the kernel reads both layouts as (B, H, S)
             lse2, delta = lse2.unsqueeze(0), delta.unsqueeze(0)
         descriptors = None
@@ -441,7 +464,8 @@ class HopperBackwardRunner:
             cu_seqlens_q if self.cfg.varlen else None, cu_seqlens_k if self.cfg.varlen else None, descriptors,
             device_errors.flag(q.device) if self.cfg.varlen else None, semaphores, tiles, count, problem.seqlen_q,
             problem.seqlen_k,
-            problem.score_scale_log2, problem.output_scale, problem.score_scale,
+            problem.softmax_scale_log2, problem.output_scale, problem.score_scale,
+            problem.softcap_factor if self.cfg.softcap else None,
             m.window_left if self.cfg.window_left_bounded else None,
             m.window_right if self.cfg.window_right_bounded else None,
         )

@@ -68,6 +68,7 @@ from fmha.masking import MaskKind, first_row_past, row_key_bounds
 from ..common import sequence_descriptors as seq_desc
 from ..common.fragments import as_operand_a, as_rows_cols, store_as_16bit_pairs
 from ..common.layouts import bshd_to_sdhb, rows_first
+from ..common.mask import softcap_scores, softcap_slope
 from ..common.pipelines import release_by_one_lane
 from ..common.device_tile_list import COST_BINS, DeviceWorkTileList, cost_bins_bytes
 from ..common.seqinfo import SequenceInfo
@@ -115,7 +116,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                  mSeqDescriptors: Optional[cute.Tensor], mErrors: Optional[cute.Tensor],
                  mSemaphores: Optional[cute.Tensor], mTileTable: Optional[cute.Tensor],
                  mTileCount: Optional[cute.Tensor], max_seqlen_q: Int32, max_seqlen_k: Int32,
-                 scale_log2: Float32, out_scale: Float32, score_scale: Float32,
+                 scale_log2: Float32, out_scale: Float32, score_scale: Float32, softcap_factor: Optional[Float32],
                  window_left: Optional[Int32], window_right: Optional[Int32], stream: cuda.CUstream):
         """Dense tensors: q/dO (B, S_q, H_q, D), k/v/dK/dV (B, S_k, H_k, D), LSE2/delta
         (B, H_q, S) fp32 with S >= S_q a multiple of 4 (rows past S_q are never used), dQacc
@@ -126,7 +127,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
         count (1,) int32, filled by the launch. ``deterministic``: semaphores (B, H_q, query tiles)
         int32, zeroed. delta comes
         multiplied by ``score_scale`` when ``cfg.ds_prescaled``, so that dS is too and dQ and dK
-        need no scaling of their own."""
+        need no scaling of their own. ``softcap_factor`` (``cfg.softcap``): the raw q.k's factor
+        before tanh, ``scale_log2`` then the cap's (``fmha.kernels.common.mask``)."""
         cfg = self.cfg
         varlen = cfg.varlen
         self.dtype = mQ.element_type
@@ -230,8 +232,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
                     tma_v, tma_tensor_v, tma_lse, tma_tensor_lse, tma_delta, tma_tensor_delta, mdQacc,
                     mdK, mdV, tma_dk, tma_tensor_dk, tma_dv, tma_tensor_dv, mCuSeqlensQ, mCuSeqlensK,
                     mSeqDescriptors, mSemaphores, mTileTable, mTileCount,
-                    max_seqlen_q, max_seqlen_k, scale_log2, out_scale, score_scale, window_left, window_right,
-                    sQ_layout, sK_layout, sdS_layout, sdQ_layout, sRow_layout).launch(
+                    max_seqlen_q, max_seqlen_k, scale_log2, out_scale, score_scale, softcap_factor, window_left,
+                    window_right, sQ_layout, sK_layout, sdS_layout, sdQ_layout, sRow_layout).launch(
             grid=grid, block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
 
@@ -271,7 +273,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                mSeqDescriptors: Optional[cute.Tensor], mSemaphores: Optional[cute.Tensor],
                mTileTable: Optional[cute.Tensor], mTileCount: Optional[cute.Tensor], max_seqlen_q: Int32,
                max_seqlen_k: Int32, scale_log2: Float32, out_scale: Float32, score_scale: Float32,
-               window_left: Optional[Int32], window_right: Optional[Int32],
+               softcap_factor: Optional[Float32], window_left: Optional[Int32], window_right: Optional[Int32],
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
                sdQ_layout, sRow_layout: cute.Layout):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -325,8 +327,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 cute.arch.setmaxregister_increase(240)
                 self.consumer(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDelta, qdo_consumer,
                               kv_consumer, mdK, mdV, tma_dk, mdK_tma, tma_dv, mdV_tma, mSeqDescriptors, scale_log2,
-                              out_scale, score_scale, window_left, window_right, n_block, head_kv, batch, group,
-                              m_start, m_end, seq, tidx - _WG)
+                              out_scale, score_scale, softcap_factor, window_left, window_right, n_block, head_kv,
+                              batch, group, m_start, m_end, seq, tidx - _WG)
 
     @cute.jit
     def work_tile(self, mTileTable: Optional[cute.Tensor], mTileCount: Optional[cute.Tensor], num_heads_kv):
@@ -488,8 +490,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
     def consumer(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDelta,
                  qdo_consumer: pipeline.PipelineConsumer, kv_consumer: pipeline.PipelineConsumer, mdK, mdV,
                  tma_dk, mdK_tma, tma_dv, mdV_tma, mSeqDescriptors: Optional[cute.Tensor],
-                 scale_log2: Float32, out_scale: Float32, score_scale: Float32, window_left, window_right, n_block,
-                 head_kv, batch, group, m_start, m_end, seq: SequenceInfo, tidx: Int32):
+                 scale_log2: Float32, out_scale: Float32, score_scale: Float32, softcap_factor, window_left,
+                 window_right, n_block, head_kv, batch, group, m_start, m_end, seq: SequenceInfo, tidx: Int32):
         """Warpgroups 1 and 2: per query tile the five products and the element-wise work between
         them; dK and dV stay in registers until the end."""
         cfg = self.cfg
@@ -543,6 +545,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
         n0 = n_block * tile_n
         num_cols = cute.size(tScS, mode=[1])
         dp_scale = out_scale * score_scale if const_expr(cfg.ds_prescaled) else out_scale
+        inv_scale_log2 = Float32(1.0) / scale_log2 if const_expr(cfg.softcap) else None
 
         kv_handle = kv_consumer.wait_and_advance()
         tile_parity = Int32(0)
@@ -575,6 +578,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
                                                                   Float32(math.inf), held_lse[j]))
                 warpgroup.wait_group(1)  # S^T is ready; dP^T still runs
                 s = as_rows_cols(acc_s)
+                if const_expr(cfg.softcap):  # before the mask, as the forward's
+                    softcap_scores(s, softcap_factor)
                 # keys past the sequence (the last K/V tile's zero rows) are masked too: their P
                 # would be 2^-lse, which for a row of very negative scores overflows dS
                 if const_expr(cfg.mask_kind != MaskKind.NONE):
@@ -611,6 +616,10 @@ class HopperAttentionBackward(DeviceWorkTileList):
                     delta = Float32(cutlass.select_(m0 + col >= seqlen_q, Float32(0.0), sDelta[skip + col, stage]))
                     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                         dp[r, j] = s[r, j] * (dp[r, j] * dp_scale - delta)
+                    if const_expr(cfg.softcap):  # through the cap: dS times its slope, from P
+                        lse2 = held_lse[j] if const_expr(held_lse is not None) else sLSE2[skip + col, stage]
+                        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                            dp[r, j] = dp[r, j] * softcap_slope(s[r, j], lse2, inv_scale_log2)
                 ds16 = cute.make_rmem_tensor(s_shape, self.dtype)
                 store_as_16bit_pairs(ds16, acc_dp)
                 # dS^T of both warpgroups (all the tile's keys) for the dQ product; the buffer

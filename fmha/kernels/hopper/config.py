@@ -159,6 +159,11 @@ class HopperForwardConfig:
     #: paged K/V (key p of sequence b is row p % page_size of page block_table[b, p // page_size]):
     #: keys per TMA load, gcd(page size, tile_n), so that a load never crosses a page; 0: dense
     page_run: int = 0
+    # ---- variants (``common/mask.py``, ``common/softmax.py``)
+    #: scores capped at softcap * tanh(s / softcap)
+    softcap: bool = False
+    #: a sink logit per query head joins each row's softmax denominator
+    has_sinks: bool = False
 
     def __post_init__(self):
         if self.tile_m % 64 or self.tile_n % 16:
@@ -204,6 +209,8 @@ class HopperForwardConfig:
             o_store=o_store_for(problem.dtype, problem.out_dtype, problem.head_dim, problem.varlen,
                                 m.kind == MaskKind.NONE, problem.seqlen_k, tile_m, tile_n, q_stages),
             tiles_on_device=problem.varlen and problem.seqlens_q is None,
+            softcap=problem.softcap > 0,
+            has_sinks=problem.has_sinks,
         )
 
     # ---- derived: one line of reason each
@@ -296,7 +303,8 @@ def why_unsupported_decode(problem) -> list:
 
 def decode_config(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, mask_kind: MaskKind,
                   window_left_bounded: bool, window_right_bounded: bool, bottom_right: bool, has_lse: bool,
-                  rows_per_query: int, split_kv: bool, page_size: int, capacity: int) -> HopperForwardConfig:
+                  rows_per_query: int, split_kv: bool, page_size: int, capacity: int, softcap: bool = False,
+                  has_sinks: bool = False) -> HopperForwardConfig:
     """The forward kernel's configuration for decode (``attention_with_kvcache``, whose masks are
     bottom-right, and dense calls with few query rows): the smallest tile, a persistent walk (the
     next tile's Q and K/V load under the current one), fp32 partials with their LSE under
@@ -312,7 +320,7 @@ def decode_config(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, mas
         o_store=o_store_for(dtype, out_dtype, head_dim, False, mask_kind == MaskKind.NONE, capacity, tile_m, tile_n,
                             q_stages),
         rows_per_query=rows_per_query, split_kv=split_kv, cache_lengths=True,
-        page_run=math.gcd(page_size, tile_n) if page_size else 0,
+        page_run=math.gcd(page_size, tile_n) if page_size else 0, softcap=softcap, has_sinks=has_sinks,
     )
 
 
@@ -374,6 +382,9 @@ class HopperBackwardConfig:
     #: the longest query sequence has at least ``LONG_ROWS`` rows (set only where it selects the
     #: tile: D=128 without a mask)
     long_rows: bool = False
+    #: scores capped at softcap * tanh(s / softcap) (sinks need nothing of the kernel: P comes
+    #: from the LSE, which holds them, and their gradient from delta, ``HopperBackwardRunner``)
+    softcap: bool = False
 
     @property
     def tile_n(self) -> int:
@@ -472,7 +483,7 @@ class HopperBackwardConfig:
         return HopperBackwardConfig(problem.dtype, problem.head_dim, m.kind, m.window_left is not None,
                                     m.window_right is not None, m.bottom_right if m.kind == MaskKind.WINDOW else False,
                                     problem.varlen, options.deterministic, listed,
-                                    listed and problem.seqlens_q is None, long_rows)
+                                    listed and problem.seqlens_q is None, long_rows, problem.softcap > 0)
 
 
 def why_unsupported_backward(problem: AttentionProblem, options: KernelOptions) -> list:

@@ -23,6 +23,7 @@ through per-sequence TMA descriptors (``sequence_descriptors.py``). fp8: V arriv
 from ``v_staging`` and P is fed to the P.V product in the fp8 A-operand order.
 """
 
+import math
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -80,9 +81,11 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         mTileCounter: Optional[cute.Tensor],
         mCacheSeqlens: Optional[cute.Tensor],
         mBlockTable: Optional[cute.Tensor],
+        mSinks: Optional[cute.Tensor],
         max_seqlen_q: Int32,
         scale_log2: Float32,
         output_scale: Float32,
+        softcap_factor: Optional[Float32],
         window_left: Optional[Int32],
         window_right: Optional[Int32],
         num_ctas: Int32,
@@ -188,12 +191,12 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
             tiled_mma_qk, tiled_mma_pv,
             tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_o, tma_tensor_o,
             q, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mTileTable, mTileCount, mSeqDescriptors, mTileCounter,
-            mCacheSeqlens, mBlockTable, mErrors if const_expr(cfg.cache_lengths) else None,
+            mCacheSeqlens, mBlockTable, mErrors if const_expr(cfg.cache_lengths) else None, mSinks,
             num_m_blocks,
             num_batches,
             num_splits,
             page_size,
-            scale_log2, output_scale, window_left, window_right,
+            scale_log2, output_scale, softcap_factor, window_left, window_right,
             sQ_layout, sK_layout, sV_layout, sO_layout,
         ).launch(
             grid=[grid_x, 1, 1],
@@ -229,12 +232,14 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         mCacheSeqlens: Optional[cute.Tensor],
         mBlockTable: Optional[cute.Tensor],
         mErrors: Optional[cute.Tensor],
+        mSinks: Optional[cute.Tensor],
         num_m_blocks: Int32,
         num_batches: Int32,
         num_splits: Optional[Int32],
         page_size: Optional[Int32],
         scale_log2: Float32,
         output_scale: Float32,
+        softcap_factor: Optional[Float32],
         window_left: Optional[Int32],
         window_right: Optional[Int32],
         sQ_layout: cute.ComposedLayout,
@@ -297,9 +302,9 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         else:
             cute.arch.setmaxregister_increase(cfg.register_budgets[1])
             self.consumer(
-                scheduler, cache, tiled_mma_qk, tiled_mma_pv, mQ_sdhb, mK_tma, mO, mLSE, tma_o, mO_tma,
-                mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, scale_log2, output_scale, window_left, window_right,
-                sQ, sK, sV, sO, q_consumer, kv_consumer, tidx - _WG,
+                scheduler, cache, tiled_mma_qk, tiled_mma_pv, mQ_sdhb, mK_tma, mO, mLSE, mSinks, tma_o, mO_tma,
+                mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, scale_log2, output_scale, softcap_factor, window_left,
+                window_right, sQ, sK, sV, sO, q_consumer, kv_consumer, tidx - _WG,
             )
 
     def make_scheduler(self, mTileTable, mTileCount, mTileCounter, hand_off, num_m_blocks, num_heads, num_batches):
@@ -480,8 +485,8 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
     @cute.jit
     def consumer(
         self, scheduler, cache: KvCache, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-        mQ_sdhb, mK_tma, mO, mLSE, tma_o, mO_tma, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors,
-        scale_log2: Float32, output_scale: Float32, window_left, window_right,
+        mQ_sdhb, mK_tma, mO, mLSE, mSinks, tma_o, mO_tma, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors,
+        scale_log2: Float32, output_scale: Float32, softcap_factor, window_left, window_right,
         sQ, sK, sV, sO: Optional[cute.Tensor], q_consumer: pipeline.PipelineConsumer,
         kv_consumer: pipeline.PipelineConsumer, tidx: Int32,
     ):
@@ -508,6 +513,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         softmax = OnlineSoftmax.create(scale_log2, num_rows, *cfg.softmax_chains, self.max_slack)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
         lse_rows = cute.make_rmem_tensor(num_rows, Float32)
+        sinks_log2 = cute.make_rmem_tensor(num_rows, Float32) if const_expr(cfg.has_sinks) else None
         # P of the tile whose P.V is pending; S itself is allocated per tile (a score fragment
         # that outlived its tile would stay live across the loop and crowd out the registers the
         # in-flight GEMMs need).
@@ -527,7 +533,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
             _, split, seq = self.work_of(tile, cache, mQ_sdhb, mK_tma, mCuSeqlensQ, mCuSeqlensK)
             if tile.m_block * cfg.tile_m < seq.seqlen_q:
                 mask = FragmentMask(cfg.mask_kind, seq.seqlen_q, seq.seqlen_k, window_left, window_right,
-                                    cfg.bottom_right, cfg.rows_per_query)
+                                    cfg.bottom_right, cfg.rows_per_query, softcap_factor)
                 kv_tiles = self.kv_tile_schedule(tile.m_block, seq, window_left, window_right, split,
                                                  cache.num_splits)
                 row_base = tile.m_block * cfg.tile_m
@@ -539,12 +545,31 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
                 kv_consumer = self.mainloop(kv_tiles, row_base, mask, softmax, frags, kv_consumer, wg)
                 if const_expr(cfg.o_store != OStore.TMA_Q_BUFFER):
                     q_handle.release()  # else once the O staged in it has been stored
-                softmax.finalize(acc_o, output_scale, lse_rows)
+                if const_expr(cfg.has_sinks):
+                    self.row_sinks(sinks_log2, mSinks, tOcO, tile, split)
+                softmax.finalize(acc_o, output_scale, lse_rows, sinks_log2)
                 self.epilogue(acc_o, lse_rows, tiled_mma_pv, tOcO, tidx, wg, q_handle, sQ, sO, tma_o, mO_tma,
                               mO, mLSE, mSeqDescriptors, tile, seq)
             tile_idx, cursor = scheduler.consumer_next(tile_idx, cursor)
         if const_expr(cfg.o_store == OStore.TMA_OWN_BUFFER):
             drain_o_stores()
+
+    @cute.jit
+    def row_sinks(self, sinks_log2: cute.Tensor, mSinks: cute.Tensor, tOcO: cute.Tensor, tile, split):
+        """Each fragment row's sink logit in log2 units: its query head's (a packed GQA group's
+        rows are its heads in turn); -inf in every split but the first, so that merging the splits
+        by LSE counts the sink once."""
+        cfg = self.cfg
+        c = as_rows_cols(tOcO)
+        for r in cutlass.range_constexpr(cute.size(sinks_log2)):
+            head = tile.head
+            if const_expr(cfg.rows_per_query > 1):
+                row = tile.m_block * cfg.tile_m + c[r, 0][0]
+                head = tile.head * cfg.rows_per_query + row % cfg.rows_per_query
+            sink = mSinks[head] * Float32(math.log2(math.e))
+            if const_expr(cfg.split_kv):
+                sink = Float32(cutlass.select_(split == 0, sink, Float32(-math.inf)))
+            sinks_log2[r] = sink
 
     @cute.jit
     def epilogue(self, acc_o: cute.Tensor, lse_rows: cute.Tensor, tiled_mma_pv: cute.TiledMma, tOcO: cute.Tensor,

@@ -1,6 +1,7 @@
 """The consumer warpgroups' K/V loop of the Hopper forward kernel (``fwd.HopperAttentionForward``
-inherits it). Per K/V tile: S = Q K^T on the tensor cores, the mask where the tile needs it, the
-online softmax in registers, and O += P V with P as the register A operand.
+inherits it). Per K/V tile: S = Q K^T on the tensor cores, the score-and-mask object (softcap, and
+the mask where the tile needs it), the online softmax in registers, and O += P V with P as the
+register A operand.
 
 The loop is software pipelined: the S GEMM of tile n and the P.V GEMM of tile n - 1 are issued
 together and run under the softmax of tile n, and the consumer warpgroups take turns issuing
@@ -111,7 +112,7 @@ class ConsumerMainloop:
         issue_gemm(frags.mma_qk, acc_s, frags.q, frags.k[None, None, None, k_handle.index], True)
         warpgroup.wait_group(0)
         release_by_one_lane(k_handle)
-        mask.apply(acc_s, frags.s_coords, row_base, kv_tiles.start * self.cfg.tile_n)
+        mask.apply_scores(acc_s, frags.s_coords, row_base, kv_tiles.start * self.cfg.tile_n, True)
         softmax.update(acc_s, frags.row_scale)  # O is still zero: no rescale
         self.store_p(frags.p, acc_s)
         return kv_consumer
@@ -123,8 +124,7 @@ class ConsumerMainloop:
         """One pipelined step: S_n and P_{n-1} V_{n-1} issued in this warpgroup's turn, then the
         softmax of S_n under the P.V GEMM, O rescaled, P_n packed."""
         acc_s, k_handle, v_handle, kv_consumer = self.issue_step_gemms(frags, kv_consumer, wg)
-        if const_expr(masked):
-            mask.apply(acc_s, frags.s_coords, row_base, n_block * self.cfg.tile_n)
+        mask.apply_scores(acc_s, frags.s_coords, row_base, n_block * self.cfg.tile_n, masked)
         softmax.update(acc_s, frags.row_scale)
         # ptxas keeps an mbarrier arrive ahead of a later wgmma wait but hoists both as far as
         # their operands allow. Released here, tied to the softmax's result, K_n's arrive holds
