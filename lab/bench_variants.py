@@ -44,7 +44,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
     ap.add_argument("--plain-only", action="store_true")
-    ap.add_argument("--rep", type=int, default=200)
+    ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--label", default="fmha")
     args = ap.parse_args()
     fa4 = None
@@ -95,11 +95,11 @@ def main():
                         row[f"{kind}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M"),
-                           rows=rows), f, indent=1)
+                if args.out:  # after every row: a run cut short keeps what it measured
+                    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+                    with open(args.out, "w") as f:
+                        json.dump(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M"),
+                                       command=" ".join(sys.argv), rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
