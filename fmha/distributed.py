@@ -685,6 +685,8 @@ def _check_shards(q, k, v, group, layout, causal, window_size, softmax_scale,
 
         spec = MaskSpec.from_args(causal, window_size, "top_left", False)
         left, right = (spec.window_left, spec.window_right) if spec.kind.name == "WINDOW" else (None, None)
+        if any(w is not None and w < 0 for w in (left, right)):
+            raise ValueError(f"context parallelism takes window sides >= 0 or None, got {window_size!r}")
     except (TypeError, ValueError) as e:
         problem, left, right = f"{type(e).__name__}: {e}", None, None
     meta = [layout, bool(causal), tuple(window_size) if isinstance(window_size, (tuple, list)) else None,
