@@ -22,7 +22,7 @@ from .backends import (
     unsupported_reasons,
 )
 from . import device_errors
-from .problem import AttentionProblem, lse_dtype
+from .problem import AttentionProblem, accumulate_dtype
 from .validation import (ALIGN_BYTES, kernel_options, lse_shape, offsets_read_record, out_shape, validate,
                          validate_backward)
 
@@ -34,7 +34,7 @@ def _allocate(q: torch.Tensor, problem: AttentionProblem, out, lse):
         out = torch.empty(out_shape(q, problem.head_dim_v), dtype=problem.out_dtype,
                           device=q.device)
     if lse is None and problem.return_lse:
-        lse = torch.empty(lse_shape(q, problem.varlen), dtype=lse_dtype(q.dtype), device=q.device)
+        lse = torch.empty(lse_shape(q, problem.varlen), dtype=accumulate_dtype(q.dtype), device=q.device)
     return out, lse
 
 

@@ -38,7 +38,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .problem import AttentionProblem, KernelOptions
+from .problem import AttentionProblem, KernelOptions, accumulate_dtype
 from .reference import attention_backward_reference, attention_reference, cast_output
 
 __all__ = [
@@ -101,7 +101,7 @@ class ReferenceBackend:
                 mask=problem.mask, softmax_scale=problem.softmax_scale,
                 scale_q=problem.scale_q, scale_k=problem.scale_k,
                 scale_v=problem.scale_v, inv_scale_o=problem.inv_scale_o,
-                softcap=problem.softcap, sinks=sinks, compute_dtype=compute_dtype_for(problem.dtype),
+                softcap=problem.softcap, sinks=sinks, compute_dtype=accumulate_dtype(problem.dtype),
             )
             out.copy_(cast_output(o, out.dtype))
             if lse is not None:
@@ -119,16 +119,12 @@ class ReferenceBackend:
                 mask=problem.mask, softmax_scale=problem.softmax_scale,
                 scale_q=problem.scale_q, scale_k=problem.scale_k,
                 scale_v=problem.scale_v, inv_scale_o=problem.inv_scale_o, dlse=dlse,
-                softcap=problem.softcap, sinks=sinks, compute_dtype=compute_dtype_for(problem.dtype),
+                softcap=problem.softcap, sinks=sinks, compute_dtype=accumulate_dtype(problem.dtype),
             )
             for dst, g in zip((dq, dk, dv, dsinks), grads):
                 if dst is not None:
                     dst.copy_(g)
 
-
-def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """The reference computes fp64 inputs in fp64, everything else in fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 REFERENCE = ReferenceBackend()

@@ -25,7 +25,7 @@ import torch
 
 from .api import FusedAttention
 from .backends import UnsupportedError
-from .problem import default_out_dtype, lse_dtype
+from .problem import default_out_dtype, accumulate_dtype
 from .reference import attention_reference
 from .validation import lse_shape, out_shape
 
@@ -291,7 +291,7 @@ def run(args) -> int:
     o = torch.empty(out_shape(q, v.shape[-1]), dtype=out_dtype, device=device)
     lse = None
     if args.lse:
-        lse = torch.empty(lse_shape(q, lens is not None), dtype=lse_dtype(q.dtype), device=device)
+        lse = torch.empty(lse_shape(q, lens is not None), dtype=accumulate_dtype(q.dtype), device=device)
     fa = FusedAttention(q, k, v, o, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, sinks=sinks,
                         backend=args.backend, persistent=True if args.is_persistent else None,
                         tile_mn=tuple(args.mma_tiler_mn) if args.mma_tiler_mn else None, **kwargs)

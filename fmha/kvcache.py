@@ -26,7 +26,7 @@ import torch
 
 from . import device_errors
 from .masking import MaskSpec
-from .problem import INPUT_DTYPES, ScoreScaling, default_out_dtype, lse_dtype, output_dtypes_for
+from .problem import INPUT_DTYPES, ScoreScaling, default_out_dtype, accumulate_dtype, output_dtypes_for
 from .validation import _check_layout, _dtype_name, _require_tensor, _scale, check_sinks, check_softcap
 
 #: page sizes a paged cache may have (the kernels' TMA boxes are 16-row multiples)
@@ -247,7 +247,7 @@ def decode_problem(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_ne
 def _check_outputs(problem: DecodeProblem, out, lse) -> None:
     want_o = (problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim_v)
     want_l = (problem.batch, problem.heads_q, problem.seqlen_q)
-    for name, t, shape, dtype in (("out", out, want_o, problem.out_dtype), ("lse", lse, want_l, lse_dtype(problem.dtype))):
+    for name, t, shape, dtype in (("out", out, want_o, problem.out_dtype), ("lse", lse, want_l, accumulate_dtype(problem.dtype))):
         if t is None:
             continue
         _require_tensor(name, t)
@@ -316,7 +316,7 @@ def attention_with_kvcache(
             _append_on_device(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, page_size, capacity)
             lengths = cache_seqlens + s_new
         if lse is None and return_lse:
-            lse = torch.empty((batch, heads_q, s_q), dtype=lse_dtype(q.dtype), device=q.device)
+            lse = torch.empty((batch, heads_q, s_q), dtype=accumulate_dtype(q.dtype), device=q.device)
         runner(problem, q, k_cache, v_cache, lengths, block_table, out, lse, sinks)
         device_errors.watch(q.device)
         return (out, lse) if return_lse else out
@@ -335,7 +335,7 @@ def attention_with_kvcache(
             k_cache[rows[n:], cols[n:]] = k_new[b]
             v_cache[rows[n:], cols[n:]] = v_new[b]
     if lse is None:
-        lse = torch.empty((batch, heads_q, s_q), dtype=lse_dtype(q.dtype), device=q.device)
+        lse = torch.empty((batch, heads_q, s_q), dtype=accumulate_dtype(q.dtype), device=q.device)
     lse.fill_(-math.inf)
     for b, (rows, cols) in enumerate(positions):
         k, v = k_cache[rows, cols], v_cache[rows, cols]  # (L, H_k, D)

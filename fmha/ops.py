@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .masking import MaskSpec
-from .problem import default_out_dtype, lse_dtype
+from .problem import default_out_dtype, accumulate_dtype
 from .validation import _scale, check_softcap, kernel_options, lse_shape, out_shape
 
 
@@ -62,7 +62,7 @@ def _forward_fake(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen
                   window_left, window_right, mask_align, compressed_causal, softmax_scale, softcap, scale_q, scale_k,
                   scale_v, inv_scale_o, out_dtype, backend, persistent, tile_mn, deterministic):
     out = q.new_empty(out_shape(q, v.shape[-1]), dtype=out_dtype or default_out_dtype(q.dtype))
-    return out, q.new_empty(lse_shape(q, varlen), dtype=lse_dtype(q.dtype))
+    return out, q.new_empty(lse_shape(q, varlen), dtype=accumulate_dtype(q.dtype))
 
 
 def _backward_impl(dout, q, k, v, out, lse, dlse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

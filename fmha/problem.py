@@ -28,8 +28,9 @@ def default_out_dtype(in_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if in_dtype == torch.float8_e4m3fn else in_dtype
 
 
-def lse_dtype(in_dtype: torch.dtype) -> torch.dtype:
-    """The LSE is fp32, fp64 for fp64 inputs (whose gradients recompute P from it)."""
+def accumulate_dtype(in_dtype: torch.dtype) -> torch.dtype:
+    """fp32, or fp64 for fp64 inputs: the precision the reference computes in and the LSE's dtype
+    (an fp64 call's gradients recompute P from its LSE)."""
     return torch.float64 if in_dtype == torch.float64 else torch.float32
 
 

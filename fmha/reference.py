@@ -194,7 +194,7 @@ def _grad_sequence(do, q, k, v, o, lse, dlse, dq, dk, dv, mask, score_scale, out
     if dlse is not None:
         delta = delta - dlse.to(cdt)
     if sinks is not None:
-        dsinks += sink_gradient(sinks, lse, delta, varlen=True)
+        dsinks += sink_gradient(sinks, lse, delta)
     if sk == 0:
         return
     group = hq // hk
@@ -240,14 +240,13 @@ def lse_delta(out: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.Tensor
     return delta if dlse is None else delta - dlse.float()
 
 
-def sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, varlen: bool) -> torch.Tensor:
+def sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """dsinks[h] = -sum over the rows of head h of P_sink * delta, P_sink = exp(sinks[h] - lse)
-    (docs/semantics.md); ``lse``/``delta`` (B, H, S) or, ``varlen``, (H, T). In ``sinks``' dtype
-    when it is wider than fp32, else fp32 (the callers cast into their output)."""
+    (docs/semantics.md); ``lse``/``delta`` laid out like the LSE, (B, H, S) or (H, T). In fp64 when
+    ``sinks`` or ``lse`` is, else fp32 (the callers cast into their output)."""
     cdt = torch.float64 if torch.float64 in (sinks.dtype, lse.dtype) else torch.float32
-    p_sink = (sinks.to(cdt)[:, None] - lse.to(cdt)).exp()
-    per_row = p_sink * delta.to(cdt)
-    return -(per_row.sum(-1) if varlen else per_row.sum((0, 2)))
+    per_row = (sinks.to(cdt)[:, None] - lse.to(cdt)).exp() * delta.to(cdt)
+    return -per_row.movedim(-2, 0).reshape(len(sinks), -1).sum(-1)
 
 
 def attention_backward_reference(

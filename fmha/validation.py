@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .masking import MaskKind, MaskSpec
-from .problem import INPUT_DTYPES, AttentionProblem, KernelOptions, default_out_dtype, lse_dtype, output_dtypes_for
+from .problem import INPUT_DTYPES, AttentionProblem, KernelOptions, default_out_dtype, accumulate_dtype, output_dtypes_for
 
 __all__ = ["validate", "validate_backward", "kernel_options", "lse_shape", "out_shape"]
 
@@ -385,7 +385,7 @@ def validate(
         _check_output("out", out, out_shape(q, v.shape[-1]), out_dtype, q.device)
         _check_layout("out", out)
     if lse is not None:
-        _check_output("lse", lse, lse_shape(q, varlen), lse_dtype(q.dtype), q.device)
+        _check_output("lse", lse, lse_shape(q, varlen), accumulate_dtype(q.dtype), q.device)
         if not lse.is_contiguous():
             raise ValueError("lse must be contiguous; allocate it with torch.empty(shape)")
 

@@ -422,7 +422,7 @@ class HopperBackwardRunner:
             for grad in (dq, dk, dv):
                 grad.zero_()
             if dsinks is not None:
-                dsinks.copy_(sink_gradient(sinks, lse, lse_delta(out, dout, dlse), problem.varlen))
+                dsinks.copy_(sink_gradient(sinks, lse, lse_delta(out, dout, dlse)))
             return
         m = problem.mask
         lse = lse.contiguous()
@@ -432,12 +432,11 @@ class HopperBackwardRunner:
         padded = torch.empty(lse.shape[:-1] + (2, -(-rows // 4) * 4), dtype=torch.float32, device=lse.device)
         lse2, delta = padded.select(-2, 0), padded.select(-2, 1)
         dq_acc = self.dq_accumulator(problem, q)
+        delta_scale = problem.score_scale if self.cfg.ds_prescaled else 1.0
         self.row_pass(dlse is not None)(out, dout, lse, dlse, lse2[..., :rows], delta[..., :rows], dq_acc,
-                                        cu_seqlens_q if self.cfg.varlen else None,
-                                        problem.score_scale if self.cfg.ds_prescaled else 1.0)
+                                        cu_seqlens_q if self.cfg.varlen else None, delta_scale)
         if dsinks is not None:  # from the row pass's delta, which carries the delta scale
-            delta_scale = problem.score_scale if self.cfg.ds_prescaled else 1.0
-            dsinks.copy_(sink_gradient(sinks, lse, delta[..., :rows] / delta_scale, self.cfg.varlen))
+            dsinks.copy_(sink_gradient(sinks, lse, delta[..., :rows] / delta_scale))
         if self.cfg.varlen:  # (H, T) -> (1, H, T): the kernel reads both layouts as (B, H, S)
             lse2, delta = lse2.unsqueeze(0), delta.unsqueeze(0)
         descriptors = None

@@ -592,7 +592,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                     if n0 + tile_n > seqlen_k:
                         self.apply_mask(s, tScS, m0, n0, seqlen_q, seqlen_k, window_left, window_right)
                 for j in cutlass.range_constexpr(num_cols):
-                    lse2 = held_lse[j] if const_expr(held_lse is not None) else sLSE2[skip + tScS[0, j][1], stage]
+                    lse2 = self.column_lse(held_lse, sLSE2, tScS, skip, stage, j)
                     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                         s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2, fastmath=True)
                 # P of the rows past a ragged tile's sequence (their LSE rows are another
@@ -617,7 +617,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                         dp[r, j] = s[r, j] * (dp[r, j] * dp_scale - delta)
                     if const_expr(cfg.softcap):  # through the cap: dS times its slope, from P
-                        lse2 = held_lse[j] if const_expr(held_lse is not None) else sLSE2[skip + col, stage]
+                        lse2 = self.column_lse(held_lse, sLSE2, tScS, skip, stage, j)
                         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                             dp[r, j] = dp[r, j] * softcap_slope(s[r, j], lse2, inv_scale_log2)
                 ds16 = cute.make_rmem_tensor(s_shape, self.dtype)
@@ -691,6 +691,11 @@ class HopperAttentionBackward(DeviceWorkTileList):
             tdKcdK = thr_dkv.partition_C(cute.make_identity_tensor((tile_n, d)))
             store_o_direct(dk_out, tdKcdK, mdK, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
             store_o_direct(dv_out, tdKcdK, mdV, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
+
+    def column_lse(self, held_lse: Optional[cute.Tensor], sLSE2: cute.Tensor, tScS: cute.Tensor, skip, stage, j: int):
+        """Query column ``j``'s LSE (log2 units): from registers where ``column_rows`` holds it, else
+        from shared memory."""
+        return held_lse[j] if const_expr(held_lse is not None) else sLSE2[skip + tScS[0, j][1], stage]
 
     @cute.jit
     def column_rows(self, sRows: cute.Tensor, tScS: cute.Tensor, skip, stage) -> cute.Tensor:
