@@ -77,7 +77,7 @@ class MaskSpec:
                 f"mask_align must be 'top_left' or 'bottom_right', got {mask_align!r}"
             )
         try:
-            left, right = window_size
+            left, right = (None, None) if window_size is None else window_size
         except (TypeError, ValueError):
             raise ValueError(
                 f"window_size must be a pair (left, right) of ints or None, got {window_size!r}"

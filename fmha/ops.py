@@ -184,7 +184,7 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen
     scalar arguments are checked here (plain Python, so torch.compile traces it) for the same
     errors validation gives; the tensors are checked when the op runs."""
     MaskSpec.from_args(causal, window_size, mask_align, compressed_causal)
-    window_left, window_right = window_size
+    window_left, window_right = (None, None) if window_size is None else window_size
     scale_q, scale_k, scale_v, inv_scale_o = (_scale(n, x) for n, x in (
         ("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v), ("inv_scale_o", inv_scale_o)))
     softmax_scale = _scale("softmax_scale", softmax_scale, allow_none=True)

@@ -309,3 +309,26 @@ def test_fp8_key_tile_variants_fit_and_keep_their_registers(name, tmp_root):
         ins, _ = _instructions(_sass(c, tmp_root))
         assert any(f"QGMMA.64x{c.tile_n}x32.F32.E4M3.E4M3" in t for t in ins)
         assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
+
+
+#: head dims beyond 32/64/128/256 and V's head dim unlike Q's: (D, D_v, causal)
+NEW_HEAD_DIMS = [(96, 96, True), (192, 128, False), (192, 192, True), (128, 64, False), (48, 48, False)]
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v,causal", NEW_HEAD_DIMS)
+def test_new_head_dims_keep_their_registers_and_overlap(head_dim, head_dim_v, causal, tmp_root):
+    """The forward at the new head dims: warpgroup MMAs and TMA loads, no registers in local
+    memory, and the softmax's exponentials under the previous tile's P.V as at D=128."""
+    cfg = library_config(torch.bfloat16, head_dim, "causal" if causal else "none", lse=False, seqlen_k=16384,
+                         head_dim_v=head_dim_v)
+    assert (cfg.head_dim, cfg.head_dim_v) == (head_dim, head_dim_v)
+    sass = _sass(cfg, tmp_root)
+    assert "HGMMA" in sass and "UTMALDG" in sass
+    ins, _ = _instructions(sass)
+    assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
+    for body in _mainloops(cfg, tmp_root):
+        waits_s = [i for i, t in enumerate(body) if "DEPBAR.LE gsb0, 0x1" in t]
+        if waits_s:
+            wait_pv = next(i for i, t in enumerate(body) if "DEPBAR.LE gsb0, 0x0" in t and i > waits_s[0])
+            exps = [i for i, t in enumerate(body) if "MUFU.EX2" in t]
+            assert sum(waits_s[0] < i < wait_pv for i in exps) >= len(exps) / 2

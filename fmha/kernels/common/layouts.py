@@ -23,3 +23,12 @@ def bshd_to_sdhb(t: cute.Tensor, varlen: bool, d_first: bool = False) -> cute.Te
 def rows_first(t: cute.Tensor) -> cute.Tensor:
     """A per-row statistic (B, H, S) -> (S, H, B) (packed sequences: B = 1)."""
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
+
+
+def ring_layout(one_stage: cute.ComposedLayout, stages: int, stage_elems: int) -> cute.ComposedLayout:
+    """A swizzled shared-memory tile layout (``one_stage``: (rows, cols, 1)) repeated ``stages``
+    times ``stage_elems`` elements apart, so that tiles of different sizes (K's and V's) can take
+    turns in the same ring of stages."""
+    tile = cute.select(one_stage.outer, mode=[0, 1])
+    outer = cute.append(tile, cute.make_layout(stages, stride=stage_elems))
+    return cute.make_composed_layout(one_stage.inner, 0, outer)

@@ -42,8 +42,8 @@ def _fake_arguments(cfg: HopperForwardConfig) -> tuple:
             in_t, (cute.sym_int(), cute.sym_int(), d, cute.sym_int()),
             stride=tuple(cute.sym_int64(divisibility=16) for _ in range(3)) + (1,), assumed_align=16)
     else:
-        v = fake_rows(in_t, rank, d)
-    o = fake_rows(out_t, rank, d)
+        v = fake_rows(in_t, rank, cfg.head_dim_v)
+    o = fake_rows(out_t, rank, cfg.head_dim_v)
     lse = fake_rows(cutlass.Float32, 2 if cfg.varlen else 3, None, align_bytes=4) if cfg.has_lse else None
     cu_q = cu_k = tiles = count = descriptors = errors = cache_seqlens = block_table = None
     if cfg.cache_lengths:
@@ -267,7 +267,8 @@ def served_as_decode(problem: AttentionProblem, options: KernelOptions) -> bool:
             or options.persistent is not None or options.claim_tiles is not None
             or problem.mask.kind not in (MaskKind.NONE, MaskKind.WINDOW) or problem.seqlen_k == 0):
         return False
-    if problem.head_dim_v != problem.head_dim or problem.seqlen_q >= decode_tile(problem.dtype, problem.head_dim)[0]:
+    if why_unsupported_decode(dense_decode_problem(problem, problem.return_lse)) \
+            or problem.seqlen_q >= decode_tile(problem.dtype, problem.head_dim)[0]:
         return False
     group = problem.num_heads_q // problem.num_heads_k
     tiles = problem.batch * (problem.num_heads_k if group > 1 else problem.num_heads_q)

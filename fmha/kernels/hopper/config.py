@@ -20,7 +20,11 @@ from fmha.masking import MaskKind, later_rows_cost_more
 from fmha.problem import AttentionProblem, KernelOptions, element_bytes, output_dtypes_for
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+#: fp8's head dims (Q, K and V alike); also the decode path's (``why_unsupported_decode``)
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
+#: 16-bit inputs: Q/K and V head dims each a multiple of ``HEAD_DIM_STEP`` up to ``MAX_HEAD_DIM``
+HEAD_DIM_STEP = 16
+MAX_HEAD_DIM = 256
 # What the scheduling rules assume of the GPU: the L2 of an H100 / H200 (SXM).
 L2_BYTES = 50 * 2**20
 # Shared memory a CTA may use on SM90 (227 KiB), and what the buffers may take of it (room for
@@ -52,33 +56,54 @@ class OStore(enum.Enum):
     TMA_Q_BUFFER = "tma_q_buffer"
 
 
-def allowed_tiles(dtype: torch.dtype, head_dim: int) -> tuple:
+def head_dims_served(dtype: torch.dtype, head_dim: int, head_dim_v: int) -> bool:
+    """Whether the forward kernel is built for these Q/K and V head dims: 16-bit inputs take any
+    multiples of 16 up to 256 (V's may differ); fp8 ``SUPPORTED_HEAD_DIMS`` with V's equal."""
+    if dtype == torch.float8_e4m3fn:
+        return head_dim in SUPPORTED_HEAD_DIMS and head_dim_v == head_dim
+    return all(x % HEAD_DIM_STEP == 0 and HEAD_DIM_STEP <= x <= MAX_HEAD_DIM for x in (head_dim, head_dim_v))
+
+
+def allowed_tiles(dtype: torch.dtype, head_dim: int, head_dim_v: int = None) -> tuple:
     """(tile_m, tile_n) shapes the kernel is built for, the default first: 64 query rows per
     consumer warpgroup, the key tile as wide as the registers allow beside O."""
-    if head_dim <= 64:
+    dv = head_dim if head_dim_v is None else head_dim_v
+    if max(head_dim, dv) <= 64:
         return ((192, 128), (128, 128))  # small O leaves registers for a third warpgroup
-    if head_dim == 128:
-        return ((128, 128),)
-    # a 64x256 fp32 O takes 128 registers per thread; fp8's P.V reads keys in blocks of 32, and
-    # its exact row max rescales O every step: 128 keys a step pay that for more keys than 64
-    return ((128, 128), (128, 64)) if dtype == torch.float8_e4m3fn else ((128, 80),)
+    if dtype == torch.float8_e4m3fn and head_dim == 256:
+        # fp8's P.V reads keys in blocks of 32, and its exact row max rescales O every step:
+        # 128 keys a step pay that for more keys than 64
+        return ((128, 128), (128, 64))
+    if dv <= 128:
+        tile_n = 128
+    else:
+        # a 64 x dv fp32 O takes dv / 2 registers per thread: S (tile_n / 2) and P (tile_n / 4)
+        # get what remains of about 190 (D=256: 80 keys, D=192: 112)
+        tile_n = min(128, (190 - dv // 2) * 4 // 3 // 16 * 16)
+    # a K/V ring stage holds a K or a V tile: two must fit beside the Q tile
+    while tile_n > 16 and 128 * head_dim * element_bytes(dtype) + 2 * tile_n * max(head_dim, dv) * \
+            element_bytes(dtype) > SMEM_BYTES:
+        tile_n -= 16
+    return ((128, tile_n),)
 
 
-def o_buffer_reserved(dtype: torch.dtype, out_dtype: torch.dtype, varlen: bool, tile_m: int, head_dim: int) -> int:
+def o_buffer_reserved(dtype: torch.dtype, out_dtype: torch.dtype, varlen: bool, tile_m: int, head_dim_v: int) -> int:
     """Shared memory kept for O's staging buffer before the K/V ring takes the rest: fp8 inputs
     with a 16-bit O (an fp8 ring stays deep enough beside it); not yet for varlen, whose fp8 D=256
     ring was verified at full depth with O stored directly."""
     if dtype == torch.float8_e4m3fn and element_bytes(out_dtype) == 2 and not varlen:
-        return tile_m * head_dim * 2
+        return tile_m * head_dim_v * 2
     return 0
 
 
 def kv_stages_for(dtype: torch.dtype, head_dim: int, tile_m: int, tile_n: int, q_stages: int,
-                  reserved_bytes: int = 0) -> int:
+                  reserved_bytes: int = 0, head_dim_v: int = None) -> int:
     """K/V ring depth: as many stages as shared memory holds beside the Q tile(s) and
-    ``reserved_bytes`` of other buffers (O's, ``o_buffer_reserved``), at most 8."""
+    ``reserved_bytes`` of other buffers (O's, ``o_buffer_reserved``), at most 8. A stage holds a
+    K or a V tile, so it is as large as the larger of the two."""
     elem = element_bytes(dtype)
-    stages = (SMEM_BYTES - reserved_bytes - q_stages * tile_m * head_dim * elem) // (tile_n * head_dim * elem)
+    stage_dim = max(head_dim, head_dim if head_dim_v is None else head_dim_v)
+    stages = (SMEM_BYTES - reserved_bytes - q_stages * tile_m * head_dim * elem) // (tile_n * stage_dim * elem)
     return int(max(2, min(MAX_KV_STAGES, stages)))
 
 
@@ -111,19 +136,22 @@ def q_stages_for(schedule: Schedule, head_dim: int, seqlen_k: int) -> int:
 
 
 def o_store_for(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, varlen: bool, unmasked: bool,
-                seqlen_k: int, tile_m: int, tile_n: int, q_stages: int) -> OStore:
+                seqlen_k: int, tile_m: int, tile_n: int, q_stages: int, head_dim_v: int = None) -> OStore:
     """TMA stores of O (whole lines) where they measured faster and can work: 16-bit outputs
     only (varlen through each sequence's own descriptor, which stops the box at its end); D <= 64
     rows reading more than 2k keys keep the direct store, which measured faster there."""
-    if element_bytes(out_dtype) != 2 or (head_dim <= 64 and unmasked and seqlen_k > 2048):
+    dv = head_dim if head_dim_v is None else head_dim_v
+    if element_bytes(out_dtype) != 2 or (dv <= 64 and unmasked and seqlen_k > 2048):
         return OStore.DIRECT
-    reserved = o_buffer_reserved(dtype, out_dtype, varlen, tile_m, head_dim)
-    used = (q_stages * tile_m + kv_stages_for(dtype, head_dim, tile_m, tile_n, q_stages, reserved) * tile_n) \
-        * head_dim * element_bytes(dtype)
-    if used + tile_m * head_dim * 2 <= SMEM_BYTES:
+    elem = element_bytes(dtype)
+    reserved = o_buffer_reserved(dtype, out_dtype, varlen, tile_m, dv)
+    stages = kv_stages_for(dtype, head_dim, tile_m, tile_n, q_stages, reserved, dv)
+    used = q_stages * tile_m * head_dim * elem + stages * tile_n * max(head_dim, dv) * elem
+    if used + tile_m * dv * 2 <= SMEM_BYTES:
         return OStore.TMA_OWN_BUFFER  # beside a full K/V ring (D <= 64), or kept for it (fp8 inputs)
-    # the Q buffer holds the input's type; a different output type would not fit its swizzle
-    return OStore.TMA_Q_BUFFER if out_dtype == dtype else OStore.DIRECT
+    # the Q buffer holds the input's type and Q's head dim; another type or width would not fit
+    # its swizzle
+    return OStore.TMA_Q_BUFFER if out_dtype == dtype and dv == head_dim else OStore.DIRECT
 
 
 @dataclass(frozen=True)
@@ -133,7 +161,8 @@ class HopperForwardConfig:
     # fixed by the inputs
     dtype: torch.dtype
     out_dtype: torch.dtype
-    head_dim: int
+    head_dim: int  # of Q and K
+    head_dim_v: int  # of V and O
     mask_kind: MaskKind
     window_left_bounded: bool
     window_right_bounded: bool
@@ -174,8 +203,10 @@ class HopperForwardConfig:
             raise ValueError("O is TMA-stored only with a 16-bit output")
         if self.tiles_on_device and not self.varlen:
             raise ValueError("only varlen problems have a tile list")
-        if self.o_store == OStore.TMA_Q_BUFFER and self.out_dtype != self.dtype:
-            raise ValueError("O staged in the Q buffer must have the input's type")
+        if self.o_store == OStore.TMA_Q_BUFFER and (self.out_dtype != self.dtype or self.head_dim_v != self.head_dim):
+            raise ValueError("O staged in the Q buffer must have the input's type and Q's head dim")
+        if self.v_staged and self.head_dim_v != self.head_dim:
+            raise ValueError("fp8's staged V has Q's head dim")
         if (self.cache_lengths or self.split_kv or self.rows_per_query > 1) and (
                 self.varlen or self.dtype == torch.float8_e4m3fn):
             raise ValueError("the decode options take dense 16-bit batches")
@@ -188,7 +219,7 @@ class HopperForwardConfig:
     @staticmethod
     def from_problem(problem: AttentionProblem, options: KernelOptions) -> "HopperForwardConfig":
         m = problem.mask
-        default_m, default_n = allowed_tiles(problem.dtype, problem.head_dim)[0]
+        default_m, default_n = allowed_tiles(problem.dtype, problem.head_dim, problem.head_dim_v)[0]
         tile_m, tile_n = options.tile_m or default_m, options.tile_n or default_n
         schedule = choose_schedule(problem, options)
         q_stages = q_stages_for(schedule, problem.head_dim, problem.seqlen_k)
@@ -196,6 +227,7 @@ class HopperForwardConfig:
             dtype=problem.dtype,
             out_dtype=problem.out_dtype,
             head_dim=problem.head_dim,
+            head_dim_v=problem.head_dim_v,
             mask_kind=m.kind,
             window_left_bounded=m.window_left is not None,
             window_right_bounded=m.window_right is not None,
@@ -207,7 +239,8 @@ class HopperForwardConfig:
             schedule=schedule,
             q_stages=q_stages,
             o_store=o_store_for(problem.dtype, problem.out_dtype, problem.head_dim, problem.varlen,
-                                m.kind == MaskKind.NONE, problem.seqlen_k, tile_m, tile_n, q_stages),
+                                m.kind == MaskKind.NONE, problem.seqlen_k, tile_m, tile_n, q_stages,
+                                problem.head_dim_v),
             tiles_on_device=problem.varlen and problem.seqlens_q is None,
             softcap=problem.softcap > 0,
             has_sinks=problem.has_sinks,
@@ -229,8 +262,9 @@ class HopperForwardConfig:
 
     @property
     def kv_stages(self) -> int:
-        reserved = o_buffer_reserved(self.dtype, self.out_dtype, self.varlen, self.tile_m, self.head_dim)
-        return kv_stages_for(self.dtype, self.head_dim, self.tile_m, self.tile_n, self.q_stages, reserved)
+        reserved = o_buffer_reserved(self.dtype, self.out_dtype, self.varlen, self.tile_m, self.head_dim_v)
+        return kv_stages_for(self.dtype, self.head_dim, self.tile_m, self.tile_n, self.q_stages, reserved,
+                             self.head_dim_v)
 
     @property
     def num_consumer_warpgroups(self) -> int:
@@ -255,7 +289,7 @@ class HopperForwardConfig:
     def lazy_rescale(self) -> bool:
         """A stale row max (``OnlineSoftmax.max_slack``) skips most O rescales; it pays from
         D=128, and fp8 keeps the exact max, whose probability e4m3 then holds exactly."""
-        return element_bytes(self.dtype) == 2 and self.head_dim >= 128
+        return element_bytes(self.dtype) == 2 and self.head_dim_v >= 128
 
     @property
     def v_staged(self) -> bool:
@@ -313,7 +347,7 @@ def decode_config(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, mas
     q_stages = q_stages_for(Schedule.PERSISTENT, head_dim, capacity)
     out_dtype = torch.float32 if split_kv else out_dtype
     return HopperForwardConfig(
-        dtype=dtype, out_dtype=out_dtype, head_dim=head_dim, mask_kind=mask_kind,
+        dtype=dtype, out_dtype=out_dtype, head_dim=head_dim, head_dim_v=head_dim, mask_kind=mask_kind,
         window_left_bounded=window_left_bounded, window_right_bounded=window_right_bounded,
         bottom_right=bottom_right and mask_kind == MaskKind.WINDOW, varlen=False, has_lse=has_lse or split_kv,
         tile_m=tile_m, tile_n=tile_n, schedule=Schedule.PERSISTENT, q_stages=q_stages,
@@ -335,15 +369,19 @@ def why_unsupported(problem: AttentionProblem, options: KernelOptions) -> list:
     if problem.out_dtype not in out_ok:
         reasons.append(f"the Hopper kernel writes {'/'.join(map(name, out_ok))} outputs for "
                        f"{problem.dtype} inputs, not {problem.out_dtype}")
-    if problem.head_dim not in SUPPORTED_HEAD_DIMS:
-        reasons.append(f"the Hopper kernel supports head dims {SUPPORTED_HEAD_DIMS}, got {problem.head_dim}")
-    if problem.head_dim_v != problem.head_dim:
-        reasons.append("the Hopper kernel needs the head dim of v equal to that of q/k")
+    dims_ok = head_dims_served(problem.dtype, problem.head_dim, problem.head_dim_v)
+    if not dims_ok:
+        if problem.dtype == torch.float8_e4m3fn:
+            reasons.append(f"the Hopper kernel's fp8 head dims are {SUPPORTED_HEAD_DIMS} with V's equal to Q's, "
+                           f"got {problem.head_dim} and {problem.head_dim_v}")
+        else:
+            reasons.append(f"the Hopper kernel takes head dims (of q/k and of v) that are multiples of "
+                           f"{HEAD_DIM_STEP} up to {MAX_HEAD_DIM}, got {problem.head_dim} and {problem.head_dim_v}")
     if not (problem.score_scale > 0 and problem.score_scale < float("inf")):
         reasons.append("the Hopper kernel needs softmax_scale * scale_q * scale_k to be a positive finite "
                        f"number, got {problem.score_scale}")
-    if problem.head_dim in SUPPORTED_HEAD_DIMS and problem.dtype in SUPPORTED_DTYPES:
-        tiles = allowed_tiles(problem.dtype, problem.head_dim)
+    if dims_ok and problem.dtype in SUPPORTED_DTYPES:
+        tiles = allowed_tiles(problem.dtype, problem.head_dim, problem.head_dim_v)
         m0, n0 = tiles[0]
         asked = (options.tile_m or m0, options.tile_n or n0)
         if (options.tile_m, options.tile_n) != (None, None) and asked not in tiles:
@@ -492,7 +530,8 @@ def why_unsupported_backward(problem: AttentionProblem, options: KernelOptions) 
     if problem.dtype not in (torch.float16, torch.bfloat16):
         reasons.append(f"the Hopper backward takes float16/bfloat16 inputs, not {problem.dtype}")
     if problem.head_dim not in BACKWARD_HEAD_DIMS or problem.head_dim_v != problem.head_dim:
-        reasons.append(f"the Hopper backward supports head dims {BACKWARD_HEAD_DIMS}, got {problem.head_dim}")
+        reasons.append(f"the Hopper backward supports head dims {BACKWARD_HEAD_DIMS} with V's equal to Q's, got "
+                       f"{problem.head_dim} and {problem.head_dim_v}")
     if problem.out_dtype != problem.dtype:
         reasons.append(f"the Hopper backward needs out (and dout) in q's dtype {problem.dtype}, "
                        f"not {problem.out_dtype}")

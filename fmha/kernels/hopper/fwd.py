@@ -41,7 +41,7 @@ from ..common.device_tile_list import COST_BINS, DeviceWorkTileList, cost_bins_b
 from ..common import sequence_descriptors as seq_desc
 from ..common.kv_cache import KvCache
 from ..common.fragments import as_rows_cols, fp8_operand_a_shape
-from ..common.layouts import bshd_to_sdhb
+from ..common.layouts import bshd_to_sdhb, ring_layout
 from ..common.mask import FragmentMask
 from ..common.scheduler import ClaimingTileScheduler, StaticTileScheduler, TileHandOff, TileTableScheduler, WorkTile
 from ..common.seqinfo import SequenceInfo
@@ -106,7 +106,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         else:
             v = bshd_to_sdhb(mV, varlen, d_first=True)  # (D, S, H, B): the MN-major B of P.V
             v_major, v_smem_major = cute.nvgpu.OperandMajorMode.MN, LayoutEnum.COL_MAJOR
-        d = cfg.head_dim
+        d, dv = cfg.head_dim, cfg.head_dim_v
         tile_m, tile_n = cfg.tile_m, cfg.tile_n
         num_wgs = cfg.num_consumer_warpgroups
 
@@ -116,11 +116,17 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         )
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, v_major,
-            Float32, (num_wgs, 1, 1), (64, d), warpgroup.OperandSource.RMEM,
+            Float32, (num_wgs, 1, 1), (64, dv), warpgroup.OperandSource.RMEM,
         )
         sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d), self.dtype, cfg.q_stages)
-        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d), self.dtype, cfg.kv_stages)
-        sV_layout = sm90_utils.make_smem_layout_b(v_smem_major, (tile_m, d, tile_n), self.dtype, cfg.kv_stages)
+        # K and V tiles take turns in one ring, each stage as large as the larger of the two
+        stage_elems = tile_n * max(d, dv)
+        sK_layout = ring_layout(
+            sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d), self.dtype, 1),
+            cfg.kv_stages, stage_elems)
+        sV_layout = ring_layout(
+            sm90_utils.make_smem_layout_b(v_smem_major, (tile_m, dv, tile_n), self.dtype, 1),
+            cfg.kv_stages, stage_elems)
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(
@@ -131,20 +137,22 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         sV_box = cute.select(sV_layout, mode=[0, 1])
         if const_expr(kv_rows != tile_n):
             sK_box = cute.composition(sK_box, cute.make_layout((kv_rows, d), stride=(1, tile_n)))
-            sV_box = cute.composition(sV_box, cute.make_layout((d, kv_rows), stride=(1, d)))
+            sV_box = cute.composition(sV_box, cute.make_layout((dv, kv_rows), stride=(1, dv)))
         tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load_op, k, sK_box, (kv_rows, d))
-        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load_op, v, sV_box, (d, kv_rows))
+        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load_op, v, sV_box, (dv, kv_rows))
         # O as staged for the TMA store: the Q tile's layout, in the output type.
-        sO_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, d), self.out_dtype, 1)
+        sO_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, dv), self.out_dtype, 1)
         tma_o = tma_tensor_o = o = None
         if const_expr(cfg.o_via_tma):
             o = bshd_to_sdhb(mO, varlen)
-            o_wg_layout = wg_slice_layout(cute.select(sO_layout, mode=[0, 1]), tile_m, d)
-            tma_o, tma_tensor_o = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), o, o_wg_layout, (64, d))
+            o_wg_layout = wg_slice_layout(cute.select(sO_layout, mode=[0, 1]), tile_m, dv)
+            tma_o, tma_tensor_o = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), o, o_wg_layout,
+                                                              (64, dv))
         self.q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
-        self.kv_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.k_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.v_bytes = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
 
-        ring_elems = cute.cosize(sK_layout)
+        ring_elems = cfg.kv_stages * stage_elems
         o_elems = cute.cosize(sO_layout) if const_expr(cfg.o_store == OStore.TMA_OWN_BUFFER) else 0
         hand_off_stages = TileHandOff.STAGES if cfg.claims_tiles else 0
 
@@ -269,7 +277,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         ).make_participants()
         kv_producer, kv_consumer = pipeline.PipelineTmaAsync.create(
             num_stages=cfg.kv_stages, producer_group=one_thread, consumer_group=consumer_warps,
-            tx_count=self.kv_bytes, barrier_storage=storage.kv_mbar.data_ptr(), defer_sync=True,
+            tx_count=min(self.k_bytes, self.v_bytes), barrier_storage=storage.kv_mbar.data_ptr(), defer_sync=True,
         ).make_participants()
         hand_off = None
         if const_expr(cfg.claims_tiles):
@@ -400,7 +408,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
                                                      sK, sV, kv_producer)
                 else:
                     gK = cute.local_tile(mK_cur, (cfg.tile_n, cfg.head_dim), (None, 0))
-                    gV = cute.local_tile(mV_cur, (cfg.head_dim, cfg.tile_n), (0, None))
+                    gV = cute.local_tile(mV_cur, (cfg.head_dim_v, cfg.tile_n), (0, None))
                     tKsK, tKgK = tma_tiles(tma_k, sK, gK)
                     tVsV, tVgV = tma_tiles(tma_v, sV, gV)
                     kv_producer = self.load_kv(kv_tiles, (tma_k, tKgK, tKsK, desc_k), (tma_v, tVgV, tVsV, desc_v),
@@ -416,22 +424,34 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         tma_k, tKgK, tKsK, desc_k = k_load
         tma_v, tVgV, tVsV, desc_v = v_load
         if kv_tiles.total > 0:
-            kv_producer = self.load_stage(kv_producer, tma_k, tKgK[None, kv_tiles.start], tKsK, desc_k)
+            kv_producer = self.load_stage(kv_producer, tma_k, tKgK[None, kv_tiles.start], tKsK, desc_k, True)
             for i in cutlass.range(1, kv_tiles.total, unroll=1):
                 n_block = kv_tiles.start + i
-                kv_producer = self.load_stage(kv_producer, tma_k, tKgK[None, n_block], tKsK, desc_k)
-                kv_producer = self.load_stage(kv_producer, tma_v, tVgV[None, n_block - 1], tVsV, desc_v)
+                kv_producer = self.load_stage(kv_producer, tma_k, tKgK[None, n_block], tKsK, desc_k, True)
+                kv_producer = self.load_stage(kv_producer, tma_v, tVgV[None, n_block - 1], tVsV, desc_v, False)
             kv_producer = self.load_stage(
-                kv_producer, tma_v, tVgV[None, kv_tiles.start + kv_tiles.total - 1], tVsV, desc_v)
+                kv_producer, tma_v, tVgV[None, kv_tiles.start + kv_tiles.total - 1], tVsV, desc_v, False)
         return kv_producer
 
     @cute.jit
-    def load_stage(self, kv_producer: pipeline.PipelineProducer, tma, src, dst_stages, desc):
-        """TMA-load one K or V tile (``src``) into the ring's next free stage. The advanced
-        producer is returned for the caller to rebind."""
-        handle = kv_producer.acquire_and_advance()
+    def load_stage(self, kv_producer: pipeline.PipelineProducer, tma, src, dst_stages, desc, is_k: cutlass.Constexpr):
+        """TMA-load one K (``is_k``) or V tile (``src``) into the ring's next free stage. The
+        advanced producer is returned for the caller to rebind."""
+        handle = self.acquire_stage(kv_producer, is_k)
         cute.copy(tma, src, dst_stages[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc)
         return kv_producer
+
+    @cute.jit
+    def acquire_stage(self, kv_producer: pipeline.PipelineProducer, is_k: cutlass.Constexpr):
+        """The ring's next free stage, its barrier expecting this tile's bytes: the pipeline
+        expects the smaller of a K and a V tile, and the larger adds the difference (while the
+        stage still waits for every byte, so its phase cannot complete in between)."""
+        handle = kv_producer.acquire_and_advance()
+        extra = (self.k_bytes - self.v_bytes) if const_expr(is_k) else (self.v_bytes - self.k_bytes)
+        if const_expr(extra > 0):
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_expect_tx(handle.barrier, extra)
+        return handle
 
     @cute.jit
     def load_kv_paged(self, kv_tiles, cache: KvCache, batch: Int32, seq: SequenceInfo, mK_cur: cute.Tensor,
@@ -467,7 +487,7 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         holds (``page_rows``)."""
         cfg = self.cfg
         rows = cfg.kv_load_rows
-        handle = kv_producer.acquire_and_advance()
+        handle = self.acquire_stage(kv_producer, is_k)
         for run in cutlass.range_constexpr(cfg.tile_n // rows):
             row = cute.arch.shuffle_sync(lane_rows, run)
             stage = s_stages[None, None, handle.index]
@@ -475,8 +495,8 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
                 dst = cute.local_tile(stage, (rows, cfg.head_dim), (run, 0))
                 src = cute.local_tile(m_cur, (rows, cfg.head_dim), (row // rows, 0))
             else:
-                dst = cute.local_tile(stage, (cfg.head_dim, rows), (0, run))
-                src = cute.local_tile(m_cur, (cfg.head_dim, rows), (0, row // rows))
+                dst = cute.local_tile(stage, (cfg.head_dim_v, rows), (0, run))
+                src = cute.local_tile(m_cur, (cfg.head_dim_v, rows), (0, row // rows))
             t_s, t_g = tma_tiles(tma, dst, src)
             cute.copy(tma, t_g, t_s, tma_bar_ptr=handle.barrier)
         return kv_producer
@@ -505,9 +525,9 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrV = wg_pv.make_fragment_B(wg_pv.partition_B(sV))
         s_shape = thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n))
-        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)), Float32)
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((cfg.tile_m, cfg.head_dim_v)), Float32)
         tScS = thr_qk.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
-        tOcO = thr_pv.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim)))
+        tOcO = thr_pv.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim_v)))
 
         num_rows = cute.size(as_rows_cols(acc_o), mode=[0])
         softmax = OnlineSoftmax.create(scale_log2, num_rows, *cfg.softmax_chains, self.max_slack)

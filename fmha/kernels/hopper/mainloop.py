@@ -94,7 +94,7 @@ class ConsumerMainloop:
         """Zero the V rows of keys past a cache's length (``valid`` keys of this tile exist): they
         hold whatever the cache held there, NaN included, and a probability of 0 does not cancel
         a NaN in P.V. Both warpgroups write the same zeros, each before its own GEMM reads them."""
-        tile_n, d = self.cfg.tile_n, self.cfg.head_dim
+        tile_n, d = self.cfg.tile_n, self.cfg.head_dim_v
         if valid < tile_n:
             lane = cute.arch.thread_idx()[0] % WARPGROUP_THREADS
             for i in cutlass.range(lane, (tile_n - valid) * d, WARPGROUP_THREADS, unroll=1):

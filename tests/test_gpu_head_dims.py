@@ -1,0 +1,103 @@
+"""The Hopper forward at head dims beyond 32/64/128/256 and with V's head dim unlike Q's
+(DeepSeek's 192/128, 128/64, ...), through the public API with ``backend="kernel"`` (no
+fallback), against the fp64 reference: every mask kind, dense and varlen (empty and length-1
+sequences), GQA, with softcap and sinks too. Outputs are poisoned with NaN first, so unwritten
+elements show. The backward of these dims runs on the reference (``backend="auto"``), checked
+through autograd. Marked ``gpu``; skipped without a Hopper GPU."""
+
+import math
+
+import pytest
+import torch
+
+import fmha
+from fmha.masking import MaskSpec
+from fmha.reference import attention_backward_reference, attention_reference
+
+pytestmark = pytest.mark.gpu
+_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+_needs_hopper = pytest.mark.skipif(not _HOPPER, reason="needs a Hopper (SM90) GPU")
+
+MASKS = {
+    "none": dict(),
+    "causal": dict(causal=True),
+    "window": dict(window_size=(100, 37)),
+    "neg_right_br": dict(window_size=(None, -5), mask_align="bottom_right"),
+}
+#: (Q/K head dim, V head dim): the new equal dims, then unequal pairs
+DIMS = [(16, 16), (48, 48), (80, 80), (96, 96), (112, 112), (160, 160), (192, 192), (224, 224),
+        (192, 128), (128, 64), (64, 128), (256, 128), (128, 256), (96, 64)]
+
+
+def _rel(got, want):
+    got, want = got.double().nan_to_num(nan=1e30), want.double()
+    n = want.norm().item()
+    return (got - want).norm().item() / (n if n > 0 else 1.0)
+
+
+def _lse_err(got, want):
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want)), "-inf rows differ"
+    fin = torch.isfinite(want)
+    return (got[fin].double() - want[fin]).abs().max().item() if fin.any() else 0.0
+
+
+def _cu(lens):
+    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+
+
+FORWARD = [(torch.bfloat16, d, dv, m, layout, "plain") for d, dv in DIMS for m in MASKS for layout in ("dense", "varlen")]
+FORWARD += [(torch.float16, d, dv, "causal", "dense", "plain") for d, dv in ((96, 96), (192, 128), (192, 192))]
+FORWARD += [(torch.bfloat16, d, dv, "causal", layout, var) for d, dv in ((96, 96), (192, 128), (192, 192))
+            for layout in ("dense", "varlen") for var in ("softcap", "sinks")]
+
+
+@_needs_hopper
+@pytest.mark.parametrize("dtype,d,dv,mask,layout,variant", FORWARD,
+                         ids=[f"{str(a).split('.')[-1]}-D{b}-Dv{c}-{m}-{l}-{v}" for a, b, c, m, l, v in FORWARD])
+def test_forward(dtype, d, dv, mask, layout, variant):
+    gen = torch.Generator(device="cuda").manual_seed(d * 7 + dv + len(mask) + len(layout))
+    softcap = 6.0 if variant == "softcap" else 0.0
+    sinks = torch.randn(8, generator=gen, device="cuda") * 2 if variant == "sinks" else None
+    kw = dict(MASKS[mask], softcap=softcap, sinks=sinks)
+    if layout == "dense":
+        shape_q, shape_k, shape_v = (2, 333, 8, d), (2, 301, 2, d), (2, 301, 2, dv)
+    else:
+        lens_q, lens_k = [0, 1, 200, 77, 1], [5, 1, 260, 0, 300]
+        shape_q, shape_k, shape_v = (sum(lens_q), 8, d), (sum(lens_k), 2, d), (sum(lens_k), 2, dv)
+    q = torch.randn(shape_q, generator=gen, device="cuda").to(dtype)
+    k = torch.randn(shape_k, generator=gen, device="cuda").to(dtype)
+    v = torch.randn(shape_v, generator=gen, device="cuda").to(dtype)
+    out = torch.full(shape_q[:-1] + (dv,), math.nan, dtype=dtype, device="cuda")
+    if layout == "dense":
+        cu_q = cu_k = None
+        lse = torch.full((2, 8, 333), math.nan, device="cuda")
+        fmha.attention(q, k, v, out=out, lse=lse, backend="kernel", **kw)
+    else:
+        cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+        lse = torch.full((8, sum(lens_q)), math.nan, device="cuda")
+        fmha.attention_varlen(q, k, v, cu_q, cu_k, out=out, lse=lse, backend="kernel", **kw)
+    want_o, want_lse = attention_reference(q, k, v, cu_q, cu_k, mask=MaskSpec.from_args(**MASKS[mask]),
+                                           softcap=softcap, sinks=sinks, compute_dtype=torch.float64)
+    assert _rel(out, want_o) < 1e-2
+    assert _lse_err(lse, want_lse) < 5e-3
+
+
+@_needs_hopper
+@pytest.mark.parametrize("d,dv", [(192, 128), (96, 96)])
+def test_autograd_with_the_reference_backward(d, dv):
+    """The kernel's forward under autograd, whose backward falls back to the reference for
+    these dims: the gradients match fp64 autograd of the reference."""
+    gen = torch.Generator(device="cuda").manual_seed(d + dv)
+    q = torch.randn(2, 130, 4, d, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
+    k = torch.randn(2, 170, 2, d, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
+    v = torch.randn(2, 170, 2, dv, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
+    do = torch.randn(2, 130, 4, dv, generator=gen, device="cuda").to(torch.bfloat16)
+    out = fmha.attention(q, k, v, causal=True)
+    out.backward(do)
+    mask = MaskSpec.from_args(causal=True)
+    q0, k0, v0 = (t.detach() for t in (q, k, v))
+    want, lse = attention_reference(q0, k0, v0, mask=mask, compute_dtype=torch.float64)
+    wants = attention_backward_reference(do, q0, k0, v0, want, lse, mask=mask, compute_dtype=torch.float64)
+    assert _rel(out, want) < 1e-2
+    for got, ref in zip((q.grad, k.grad, v.grad), wants):
+        assert _rel(got, ref) < 2e-2
