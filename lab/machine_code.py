@@ -104,10 +104,13 @@ def problem_of(spec: dict, options: dict):
 
 
 def compile_with_files(cfg, directory: str):
-    """Compile ``cfg`` keeping its PTX and cubin in ``directory``; returns (ptx path, cubin path)."""
-    from fmha.kernels.hopper.backend import compile_forward
+    """Compile ``cfg`` (a forward or a backward configuration) keeping its PTX and cubin in
+    ``directory``; returns (ptx path, cubin path)."""
+    from fmha.kernels.hopper.backend import compile_backward, compile_forward
+    from fmha.kernels.hopper.config import HopperBackwardConfig
 
-    compile_forward(cfg, extra_options=f"--keep-ptx --keep-cubin --dump-dir={directory}")
+    compile_fn = compile_backward if isinstance(cfg, HopperBackwardConfig) else compile_forward
+    compile_fn(cfg, extra_options=f"--keep-ptx --keep-cubin --dump-dir={directory}")
     return glob.glob(os.path.join(directory, "*.ptx"))[0], glob.glob(os.path.join(directory, "*.cubin"))[0]
 
 
@@ -149,15 +152,35 @@ def verdict(before: str, after: str) -> str:
     return f"different: {sum(a.values())} -> {sum(b.values())} instructions, {delta}"
 
 
-def digest(out_dir: str, shard: str = "0/1") -> None:
+def backward_configs():
+    """(name, config) of the backward kernels the digest grid holds: every head dim the backward
+    had before its head dims widened, both 16-bit dtypes, without a mask and causal, dense and
+    varlen, deterministic or not."""
+    import torch
+
+    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.masking import MaskKind
+
+    for d, dt, causal, varlen, det in itertools.product((32, 64, 128, 256), ("bfloat16", "float16"), (False, True),
+                                                         (False, True), (False, True)):
+        kind = MaskKind.WINDOW if causal else MaskKind.NONE
+        listed = varlen and not det
+        cfg = HopperBackwardConfig(getattr(torch, dt), d, kind, False, causal, False, varlen=varlen,
+                                   deterministic=det, tiles_listed=listed)
+        name = f"bwd_{dt}_d{d}_{'causal' if causal else 'none'}{'_varlen' if varlen else ''}{'_det' if det else ''}"
+        yield name, cfg
+
+
+def digest(out_dir: str, shard: str = "0/1", backward: bool = False) -> None:
     from fmha.kernels.hopper.config import HopperForwardConfig
 
     index, count = (int(x) for x in shard.split("/"))
     os.makedirs(out_dir, exist_ok=True)
-    for i, (name, spec, options) in enumerate(problems()):
+    grid = backward_configs() if backward else (
+        (name, HopperForwardConfig.from_problem(*problem_of(spec, options))) for name, spec, options in problems())
+    for i, (name, cfg) in enumerate(grid):
         if i % count != index:
             continue
-        cfg = HopperForwardConfig.from_problem(*problem_of(spec, options))
         with tempfile.TemporaryDirectory() as d:
             _, cubin = compile_with_files(cfg, d)
             text = normalize(sass_of(cubin))
@@ -216,12 +239,13 @@ def main(argv=None):
     dig = sub.add_parser("digest", help="normalized SASS of the digest grid's kernels")
     dig.add_argument("out")
     dig.add_argument("--shard", default="0/1", help="i/n: only every n-th problem, from the i-th")
+    dig.add_argument("--backward", action="store_true", help="the backward kernels' grid instead of the forward's")
     cmp_ = sub.add_parser("compare", help="compare two digests")
     cmp_.add_argument("before")
     cmp_.add_argument("after")
     args = ap.parse_args(argv)
     if args.command == "digest":
-        return digest(args.out, args.shard)
+        return digest(args.out, args.shard, args.backward)
     if args.command == "compare":
         return compare(args.before, args.after)
 

@@ -219,8 +219,12 @@ def test_the_hopper_backward_refuses_what_it_does_not_serve():
     d256 = validate(q256, q256, q256)
     assert why_unsupported_backward(d256, KernelOptions()) == []  # with the head dim split (its own test)
     assert HopperBackwardConfig.from_problem(d256).split_head_dim
-    assert "head dims" in why_unsupported_backward(dataclasses.replace(problem, head_dim=96, head_dim_v=96),
-                                                   KernelOptions())[0]
+    for d, dv in ((96, 96), (192, 192)):  # multiples of 32 (halves of whole 16-column MMA steps)
+        assert why_unsupported_backward(dataclasses.replace(problem, head_dim=d, head_dim_v=dv), KernelOptions()) == []
+    assert HopperBackwardConfig.from_problem(dataclasses.replace(problem, head_dim=192, head_dim_v=192)).split_head_dim
+    for d, dv in ((80, 80), (192, 128), (288, 288)):
+        assert "head dims" in why_unsupported_backward(dataclasses.replace(problem, head_dim=d, head_dim_v=dv),
+                                                       KernelOptions())[0]
     cu = torch.tensor([0, 8], dtype=torch.int32)
     varlen = validate(q256[0, :, :, :64].contiguous(), q256[0, :, :, :64].contiguous(),
                       q256[0, :, :, :64].contiguous(), varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu)

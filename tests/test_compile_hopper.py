@@ -256,22 +256,25 @@ def test_varlen_with_unread_lengths_lists_its_tiles_on_the_gpu(tmp_path):
                                                 KernelOptions()).tiles_on_device
 
 
-@pytest.mark.parametrize("varlen,has_dlse,head_dim", [(False, True, 128), (True, False, 64)])
+@pytest.mark.parametrize("varlen,has_dlse,head_dim", [(False, True, 128), (True, False, 64), (False, False, 96),
+                                                     (True, False, 192)])
 def test_backward_row_pass_reads_rows_with_16_byte_loads(varlen, has_dlse, head_dim, tmp_path):
     """The row pass before the backward (delta, the LSE in log2 units, the dQ accumulator zeroed):
-    a group of threads per row, each reading one 16-byte piece of O and of dO and zeroing its
-    piece of the row's span of the fp32 accumulator's tile with 16-byte stores; the group's sums
-    meet by shuffles."""
+    a group of threads per row (a power of two), each reading 16-byte pieces of O and of dO (one
+    at D=64/128, three at D=96/192) and zeroing its pieces of the row's span of the fp32
+    accumulator's tile with 16-byte stores; the group's sums meet by shuffles."""
     from fmha.kernels.common.backward_rows import BackwardRowsConfig
     from fmha.kernels.hopper.backend import compile_backward_rows
 
     cfg = BackwardRowsConfig(torch.bfloat16, head_dim, varlen, has_dlse, 64)
-    assert cfg.threads_per_row == head_dim // 8
+    pieces = head_dim // 8
+    assert cfg.threads_per_row * cfg.pieces_per_thread == pieces
+    assert cfg.threads_per_row == (pieces if head_dim in (64, 128) else 4 if head_dim == 96 else 8)
     compile_backward_rows(cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = next(tmp_path.glob("*.ptx")).read_text()
-    assert ptx.count("ld.global.v4") == 2  # O and dO
-    assert ptx.count("st.global.v4") == 2  # 8 fp32 of the accumulator
-    assert ptx.count("shfl.sync.bfly") == (head_dim // 8).bit_length() - 1
+    assert ptx.count("ld.global.v4") == 2 * cfg.pieces_per_thread  # O and dO
+    assert ptx.count("st.global.v4") == 2 * cfg.pieces_per_thread  # 8 fp32 of the accumulator each
+    assert ptx.count("shfl.sync.bfly") == cfg.threads_per_row.bit_length() - 1
     # the LSE (and dLSE) of the row; varlen: cu_seqlens three times (the search for the row's
     # sequence, its start and its end)
     assert ptx.count("ld.global.b32") == 1 + int(has_dlse) + (3 if varlen else 0)
@@ -280,8 +283,8 @@ def test_backward_row_pass_reads_rows_with_16_byte_loads(varlen, has_dlse, head_
 def test_backward_row_pass_refuses_rows_it_cannot_split():
     from fmha.kernels.common.backward_rows import BackwardRowsConfig
 
-    with pytest.raises(ValueError, match="16 bytes times a power of two"):
-        BackwardRowsConfig(torch.bfloat16, 96, False, False, 64)
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        BackwardRowsConfig(torch.bfloat16, 36, False, False, 64)
 
 
 def _backward_ptx(cfg, dump_dir) -> str:

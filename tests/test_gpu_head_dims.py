@@ -1,9 +1,10 @@
 """The Hopper forward at head dims beyond 32/64/128/256 and with V's head dim unlike Q's
 (DeepSeek's 192/128, 128/64, ...), through the public API with ``backend="kernel"`` (no
 fallback), against the fp64 reference: every mask kind, dense and varlen (empty and length-1
-sequences), GQA, with softcap and sinks too. Outputs are poisoned with NaN first, so unwritten
-elements show. The backward of these dims runs on the reference (``backend="auto"``), checked
-through autograd. Marked ``gpu``; skipped without a Hopper GPU."""
+sequences), GQA, with softcap and sinks too; the backward at the new head dims it serves
+(multiples of 32: 96, 160, 192, 224), deterministic too, and through autograd where the backward
+falls back to the reference (V's head dim unlike Q's). Outputs and gradients are poisoned with
+NaN first, so unwritten elements show. Marked ``gpu``; skipped without a Hopper GPU."""
 
 import math
 
@@ -82,11 +83,57 @@ def test_forward(dtype, d, dv, mask, layout, variant):
     assert _lse_err(lse, want_lse) < 5e-3
 
 
+BACKWARD = [(torch.bfloat16, d, m, layout, "plain", False) for d in (96, 160, 192, 224) for m in MASKS
+            for layout in ("dense", "varlen")]
+BACKWARD += [(torch.float16, d, "causal", "dense", "plain", False) for d in (96, 192)]
+BACKWARD += [(torch.bfloat16, d, "causal", layout, "plain", True) for d in (96, 192) for layout in ("dense", "varlen")]
+BACKWARD += [(torch.bfloat16, d, "window", "dense", var, False) for d in (96, 192) for var in ("softcap", "sinks")]
+
+
 @_needs_hopper
-@pytest.mark.parametrize("d,dv", [(192, 128), (96, 96)])
-def test_autograd_with_the_reference_backward(d, dv):
-    """The kernel's forward under autograd, whose backward falls back to the reference for
-    these dims: the gradients match fp64 autograd of the reference."""
+@pytest.mark.parametrize("dtype,d,mask,layout,variant,det", BACKWARD,
+                         ids=[f"{str(a).split('.')[-1]}-D{b}-{m}-{l}-{v}{'-det' if t else ''}"
+                              for a, b, m, l, v, t in BACKWARD])
+def test_backward(dtype, d, mask, layout, variant, det):
+    gen = torch.Generator(device="cuda").manual_seed(5 * d + len(mask) + len(layout))
+    softcap = 6.0 if variant == "softcap" else 0.0
+    sinks = torch.randn(4, generator=gen, device="cuda") * 2 if variant == "sinks" else None
+    mspec = MaskSpec.from_args(**MASKS[mask])
+    if layout == "dense":
+        shape_q, shape_k = (2, 257, 4, d), (2, 299, 2, d)
+        cu_q = cu_k = None
+    else:
+        lens_q, lens_k = [0, 1, 190, 65], [4, 1, 0, 200]
+        shape_q, shape_k = (sum(lens_q), 4, d), (sum(lens_k), 2, d)
+        cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    q = torch.randn(shape_q, generator=gen, device="cuda").to(dtype)
+    k = torch.randn(shape_k, generator=gen, device="cuda").to(dtype)
+    v = torch.randn(shape_k, generator=gen, device="cuda").to(dtype)
+    o, lse = attention_reference(q, k, v, cu_q, cu_k, mask=mspec, softcap=softcap, sinks=sinks)
+    out = o.to(dtype)
+    dout = torch.randn(out.shape, generator=gen, device="cuda").to(dtype)
+    grads = [torch.full_like(t, math.nan) for t in (q, k, v)]
+    dsinks = torch.full_like(sinks, math.nan) if sinks is not None else None
+    kw = dict(MASKS[mask], softcap=softcap, sinks=sinks, deterministic=det, backend="kernel")
+    cu = (cu_q, cu_k) if layout == "varlen" else ()
+    got = fmha.attention_backward(dout, q, k, v, out, lse, *cu, dq=grads[0], dk=grads[1], dv=grads[2],
+                                  dsinks=dsinks, **kw)
+    want = attention_backward_reference(dout, q, k, v, out, lse, cu_q, cu_k, mask=mspec, softcap=softcap,
+                                        sinks=sinks, compute_dtype=torch.float64)
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        tol = 3e-2 if name == "dsinks" else 2e-2
+        assert _rel(g, w) < tol, f"{name}: {_rel(g, w):.3g}"
+    if det:
+        again = fmha.attention_backward(dout, q, k, v, out, lse, *cu, **kw)
+        for g, h in zip(got, again):
+            assert torch.equal(g, h)
+
+
+@_needs_hopper
+@pytest.mark.parametrize("d,dv", [(192, 128), (96, 96), (192, 192)])
+def test_autograd(d, dv):
+    """The kernels' forward under autograd; the backward on the kernel where it serves the dims
+    (96, 192), else on the reference (192/128): the gradients match the fp64 reference's."""
     gen = torch.Generator(device="cuda").manual_seed(d + dv)
     q = torch.randn(2, 130, 4, d, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
     k = torch.randn(2, 170, 2, d, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()

@@ -4,8 +4,9 @@ For every (query row, head): ``delta = (rowsum(dO * O) - dLSE) * delta_scale`` i
 bf16 backward passes its score scale, so that dS comes out scaled) and the LSE in log2 units
 (+inf for rows that keep no key, whose LSE is -inf: their P = exp2(s - inf) is then 0); and the
 row's share of the tiled fp32 dQ accumulator zeroed, which saves a separate fill pass over it.
-Each row is read by a group of threads, one 16-byte piece of O and of dO each, so that a warp's
-loads cover whole cache lines; the group adds its partial sums by butterfly shuffles. The outputs
+Each row is read by a group of threads, 16-byte pieces of O and of dO each (a group's lanes read
+adjacent pieces, so that a warp's loads cover whole cache lines); the group adds its partial sums
+by butterfly shuffles. The outputs
 have the LSE's layout.
 """
 
@@ -39,15 +40,26 @@ class BackwardRowsConfig:
     dq_tile_m: int
 
     @property
-    def threads_per_row(self) -> int:
-        """One 16-byte piece of the row per thread (a power of two within a warp)."""
+    def pieces_per_row(self) -> int:
+        """16-byte pieces of a row of O."""
         return self.head_dim * self.dtype.itemsize // LOAD_BYTES
 
+    @property
+    def threads_per_row(self) -> int:
+        """The largest power of two up to 32 that divides the row's pieces (the group must not
+        straddle a warp, and its butterfly needs a power of two): D=128 in bf16 one piece per thread
+        over 16 threads, D=96 three pieces per thread over 4."""
+        pieces = self.pieces_per_row
+        return min(pieces & -pieces, 32)
+
+    @property
+    def pieces_per_thread(self) -> int:
+        return self.pieces_per_row // self.threads_per_row
+
     def __post_init__(self):
-        t = self.threads_per_row
-        if not (1 <= t <= 32 and t & (t - 1) == 0 and t * LOAD_BYTES == self.head_dim * self.dtype.itemsize):
-            raise ValueError(f"the backward's row pass needs head_dim * element size to be 16 bytes times a power "
-                             f"of two up to 32, got head_dim {self.head_dim} of {self.dtype}")
+        if self.pieces_per_row < 1 or self.pieces_per_row * LOAD_BYTES != self.head_dim * self.dtype.itemsize:
+            raise ValueError(f"the backward's row pass needs head_dim * element size to be a multiple of 16 bytes, "
+                             f"got head_dim {self.head_dim} of {self.dtype}")
 
 
 def tile_rows_zeroed(row_in_tile, last_of_sequence, tile_m: int) -> tuple:
@@ -95,13 +107,16 @@ class BackwardRows:
                 o_row, do_row = mO[row, head, None], mdO[row, head, None]
             else:
                 o_row, do_row = mO[batch, row, head, None], mdO[batch, row, head, None]
-            o_piece, do_piece = (cute.local_tile(t, (piece,), (lane,)) for t in (o_row, do_row))
-            o = cute.make_rmem_tensor(o_piece.layout, o_piece.element_type)
-            do = cute.make_rmem_tensor(do_piece.layout, do_piece.element_type)
-            cute.autovec_copy(o_piece, o)
-            cute.autovec_copy(do_piece, do)
-            partial = (o.load().to(Float32) * do.load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            self.zero_tile_rows(mdQaccum, mCuSeqlensQ, row, rows, head, batch, lane * piece)
+            for i in cutlass.range_constexpr(self.cfg.pieces_per_thread):
+                at = lane + i * group
+                o_piece, do_piece = (cute.local_tile(t, (piece,), (at,)) for t in (o_row, do_row))
+                o = cute.make_rmem_tensor(o_piece.layout, o_piece.element_type)
+                do = cute.make_rmem_tensor(do_piece.layout, do_piece.element_type)
+                cute.autovec_copy(o_piece, o)
+                cute.autovec_copy(do_piece, do)
+                partial = partial + (o.load().to(Float32) * do.load().to(Float32)).reduce(
+                    cute.ReductionOp.ADD, Float32(0.0), 0)
+            self.zero_tile_rows(mdQaccum, mCuSeqlensQ, row, rows, head, batch, lane)
         # every lane of the warp takes part (a row's group never straddles a warp)
         for i in cutlass.range_constexpr(group.bit_length() - 1):
             partial = partial + cute.arch.shuffle_sync_bfly(partial, offset=group >> (i + 1))
@@ -118,10 +133,11 @@ class BackwardRows:
             mLSE2[at] = lse2
 
     @cute.jit
-    def zero_tile_rows(self, mdQaccum: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor], row, rows, head, batch, col0):
-        """Zero columns ``col0 ..`` (one 16-byte load's worth of O) of the tiled accumulator's rows that
-        ``tile_rows_zeroed`` gives query row ``row``: a warp's stores cover whole lines, whatever
-        the order within the tile (that of the fragments, which would scatter them)."""
+    def zero_tile_rows(self, mdQaccum: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor], row, rows, head, batch, lane):
+        """Zero the columns of this ``lane``'s pieces of O (16-byte loads' worth each) in the tiled
+        accumulator's rows that ``tile_rows_zeroed`` gives query row ``row``: a warp's stores cover
+        whole lines, whatever the order within the tile (that of the fragments, which would
+        scatter them)."""
         tile_m, d = self.cfg.dq_tile_m, self.cfg.head_dim
         piece = LOAD_BYTES // self.cfg.dtype.itemsize
         start, end = Int32(0), rows
@@ -150,4 +166,6 @@ class BackwardRows:
             zeros = cute.make_rmem_tensor((piece,), Float32)
             zeros.fill(0.0)
             for r in cutlass.range(first, stop, unroll=1):
-                cute.autovec_copy(zeros, cute.local_tile(tile, (piece,), (r * (d // piece) + col0 // piece,)))
+                for i in cutlass.range_constexpr(self.cfg.pieces_per_thread):
+                    at = lane + i * self.cfg.threads_per_row
+                    cute.autovec_copy(zeros, cute.local_tile(tile, (piece,), (r * (d // piece) + at,)))

@@ -32,3 +32,19 @@ def ring_layout(one_stage: cute.ComposedLayout, stages: int, stage_elems: int) -
     tile = cute.select(one_stage.outer, mode=[0, 1])
     outer = cute.append(tile, cute.make_layout(stages, stride=stage_elems))
     return cute.make_composed_layout(one_stage.inner, 0, outer)
+
+
+def mma_operand_smem_layout(operand: str, layout: "LayoutEnum", mma_tiler_mnk: tuple, dtype, stages: int,
+                            atom_major_size: int):
+    """``sm90_utils.make_smem_layout_a`` / ``_b`` (``operand`` "a" / "b") with the swizzle atom
+    chosen for ``atom_major_size`` elements of the major mode instead of the whole tile's: a
+    product that reads half of the major mode (a warpgroup's half of the head dim) needs that
+    half to start on an atom boundary."""
+    import cutlass.utils.hopper_helpers as sm90_utils
+
+    if operand == "a":
+        shape, is_k_major = cute.slice_(mma_tiler_mnk, (None, 0, None)), layout.is_k_major_a()
+    else:
+        shape, is_k_major = cute.slice_(mma_tiler_mnk, (0, None, None)), layout.is_k_major_b()
+    atom = sm90_utils.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(layout, dtype, atom_major_size), dtype)
+    return cute.tile_to_shape(atom, cute.append(shape, stages), order=(0, 1, 2) if is_k_major else (1, 0, 2))

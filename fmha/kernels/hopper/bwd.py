@@ -67,7 +67,7 @@ from fmha.masking import MaskKind, first_row_past, row_key_bounds
 
 from ..common import sequence_descriptors as seq_desc
 from ..common.fragments import as_operand_a, as_rows_cols, store_as_16bit_pairs
-from ..common.layouts import bshd_to_sdhb, rows_first
+from ..common.layouts import bshd_to_sdhb, mma_operand_smem_layout, rows_first
 from ..common.mask import softcap_scores, softcap_slope
 from ..common.pipelines import release_by_one_lane
 from ..common.device_tile_list import COST_BINS, DeviceWorkTileList, cost_bins_bytes
@@ -157,9 +157,12 @@ class HopperAttentionBackward(DeviceWorkTileList):
         dq_m, dq_n = cfg.dq_rows_per_warpgroup, cfg.dq_cols_per_warpgroup
         mma_dq = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, 1, 1),
                                                   (64, dq_m if cfg.dq_transposed else dq_n))
-        sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), self.dtype,
-                                                  cfg.q_stages)
-        sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), self.dtype, 1)
+        # the products that read a warpgroup's half of the head dim (dQ's K, and with
+        # ``split_head_dim`` dK's Q and dV's dO) need each half to start on a swizzle atom
+        atom_cols = d if d <= 64 else d // 2
+        sQ_layout = mma_operand_smem_layout("b", LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), self.dtype, cfg.q_stages,
+                                            atom_cols)
+        sK_layout = mma_operand_smem_layout("a", LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), self.dtype, 1, atom_cols)
         # dS^T double-buffered with the Q/dO stages: a warpgroup may write the next tile's while
         # the other still reads this one's. ``split_head_dim`` (one Q/dO stage): buffers 0 and 1
         # hold dS^T by tile parity (the other warpgroup's dQ product may still read the last

@@ -32,6 +32,8 @@ L2_BYTES = 50 * 2**20
 SMEM_LIMIT = 227 * 1024
 SMEM_BYTES = SMEM_LIMIT - 2048
 MAX_KV_STAGES = 8
+#: the fewest K/V ring stages a key tile is chosen for (``allowed_tiles``)
+MIN_KV_STAGES = 4
 
 
 class Schedule(enum.Enum):
@@ -80,8 +82,9 @@ def allowed_tiles(dtype: torch.dtype, head_dim: int, head_dim_v: int = None) -> 
         # a 64 x dv fp32 O takes dv / 2 registers per thread: S (tile_n / 2) and P (tile_n / 4)
         # get what remains of about 190 (D=256: 80 keys, D=192: 112)
         tile_n = min(128, (190 - dv // 2) * 4 // 3 // 16 * 16)
-    # a K/V ring stage holds a K or a V tile: two must fit beside the Q tile
-    while tile_n > 16 and 128 * head_dim * element_bytes(dtype) + 2 * tile_n * max(head_dim, dv) * \
+    # a K/V ring stage holds a K or a V tile; fewer than 4 stages beside the Q tile starve the
+    # loop (192/128: 128 keys with 3 stages ran 10% below 112 keys with 4)
+    while tile_n > 16 and 128 * head_dim * element_bytes(dtype) + MIN_KV_STAGES * tile_n * max(head_dim, dv) * \
             element_bytes(dtype) > SMEM_BYTES:
         tile_n -= 16
     return ((128, tile_n),)
@@ -395,8 +398,14 @@ def why_unsupported(problem: AttentionProblem, options: KernelOptions) -> list:
 #: without a mask (``HopperBackwardConfig.tile_m``)
 LONG_ROWS = 4096
 
-#: head dims of the backward kernel (D=256 with its own split of the work: ``split_head_dim``)
-BACKWARD_HEAD_DIMS = (32, 64, 128, 256)
+#: the backward kernel's head dims (V's equal to Q's): multiples of this up to 256, so that each
+#: consumer warpgroup's half of the head dim is whole MMA columns of 16 (above 128 with its own
+#: split of the work: ``split_head_dim``)
+BACKWARD_HEAD_DIM_STEP = 32
+
+
+def backward_head_dim_served(head_dim: int) -> bool:
+    return head_dim % BACKWARD_HEAD_DIM_STEP == 0 and BACKWARD_HEAD_DIM_STEP <= head_dim <= MAX_HEAD_DIM
 
 
 @dataclass(frozen=True)
@@ -432,11 +441,11 @@ class HopperBackwardConfig:
 
     @property
     def split_head_dim(self) -> bool:
-        """D=256 (FA4's shape there): dK and dV of 64 keys per warpgroup would take 256
+        """D > 128 (FA4's shape at D=256): dK and dV of 64 keys per warpgroup would take D
         registers per thread, so both warpgroups hold all 64 keys of the CTA, each over its half of
-        the head dim (128 registers for both). S^T and dP^T are split by query columns instead,
+        the head dim (D / 2 registers for both). S^T and dP^T are split by query columns instead,
         and P^T and dS^T go through shared memory, where both warpgroups' products read them."""
-        return self.head_dim == 256
+        return self.head_dim > 128
 
     @property
     def q_stages(self) -> int:
@@ -529,9 +538,9 @@ def why_unsupported_backward(problem: AttentionProblem, options: KernelOptions) 
     reasons = []
     if problem.dtype not in (torch.float16, torch.bfloat16):
         reasons.append(f"the Hopper backward takes float16/bfloat16 inputs, not {problem.dtype}")
-    if problem.head_dim not in BACKWARD_HEAD_DIMS or problem.head_dim_v != problem.head_dim:
-        reasons.append(f"the Hopper backward supports head dims {BACKWARD_HEAD_DIMS} with V's equal to Q's, got "
-                       f"{problem.head_dim} and {problem.head_dim_v}")
+    if not backward_head_dim_served(problem.head_dim) or problem.head_dim_v != problem.head_dim:
+        reasons.append(f"the Hopper backward takes head dims that are multiples of {BACKWARD_HEAD_DIM_STEP} up to "
+                       f"{MAX_HEAD_DIM} with V's equal to Q's, got {problem.head_dim} and {problem.head_dim_v}")
     if problem.out_dtype != problem.dtype:
         reasons.append(f"the Hopper backward needs out (and dout) in q's dtype {problem.dtype}, "
                        f"not {problem.out_dtype}")
