@@ -332,3 +332,15 @@ def test_new_head_dims_keep_their_registers_and_overlap(head_dim, head_dim_v, ca
             wait_pv = next(i for i, t in enumerate(body) if "DEPBAR.LE gsb0, 0x0" in t and i > waits_s[0])
             exps = [i for i, t in enumerate(body) if "MUFU.EX2" in t]
             assert sum(waits_s[0] < i < wait_pv for i in exps) >= len(exps) / 2
+
+
+@pytest.mark.parametrize("head_dim", [96, 192])
+def test_backward_new_head_dims_keep_their_registers(head_dim, tmp_root):
+    """The backward at D=96 (64 keys per warpgroup, dQ by halves of the head dim of 48 columns)
+    and D=192 (the head dim split between the warpgroups, 96 columns each): no registers in local
+    memory, and the MMAs over each half: 64x48 for dQ at 96, 64x96 for dV, dK and dQ at 192."""
+    ins, labels = _backward_sass(head_dim, True, tmp_root)
+    assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
+    half = head_dim // 2
+    first, last = min(_innermost_wgmma_loops(ins, labels), key=lambda loop: loop[1] - loop[0])
+    assert any(f"HGMMA.64x{half}x16" in t for t in ins[first:last + 1])
