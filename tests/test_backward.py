@@ -219,10 +219,12 @@ def test_the_hopper_backward_refuses_what_it_does_not_serve():
     d256 = validate(q256, q256, q256)
     assert why_unsupported_backward(d256, KernelOptions()) == []  # with the head dim split (its own test)
     assert HopperBackwardConfig.from_problem(d256).split_head_dim
-    for d, dv in ((96, 96), (192, 192)):  # multiples of 32 (halves of whole 16-column MMA steps)
+    for d, dv in ((96, 96), (192, 192), (192, 128), (128, 64)):  # multiples of 32 (halves of whole MMA steps)
         assert why_unsupported_backward(dataclasses.replace(problem, head_dim=d, head_dim_v=dv), KernelOptions()) == []
-    assert HopperBackwardConfig.from_problem(dataclasses.replace(problem, head_dim=192, head_dim_v=192)).split_head_dim
-    for d, dv in ((80, 80), (192, 128), (288, 288)):
+    for d, dv, split in ((192, 192, True), (192, 128, True), (128, 128, False), (128, 64, False), (160, 96, False)):
+        cfg = HopperBackwardConfig.from_problem(dataclasses.replace(problem, head_dim=d, head_dim_v=dv))
+        assert (cfg.head_dim_v, cfg.split_head_dim) == (dv, split)
+    for d, dv in ((80, 80), (192, 80), (288, 288)):
         assert "head dims" in why_unsupported_backward(dataclasses.replace(problem, head_dim=d, head_dim_v=dv),
                                                        KernelOptions())[0]
     cu = torch.tensor([0, 8], dtype=torch.int32)

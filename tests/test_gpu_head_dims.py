@@ -2,8 +2,8 @@
 (DeepSeek's 192/128, 128/64, ...), through the public API with ``backend="kernel"`` (no
 fallback), against the fp64 reference: every mask kind, dense and varlen (empty and length-1
 sequences), GQA, with softcap and sinks too; the backward at the new head dims it serves
-(multiples of 32: 96, 160, 192, 224), deterministic too, and through autograd where the backward
-falls back to the reference (V's head dim unlike Q's). Outputs and gradients are poisoned with
+(multiples of 32: 96, 160, 192, 224, and V's unlike Q's: 192/128, 128/64, ...), deterministic
+too, and through autograd. Outputs and gradients are poisoned with
 NaN first, so unwritten elements show. Marked ``gpu``; skipped without a Hopper GPU."""
 
 import math
@@ -83,19 +83,24 @@ def test_forward(dtype, d, dv, mask, layout, variant):
     assert _lse_err(lse, want_lse) < 5e-3
 
 
-BACKWARD = [(torch.bfloat16, d, m, layout, "plain", False) for d in (96, 160, 192, 224) for m in MASKS
+BACKWARD = [(torch.bfloat16, d, d, m, layout, "plain", False) for d in (96, 160, 192, 224) for m in MASKS
             for layout in ("dense", "varlen")]
-BACKWARD += [(torch.float16, d, "causal", "dense", "plain", False) for d in (96, 192)]
-BACKWARD += [(torch.bfloat16, d, "causal", layout, "plain", True) for d in (96, 192) for layout in ("dense", "varlen")]
-BACKWARD += [(torch.bfloat16, d, "window", "dense", var, False) for d in (96, 192) for var in ("softcap", "sinks")]
+BACKWARD += [(torch.bfloat16, d, dv, m, layout, "plain", False) for d, dv in ((192, 128), (128, 64), (64, 128),
+                                                                             (256, 128), (96, 64))
+             for m in ("none", "causal", "neg_right_br") for layout in ("dense", "varlen")]
+BACKWARD += [(torch.float16, d, dv, "causal", "dense", "plain", False) for d, dv in ((96, 96), (192, 192), (192, 128))]
+BACKWARD += [(torch.bfloat16, d, dv, "causal", layout, "plain", True) for d, dv in ((96, 96), (192, 192), (192, 128))
+             for layout in ("dense", "varlen")]
+BACKWARD += [(torch.bfloat16, d, dv, "window", "dense", var, False) for d, dv in ((96, 96), (192, 192), (192, 128))
+             for var in ("softcap", "sinks")]
 
 
 @_needs_hopper
-@pytest.mark.parametrize("dtype,d,mask,layout,variant,det", BACKWARD,
-                         ids=[f"{str(a).split('.')[-1]}-D{b}-{m}-{l}-{v}{'-det' if t else ''}"
-                              for a, b, m, l, v, t in BACKWARD])
-def test_backward(dtype, d, mask, layout, variant, det):
-    gen = torch.Generator(device="cuda").manual_seed(5 * d + len(mask) + len(layout))
+@pytest.mark.parametrize("dtype,d,dv,mask,layout,variant,det", BACKWARD,
+                         ids=[f"{str(a).split('.')[-1]}-D{b}-Dv{c}-{m}-{l}-{v}{'-det' if t else ''}"
+                              for a, b, c, m, l, v, t in BACKWARD])
+def test_backward(dtype, d, dv, mask, layout, variant, det):
+    gen = torch.Generator(device="cuda").manual_seed(5 * d + dv + len(mask) + len(layout))
     softcap = 6.0 if variant == "softcap" else 0.0
     sinks = torch.randn(4, generator=gen, device="cuda") * 2 if variant == "sinks" else None
     mspec = MaskSpec.from_args(**MASKS[mask])
@@ -108,7 +113,7 @@ def test_backward(dtype, d, mask, layout, variant, det):
         cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     q = torch.randn(shape_q, generator=gen, device="cuda").to(dtype)
     k = torch.randn(shape_k, generator=gen, device="cuda").to(dtype)
-    v = torch.randn(shape_k, generator=gen, device="cuda").to(dtype)
+    v = torch.randn(shape_k[:-1] + (dv,), generator=gen, device="cuda").to(dtype)
     o, lse = attention_reference(q, k, v, cu_q, cu_k, mask=mspec, softcap=softcap, sinks=sinks)
     out = o.to(dtype)
     dout = torch.randn(out.shape, generator=gen, device="cuda").to(dtype)
@@ -132,14 +137,14 @@ def test_backward(dtype, d, mask, layout, variant, det):
 @_needs_hopper
 @pytest.mark.parametrize("d,dv", [(192, 128), (96, 96), (192, 192)])
 def test_autograd(d, dv):
-    """The kernels' forward under autograd; the backward on the kernel where it serves the dims
-    (96, 192), else on the reference (192/128): the gradients match the fp64 reference's."""
+    """The kernels' forward and backward under autograd: the gradients match the fp64
+    reference's."""
     gen = torch.Generator(device="cuda").manual_seed(d + dv)
     q = torch.randn(2, 130, 4, d, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
     k = torch.randn(2, 170, 2, d, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
     v = torch.randn(2, 170, 2, dv, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
     do = torch.randn(2, 130, 4, dv, generator=gen, device="cuda").to(torch.bfloat16)
-    out = fmha.attention(q, k, v, causal=True)
+    out = fmha.attention(q, k, v, causal=True, backend="kernel")
     out.backward(do)
     mask = MaskSpec.from_args(causal=True)
     q0, k0, v0 = (t.detach() for t in (q, k, v))

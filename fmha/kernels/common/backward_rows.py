@@ -38,6 +38,8 @@ class BackwardRowsConfig:
     #: ``kernels/hopper/dq_layout.py``): (B, H, tiles, tile_m * D) / varlen (H, tiles, tile_m * D),
     #: sequence b's tiles from (cu_seqlens[b] + b * tile_m) // tile_m
     dq_tile_m: int
+    #: Q's head dim, the accumulator's D (``head_dim`` is O's); None: O's
+    dq_head_dim: int = None
 
     @property
     def pieces_per_row(self) -> int:
@@ -56,7 +58,14 @@ class BackwardRowsConfig:
     def pieces_per_thread(self) -> int:
         return self.pieces_per_row // self.threads_per_row
 
+    @property
+    def dq_chunks_per_lane(self) -> int:
+        """Chunks of an accumulator row (8 floats each) that each lane of a row's group zeroes."""
+        return -(-(self.dq_head_dim // 8) // self.threads_per_row)
+
     def __post_init__(self):
+        if self.dq_head_dim is None:
+            object.__setattr__(self, "dq_head_dim", self.head_dim)
         if self.pieces_per_row < 1 or self.pieces_per_row * LOAD_BYTES != self.head_dim * self.dtype.itemsize:
             raise ValueError(f"the backward's row pass needs head_dim * element size to be a multiple of 16 bytes, "
                              f"got head_dim {self.head_dim} of {self.dtype}")
@@ -138,7 +147,7 @@ class BackwardRows:
         accumulator's rows that ``tile_rows_zeroed`` gives query row ``row``: a warp's stores cover
         whole lines, whatever the order within the tile (that of the fragments, which would
         scatter them)."""
-        tile_m, d = self.cfg.dq_tile_m, self.cfg.head_dim
+        tile_m, d = self.cfg.dq_tile_m, self.cfg.dq_head_dim
         piece = LOAD_BYTES // self.cfg.dtype.itemsize
         start, end = Int32(0), rows
         if const_expr(self.cfg.varlen):
@@ -165,7 +174,11 @@ class BackwardRows:
             first, stop = tile_rows_zeroed(padded % tile_m, Int32(row == end - 1), tile_m)
             zeros = cute.make_rmem_tensor((piece,), Float32)
             zeros.fill(0.0)
+            chunks = d // piece
             for r in cutlass.range(first, stop, unroll=1):
-                for i in cutlass.range_constexpr(self.cfg.pieces_per_thread):
+                for i in cutlass.range_constexpr(self.cfg.dq_chunks_per_lane):
                     at = lane + i * self.cfg.threads_per_row
-                    cute.autovec_copy(zeros, cute.local_tile(tile, (piece,), (r * (d // piece) + at,)))
+                    if const_expr(chunks % self.cfg.threads_per_row == 0):
+                        cute.autovec_copy(zeros, cute.local_tile(tile, (piece,), (r * chunks + at,)))
+                    elif at < chunks:
+                        cute.autovec_copy(zeros, cute.local_tile(tile, (piece,), (r * chunks + at,)))

@@ -326,7 +326,8 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
     t = cutlass_dtype(cfg.dtype)
     d = cfg.head_dim
     rank = 3 if cfg.varlen else 4
-    q, k, v, do, dk, dv = (fake_rows(t, rank, d) for _ in range(6))
+    q, k, dk = (fake_rows(t, rank, d) for _ in range(3))
+    v, do, dv = (fake_rows(t, rank, cfg.head_dim_v) for _ in range(3))
     # read by TMA: rows 16-byte aligned
     lse2, delta = (fake_rows(cutlass.Float32, 3, None, align_bytes=16) for _ in range(2))  # (B or 1, H, S)
     # (B, H, tiles, tile floats) or varlen (H, tiles, tile floats): dq_layout.py
@@ -380,7 +381,7 @@ def compile_backward_rows(cfg, extra_options: str = ""):
     o, do = (fake_rows(cutlass_dtype(cfg.dtype), rank, cfg.head_dim) for _ in range(2))
     lse, dlse, lse2, delta = (fake_rows(cutlass.Float32, rank - 1, None, align_bytes=4) for _ in range(4))
     # (B, H, tiles, tile floats) or varlen (H, tiles, tile floats)
-    dq_accum = fake_rows(cutlass.Float32, rank, cfg.dq_tile_m * cfg.head_dim)
+    dq_accum = fake_rows(cutlass.Float32, rank, cfg.dq_tile_m * cfg.dq_head_dim)
     cu_q = fake_vector(cutlass.Int32) if cfg.varlen else None
     return compile_for(ARCH, BackwardRows(cfg), o, do, lse, dlse if cfg.has_dlse else None, lse2, delta, dq_accum,
                        cu_q, cutlass.Float32(1.0), extra_options=extra_options)
@@ -401,7 +402,8 @@ class HopperBackwardRunner:
         if compiled is None:
             from ..common.backward_rows import BackwardRowsConfig
 
-            cfg = BackwardRowsConfig(self.cfg.dtype, self.cfg.head_dim, self.cfg.varlen, has_dlse, self.cfg.tile_m)
+            cfg = BackwardRowsConfig(self.cfg.dtype, self.cfg.head_dim_v, self.cfg.varlen, has_dlse, self.cfg.tile_m,
+                                     self.cfg.head_dim)
             compiled = self._row_passes[has_dlse] = disk_cache.load_or_compile(cfg, compile_backward_rows)
         return compiled
 

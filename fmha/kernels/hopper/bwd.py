@@ -1,6 +1,6 @@
 """Hopper (SM90) attention backward: dK and dV per K/V tile, dQ accumulated in fp32.
 
-One CTA owns one K/V tile (128 keys of one K/V head of one sequence; 64 at D=256) and keeps its
+One CTA owns one K/V tile (128 keys of one K/V head of one sequence; 64 with ``split_head_dim``) and keeps its
 dK and dV in registers while it walks every query tile (``tile_m`` rows) of every query head of
 the group whose mask keeps some key of the tile. Roles:
 
@@ -10,7 +10,7 @@ the group whose mask keeps some key of the tile. Roles:
   staged in shared memory in the MMA fragments' order (``dq_layout.py``), into the fp32
   accumulator by one bulk reduce-add of contiguous bytes (asynchronous, instead of per-element
   atomics) and frees the block once the add has read it.
-* warpgroups 1 and 2, the **consumers**, 64 keys each. Per query tile, with S^T = K Q^T and
+* warpgroups 1 and 2, the **consumers** (``bwd_consumer.py``), 64 keys each. Per query tile, with S^T = K Q^T and
   dP^T = V dO^T on the tensor cores (keys as the M dimension, so that P^T and dS^T land in
   registers in the A-operand order of the next products):
   P^T = exp2(S^T * scale_log2 - lse_log2) while dP^T is computed, then
@@ -21,7 +21,7 @@ the group whose mask keeps some key of the tile. Roles:
   head dim; at D=128 with 80-row tiles, ``dq_transposed``: dQ^T = K^T dS^T, its half of the head
   dim as M), which it stages for the writer. At the end dK and dV go from registers to global
   memory, or at D=128 (``dkv_store_tma``) through the freed K and V buffers by TMA stores.
-* D=256 (``split_head_dim``): both consumer warpgroups hold all 64 keys, each over its half of
+* D + D_v > 256 (``split_head_dim``): both consumer warpgroups hold all 64 keys, each over its half of
   the head dim; S^T and dP^T are split by query columns instead (64 keys x 32 queries each), and
   P^T and dS^T go through shared memory, from where both warpgroups' dV, dK and dQ products read
   them. dV and dK are issued before dQ and release the one Q/dO stage once done, so the next
@@ -51,7 +51,6 @@ LSE and delta rows go through the packed tensor's own descriptor; a ragged tile'
 sequence get P = 0 and delta = 0 in the consumers.
 """
 
-import math
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -66,37 +65,19 @@ from cutlass.tensor_utils import LayoutEnum
 from fmha.masking import MaskKind, first_row_past, row_key_bounds
 
 from ..common import sequence_descriptors as seq_desc
-from ..common.fragments import as_operand_a, as_rows_cols, store_as_16bit_pairs
 from ..common.layouts import bshd_to_sdhb, mma_operand_smem_layout, rows_first
-from ..common.mask import softcap_scores, softcap_slope
-from ..common.pipelines import release_by_one_lane
 from ..common.device_tile_list import COST_BINS, DeviceWorkTileList, cost_bins_bytes
 from ..common.seqinfo import SequenceInfo
 from ..common.tma import bulk_reduce_add_f32, tma_tiles
 from . import dq_layout
 from .barriers import NamedBarrierBwd
+from .bwd_consumer import ROW_ALIGN, BackwardConsumer
 from .config import SMEM_LIMIT, HopperBackwardConfig
-from .epilogue import drain_o_stores, store_o_direct, store_o_tma, wg_slice_layout
+from .epilogue import wg_slice_layout
 from .wgmma import WARPGROUP_THREADS as _WG
-from .wgmma import issue_gemm
 
 
-#: rows of fp32 in 16 bytes: a TMA box's first row is a multiple of it
-_ROW_ALIGN = 4
-#: query columns of a thread's S^T fragment whose LSE it holds in registers for a tile (D=128's 64-row tile)
-_HELD_COLUMNS = 16
-#: ``split_head_dim``: the dS^T/P^T buffer that holds P^T
-_P_BUFFER = 2
-
-
-def _transposed(t: cute.Tensor) -> cute.Tensor:
-    """The same shared-memory tensor with its first two modes swapped: a K-major operand tile
-    seen as the MN-major operand of another product."""
-    modes = [1, 0] + list(range(2, cute.rank(t.layout)))
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
-
-
-class HopperAttentionBackward(DeviceWorkTileList):
+class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
     def __init__(self, cfg: HopperBackwardConfig):
         if cfg.dq_split_rows and cfg.tile_m != 2 * 64:
             raise ValueError(f"dq_split_rows gives each consumer warpgroup 64 query rows of dQ: it needs tile_m = 128, "
@@ -106,7 +87,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                              f"query tile needs head_dim 128, got {cfg.head_dim}")
         self.cfg = cfg
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
-        self.row_box = cfg.tile_m + _ROW_ALIGN
+        self.row_box = cfg.tile_m + ROW_ALIGN
         self.num_threads = _WG * 3
 
     @cute.jit
@@ -132,7 +113,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
         cfg = self.cfg
         varlen = cfg.varlen
         self.dtype = mQ.element_type
-        d, tile_m, tile_n = cfg.head_dim, self.tile_m, self.tile_n
+        d, d_v, tile_m, tile_n = cfg.head_dim, cfg.head_dim_v, self.tile_m, self.tile_n
         q, k, v, do = (bshd_to_sdhb(t, varlen) for t in (mQ, mK, mV, mdO))
         lse2, delta = (rows_first(t) for t in (mLSE2, mDelta))
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
@@ -144,6 +125,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
             # warpgroup's half of the head dim, K = queries
             mma_dkv = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32,
                                                        (1, 2, 1), (64, d // 2))
+            mma_dv = mma_dkv if const_expr(d_v == d) else sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (1, 2, 1), (64, d_v // 2))
         else:
             # S^T = K Q^T and dP^T = V dO^T: M = keys (64 per warpgroup), N = queries, K = head dim
             mma_sdp = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32,
@@ -151,6 +134,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
             # dV += P^T dO, dK += dS^T Q: A from registers, M = keys, N = head dim, K = queries
             mma_dkv = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32,
                                                        (2, 1, 1), (64, d), warpgroup.OperandSource.RMEM)
+            mma_dv = mma_dkv if const_expr(d_v == d) else sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (2, 1, 1), (64, d_v), warpgroup.OperandSource.RMEM)
         # dQ = dS K, one warpgroup per half of the head dim (or of the query rows,
         # ``dq_split_rows``): M = queries, N = head dim, K = keys. ``dq_transposed``: dQ^T = K^T dS^T,
         # M = the warpgroup's half of the head dim, N = queries
@@ -159,10 +144,15 @@ class HopperAttentionBackward(DeviceWorkTileList):
                                                   (64, dq_m if cfg.dq_transposed else dq_n))
         # the products that read a warpgroup's half of the head dim (dQ's K, and with
         # ``split_head_dim`` dK's Q and dV's dO) need each half to start on a swizzle atom
-        atom_cols = d if d <= 64 else d // 2
+        atom_cols, atom_cols_v = (x if x <= 64 else x // 2 for x in (d, d_v))
         sQ_layout = mma_operand_smem_layout("b", LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), self.dtype, cfg.q_stages,
                                             atom_cols)
         sK_layout = mma_operand_smem_layout("a", LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d), self.dtype, 1, atom_cols)
+        # dO and V: the same layouts over V's head dim
+        sdO_layout = mma_operand_smem_layout("b", LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d_v), self.dtype,
+                                             cfg.q_stages, atom_cols_v)
+        sV_layout = mma_operand_smem_layout("a", LayoutEnum.ROW_MAJOR, (tile_n, tile_m, d_v), self.dtype, 1,
+                                            atom_cols_v)
         # dS^T double-buffered with the Q/dO stages: a warpgroup may write the next tile's while
         # the other still reads this one's. ``split_head_dim`` (one Q/dO stage): buffers 0 and 1
         # hold dS^T by tile parity (the other warpgroup's dQ product may still read the last
@@ -179,12 +169,12 @@ class HopperAttentionBackward(DeviceWorkTileList):
         sRow_layout = cute.make_layout((self.row_box, 2), stride=(1, -(-self.row_box // 32) * 32))  # 128-byte stages
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
-        tile_q = cute.select(sQ_layout, mode=[0, 1])
-        tile_k = cute.select(sK_layout, mode=[0, 1])
+        tile_q, tile_do = cute.select(sQ_layout, mode=[0, 1]), cute.select(sdO_layout, mode=[0, 1])
+        tile_k, tile_v = cute.select(sK_layout, mode=[0, 1]), cute.select(sV_layout, mode=[0, 1])
         tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(load_op, q, tile_q, (tile_m, d))
-        tma_do, tma_tensor_do = cpasync.make_tiled_tma_atom(load_op, do, tile_q, (tile_m, d))
+        tma_do, tma_tensor_do = cpasync.make_tiled_tma_atom(load_op, do, tile_do, (tile_m, d_v))
         tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load_op, k, tile_k, (tile_n, d))
-        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load_op, v, tile_k, (tile_n, d))
+        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load_op, v, tile_v, (tile_n, d_v))
         row_box = cute.make_layout(self.row_box)
         tma_lse, tma_tensor_lse = cpasync.make_tiled_tma_atom(load_op, lse2, row_box, (self.row_box,))
         tma_delta, tma_tensor_delta = cpasync.make_tiled_tma_atom(load_op, delta, row_box, (self.row_box,))
@@ -195,8 +185,9 @@ class HopperAttentionBackward(DeviceWorkTileList):
             dk, dv = bshd_to_sdhb(mdK, varlen), bshd_to_sdhb(mdV, varlen)
             tma_dk, tma_tensor_dk = cpasync.make_tiled_tma_atom(store_op, dk, kv_wg_layout, (64, d))
             tma_dv, tma_tensor_dv = cpasync.make_tiled_tma_atom(store_op, dv, kv_wg_layout, (64, d))
-        self.qdo_bytes = 2 * cute.size_in_bytes(self.dtype, tile_q) + 2 * self.row_box * 4
-        self.kv_bytes = 2 * cute.size_in_bytes(self.dtype, tile_k)
+        self.qdo_bytes = cute.size_in_bytes(self.dtype, tile_q) + cute.size_in_bytes(self.dtype, tile_do) + \
+            2 * self.row_box * 4
+        self.kv_bytes = cute.size_in_bytes(self.dtype, tile_k) + cute.size_in_bytes(self.dtype, tile_v)
 
         @cute.struct
         class SharedStorage:
@@ -205,9 +196,9 @@ class HopperAttentionBackward(DeviceWorkTileList):
             sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
@@ -231,12 +222,13 @@ class HopperAttentionBackward(DeviceWorkTileList):
             self.list_work_tiles(mCuSeqlensQ, mCuSeqlensK, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
                                  window_left, window_right, mTileTable, mTileCount).launch(
                 grid=[1, 1, 1], block=[COST_BINS, 1, 1], smem=cost_bins_bytes(), stream=stream)
-        self.kernel(mma_sdp, mma_dkv, mma_dq, tma_q, tma_tensor_q, tma_do, tma_tensor_do, tma_k, tma_tensor_k,
+        self.kernel(mma_sdp, mma_dkv, mma_dv, mma_dq, tma_q, tma_tensor_q, tma_do, tma_tensor_do, tma_k, tma_tensor_k,
                     tma_v, tma_tensor_v, tma_lse, tma_tensor_lse, tma_delta, tma_tensor_delta, mdQacc,
                     mdK, mdV, tma_dk, tma_tensor_dk, tma_dv, tma_tensor_dv, mCuSeqlensQ, mCuSeqlensK,
                     mSeqDescriptors, mSemaphores, mTileTable, mTileCount,
                     max_seqlen_q, max_seqlen_k, scale_log2, out_scale, score_scale, softcap_factor, window_left,
-                    window_right, sQ_layout, sK_layout, sdS_layout, sdQ_layout, sRow_layout).launch(
+                    window_right, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout,
+                    sRow_layout).launch(
             grid=grid, block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
 
@@ -266,7 +258,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
         cpasync.fence_tma_desc_release()
 
     @cute.kernel
-    def kernel(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
+    def kernel(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dv: cute.TiledMma, mma_dq: cute.TiledMma,
                tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
                tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
                tma_lse: cute.CopyAtom, mLSE2: cute.Tensor, tma_delta: cute.CopyAtom, mDelta: cute.Tensor,
@@ -277,8 +269,8 @@ class HopperAttentionBackward(DeviceWorkTileList):
                mTileTable: Optional[cute.Tensor], mTileCount: Optional[cute.Tensor], max_seqlen_q: Int32,
                max_seqlen_k: Int32, scale_log2: Float32, out_scale: Float32, score_scale: Float32,
                softcap_factor: Optional[Float32], window_left: Optional[Int32], window_right: Optional[Int32],
-               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
-               sdQ_layout, sRow_layout: cute.Layout):
+               sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout, sdQ_layout, sRow_layout: cute.Layout):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = self.work_tile(mTileTable, mTileCount, mK.shape[2])
@@ -300,9 +292,9 @@ class HopperAttentionBackward(DeviceWorkTileList):
             barrier_storage=storage.kv_mbar.data_ptr(), defer_sync=True).make_participants()
         pipeline.pipeline_init_arrive()
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sdQ = storage.sdQ.get_tensor(sdQ_layout)
         sLSE2 = storage.sLSE2.get_tensor(sRow_layout)
@@ -328,7 +320,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                                    n_block, head_kv, batch, group, m_start, m_end, seq)
             else:
                 cute.arch.setmaxregister_increase(240)
-                self.consumer(mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDelta, qdo_consumer,
+                self.consumer(mma_sdp, mma_dkv, mma_dv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDelta, qdo_consumer,
                               kv_consumer, mdK, mdV, tma_dk, mdK_tma, tma_dv, mdV_tma, mSeqDescriptors, scale_log2,
                               out_scale, score_scale, softcap_factor, window_left, window_right, n_block, head_kv,
                               batch, group, m_start, m_end, seq, tidx - _WG)
@@ -404,7 +396,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                  batch, group, m_start, m_end, seq: SequenceInfo):
         """Warp 0: K and V once, then per query tile its Q, dO, LSE and delta into the ring
         (``cfg.q_stages``)."""
-        d, tile_m = self.cfg.head_dim, self.tile_m
+        d, dv, tile_m = self.cfg.head_dim, self.cfg.head_dim_v, self.tile_m
         desc_q = desc_do = desc_k = desc_v = None  # None: the descriptor built into the TMA atom
         row_batch = batch
         if const_expr(self.cfg.varlen):
@@ -413,7 +405,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                                                for which in (seq_desc.Q, seq_desc.DO, seq_desc.K, seq_desc.V))
             row_batch = Int32(0)  # varlen tensors have one batch row, the packed tokens
         gK = cute.local_tile(mK[None, None, head_kv, row_batch], (self.tile_n, d), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, row_batch], (self.tile_n, d), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, row_batch], (self.tile_n, dv), (n_block, 0))
         tKsK, tKgK = tma_tiles(tma_k, sK, gK)
         tVsV, tVgV = tma_tiles(tma_v, sV, gV)
         handle = kv_producer.acquire_and_advance()
@@ -422,7 +414,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
             gQ = cute.local_tile(mQ[None, None, head, row_batch], (tile_m, d), (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head, row_batch], (tile_m, d), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, row_batch], (tile_m, dv), (None, 0))
             tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
             tdOsdO, tdOgdO = tma_tiles(tma_do, sdO, gdO)
             for i in cutlass.range(m_start, m_end, unroll=1):
@@ -434,7 +426,7 @@ class HopperAttentionBackward(DeviceWorkTileList):
                           tma_desc_ptr=desc_do)
                 # the row statistics through the whole tensor's descriptor, from the multiple of 4
                 # at or below the tile's first row (the consumers skip the rows before it)
-                first = (seq.offset_q + m_block * tile_m) // _ROW_ALIGN * _ROW_ALIGN
+                first = (seq.offset_q + m_block * tile_m) // ROW_ALIGN * ROW_ALIGN
                 for atom, rows, smem in ((tma_lse, mLSE2, sLSE2), (tma_delta, mDelta, sDelta)):
                     box = cute.local_tile(cute.domain_offset((first,), rows[None, head, row_batch]), (self.row_box,),
                                           (None,))
@@ -490,226 +482,6 @@ class HopperAttentionBackward(DeviceWorkTileList):
                 t += 1
 
     @cute.jit
-    def consumer(self, mma_sdp, mma_dkv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDelta,
-                 qdo_consumer: pipeline.PipelineConsumer, kv_consumer: pipeline.PipelineConsumer, mdK, mdV,
-                 tma_dk, mdK_tma, tma_dv, mdV_tma, mSeqDescriptors: Optional[cute.Tensor],
-                 scale_log2: Float32, out_scale: Float32, score_scale: Float32, softcap_factor, window_left,
-                 window_right, n_block, head_kv, batch, group, m_start, m_end, seq: SequenceInfo, tidx: Int32):
-        """Warpgroups 1 and 2: per query tile the five products and the element-wise work between
-        them; dK and dV stay in registers until the end."""
-        cfg = self.cfg
-        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
-        d, tile_m, tile_n = cfg.head_dim, self.tile_m, self.tile_n
-        wg = cute.arch.make_warp_uniform(tidx // _WG)
-        wg_sdp = mma_sdp.get_slice(wg * _WG)
-        wg_dkv = mma_dkv.get_slice(wg * _WG)
-        wg_dq = mma_dq.get_slice(0)
-        thr_sdp = mma_sdp.get_slice(tidx)
-        thr_dkv = mma_dkv.get_slice(tidx)
-        thr_dq = mma_dq.get_slice(tidx % _WG)
-        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))[None, None, None, 0]
-        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
-        tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))[None, None, None, 0]
-        tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
-        tVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sdO)))
-        tKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sQ)))
-        tKrdS = tVrP = None
-        if const_expr(cfg.split_head_dim):  # dK's and dV's A operands: dS^T and P^T of both warpgroups
-            tKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_A(sdS))
-            tVrP = tKrdS[None, None, None, _P_BUFFER]
-        if const_expr(cfg.dq_transposed):
-            # this warpgroup's half of the head dim of K^T (dQ^T's A operand: d x keys), all of dS^T
-            # (its B operand: rows x keys)
-            sK_half = cute.local_tile(_transposed(sK)[None, None, 0], (d // 2, tile_n), (wg, 0))
-            tQrK = wg_dq.make_fragment_A(wg_dq.partition_A(sK_half))
-            tQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(_transposed(sdS)))
-        elif const_expr(cfg.dq_split_rows):
-            # this warpgroup's query rows of dS (dQ's A operand: rows x keys), all of K
-            dS_rows = cute.local_tile(_transposed(sdS), (cfg.dq_rows_per_warpgroup, tile_n), (wg, 0, None))
-            tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(dS_rows))
-            tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(_transposed(sK)[None, None, 0]))
-        else:
-            tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(_transposed(sdS)))
-            # this warpgroup's half of the head dim of K (dQ's B operand: d x keys)
-            sK_half = cute.local_tile(_transposed(sK)[None, None, 0], (d // 2, tile_n), (wg, 0))
-            tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(sK_half))
-        s_shape = thr_sdp.partition_shape_C((tile_n, tile_m))
-        tScS = as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((tile_n, tile_m))))
-        acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tile_n, d)), Float32)
-        acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tile_n, d)), Float32)
-        acc_dk.fill(0.0)
-        acc_dv.fill(0.0)
-        # this thread's accumulator registers 4k..4k+3 as chunk k: one 16-byte store each
-        tdQsdQ = sdQ[None, tidx % _WG, None, wg]
-        # dS^T from the accumulator registers into shared memory, 8x8 blocks at a time
-        st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        thr_st = cute.make_tiled_copy_C(st_atom, mma_sdp).get_slice(tidx)
-        tdSsdS = thr_st.partition_D(sdS)
-        n0 = n_block * tile_n
-        num_cols = cute.size(tScS, mode=[1])
-        dp_scale = out_scale * score_scale if const_expr(cfg.ds_prescaled) else out_scale
-        inv_scale_log2 = Float32(1.0) / scale_log2 if const_expr(cfg.softcap) else None
-
-        kv_handle = kv_consumer.wait_and_advance()
-        tile_parity = Int32(0)
-        for g in cutlass.range(group, unroll=1):
-            for i in cutlass.range(m_start, m_end, unroll=1):
-                m_block = self.query_tile_at(i, m_start, m_end)
-                m0 = m_block * tile_m
-                handle = qdo_consumer.wait_and_advance()
-                stage = handle.index
-                ds_buf = stage
-                if const_expr(cfg.split_head_dim):
-                    ds_buf = tile_parity
-                    tile_parity ^= 1
-                acc_s = cute.make_rmem_tensor(s_shape, Float32)
-                acc_dp = cute.make_rmem_tensor(s_shape, Float32)
-                issue_gemm(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, stage], True)
-                issue_gemm(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, stage], True)
-                # tiles start at multiples of tile_m (of 4) rows into the sequence
-                skip = seq.offset_q % _ROW_ALIGN
-                # the columns' LSE, loaded while the products run where registers allow (loaded at
-                # its use, each exponential waited on it); D=64's 32 columns would spill
-                held_lse = None
-                if const_expr(num_cols <= _HELD_COLUMNS):
-                    held_lse = self.column_rows(sLSE2, tScS, skip, stage)
-                    if const_expr(not cfg.exps_before_dp_wait):
-                        # rows past a ragged tile's sequence: an LSE of +inf makes their P 0, with
-                        # no branch after the exponentials
-                        for j in cutlass.range_constexpr(num_cols):
-                            held_lse[j] = Float32(cutlass.select_(m0 + tScS[0, j][1] >= seqlen_q,
-                                                                  Float32(math.inf), held_lse[j]))
-                warpgroup.wait_group(1)  # S^T is ready; dP^T still runs
-                s = as_rows_cols(acc_s)
-                if const_expr(cfg.softcap):  # before the mask, as the forward's
-                    softcap_scores(s, softcap_factor)
-                # keys past the sequence (the last K/V tile's zero rows) are masked too: their P
-                # would be 2^-lse, which for a row of very negative scores overflows dS
-                if const_expr(cfg.mask_kind != MaskKind.NONE):
-                    last = cutlass.min(m0 + tile_m, seqlen_q) - 1
-                    lo_last, _ = self.key_bounds(last, seqlen_q, seqlen_k, window_left, window_right)
-                    _, hi_first = self.key_bounds(m0, seqlen_q, seqlen_k, window_left, window_right)
-                    if not (lo_last <= n0 and hi_first >= n0 + tile_n):  # bands end at seqlen_k at the latest
-                        self.apply_mask(s, tScS, m0, n0, seqlen_q, seqlen_k, window_left, window_right)
-                else:
-                    if n0 + tile_n > seqlen_k:
-                        self.apply_mask(s, tScS, m0, n0, seqlen_q, seqlen_k, window_left, window_right)
-                for j in cutlass.range_constexpr(num_cols):
-                    lse2 = self.column_lse(held_lse, sLSE2, tScS, skip, stage, j)
-                    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                        s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2, fastmath=True)
-                # P of the rows past a ragged tile's sequence (their LSE rows are another
-                # sequence's or padding) to 0; the branch also keeps ptxas from moving the wait
-                # for dP^T above the exponentials, as it does in straight-line code
-                if const_expr(cfg.exps_before_dp_wait or held_lse is None) and m0 + tile_m > seqlen_q:
-                    for j in cutlass.range_constexpr(num_cols):
-                        if m0 + tScS[0, j][1] >= seqlen_q:
-                            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                                s[r, j] = Float32(0.0)
-                p16 = cute.make_rmem_tensor(s_shape, self.dtype)
-                store_as_16bit_pairs(p16, acc_s)
-                if const_expr(cfg.split_head_dim):  # the other warpgroup's dV product reads it too
-                    cute.copy(st_atom, thr_st.retile(p16), tdSsdS[None, None, None, _P_BUFFER])
-                warpgroup.wait_group(0)
-                dp = as_rows_cols(acc_dp)
-                for j in cutlass.range_constexpr(num_cols):
-                    # 0 past the sequence: P is 0 there, and so is dP (dO's rows read as zeros),
-                    # but the padding may hold anything
-                    col = tScS[0, j][1]
-                    delta = Float32(cutlass.select_(m0 + col >= seqlen_q, Float32(0.0), sDelta[skip + col, stage]))
-                    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                        dp[r, j] = s[r, j] * (dp[r, j] * dp_scale - delta)
-                    if const_expr(cfg.softcap):  # through the cap: dS times its slope, from P
-                        lse2 = self.column_lse(held_lse, sLSE2, tScS, skip, stage, j)
-                        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                            dp[r, j] = dp[r, j] * softcap_slope(s[r, j], lse2, inv_scale_log2)
-                ds16 = cute.make_rmem_tensor(s_shape, self.dtype)
-                store_as_16bit_pairs(ds16, acc_dp)
-                # dS^T of both warpgroups (all the tile's keys) for the dQ product; the buffer
-                # alternates with the stage, so the other warpgroup may still read the last one
-                ds_first = cfg.ds_stored_before_dv or cfg.split_head_dim
-                if const_expr(ds_first):
-                    cute.copy(st_atom, thr_st.retile(ds16), tdSsdS[None, None, None, ds_buf])
-                if const_expr(not cfg.split_head_dim):
-                    issue_gemm(mma_dkv, acc_dv, as_operand_a(p16), tVrdO[None, None, None, stage], False)
-                if const_expr(not ds_first):
-                    cute.copy(st_atom, thr_st.retile(ds16), tdSsdS[None, None, None, stage])
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=NamedBarrierBwd.DS_READY, number_of_threads=2 * _WG)
-                if const_expr(cfg.split_head_dim):
-                    issue_gemm(mma_dkv, acc_dv, tVrP, tVrdO[None, None, None, stage], False)
-                    issue_gemm(mma_dkv, acc_dk, tKrdS[None, None, None, ds_buf], tKrQ[None, None, None, stage], False)
-                if const_expr(cfg.dq_transposed):
-                    acc_dq = cute.make_rmem_tensor(
-                        thr_dq.partition_shape_C((cfg.dq_cols_per_warpgroup, cfg.dq_rows_per_warpgroup)), Float32)
-                    issue_gemm(mma_dq, acc_dq, tQrK, tQrdS[None, None, None, ds_buf], True)
-                else:
-                    acc_dq = cute.make_rmem_tensor(
-                        thr_dq.partition_shape_C((cfg.dq_rows_per_warpgroup, cfg.dq_cols_per_warpgroup)), Float32)
-                    issue_gemm(mma_dq, acc_dq, tQrdS[None, None, None, ds_buf], tQrK, True)
-                if const_expr(cfg.split_head_dim):
-                    # dV and dK have read Q and dO: the next tile's load runs under dQ's product
-                    warpgroup.wait_group(1)
-                    release_by_one_lane(handle)
-                    warpgroup.wait_group(0)
-                else:
-                    issue_gemm(mma_dkv, acc_dk, as_operand_a(ds16), tKrQ[None, None, None, stage], False)
-                    warpgroup.wait_group(1)  # dV and dQ are done; dK still runs
-                # stage this warpgroup's half of dQ once the writer's last add has read it
-                cute.arch.barrier(barrier_id=NamedBarrierBwd.DQ_EMPTY + wg, number_of_threads=_WG + 32)
-                if const_expr(not cfg.ds_prescaled):
-                    acc_dq.store(acc_dq.load() * score_scale)
-                cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout(tdQsdQ.shape)), tdQsdQ)
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier_arrive(barrier_id=NamedBarrierBwd.DQ_FULL + wg, number_of_threads=_WG + 32)
-                if const_expr(not cfg.split_head_dim):
-                    warpgroup.wait_group(0)
-                    release_by_one_lane(handle)
-        release_by_one_lane(kv_handle)
-        dk_out = cute.make_rmem_tensor_like(acc_dk, self.dtype)
-        dv_out = cute.make_rmem_tensor_like(acc_dv, self.dtype)
-        if const_expr(cfg.ds_prescaled):
-            dk_out.store(acc_dk.load().to(self.dtype))
-        else:
-            dk_out.store((acc_dk.load() * score_scale).to(self.dtype))
-        dv_out.store((acc_dv.load() * out_scale).to(self.dtype))
-        if const_expr(cfg.dkv_store_tma):
-            # dV first, into this warpgroup's own rows of V (only its own dP^T products read them);
-            # dK's rows of K are read by both warpgroups' dQ products, so both finish first. Each
-            # buffer is staged once: dK is staged while dV's store still reads V's buffer
-            staged = NamedBarrierBwd.DKV_STAGED + wg
-            desc_dk = desc_dv = None
-            row_batch = batch
-            if const_expr(cfg.varlen):  # the sequence's own descriptors: the stores stop at its end
-                desc_dk = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.DK)
-                desc_dv = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.DV)
-                row_batch = Int32(0)
-            store_o_tma(dv_out, mma_dkv, 2, tidx, wg, staged, sV[None, None, 0], tma_dv, mdV_tma, n_block,
-                        head_kv, row_batch, None, desc_dv, fresh_buffer=cfg.dk_staged_under_dv_store)
-            cute.arch.barrier(barrier_id=NamedBarrierBwd.DS_READY, number_of_threads=2 * _WG)
-            store_o_tma(dk_out, mma_dkv, 2, tidx, wg, staged, sK[None, None, 0], tma_dk, mdK_tma, n_block,
-                        head_kv, row_batch, None, desc_dk, fresh_buffer=cfg.dk_staged_under_dv_store)
-            drain_o_stores()
-        else:
-            tdKcdK = thr_dkv.partition_C(cute.make_identity_tensor((tile_n, d)))
-            store_o_direct(dk_out, tdKcdK, mdK, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
-            store_o_direct(dv_out, tdKcdK, mdV, cfg.varlen, n_block, tile_n, head_kv, batch, seq.offset_k, seqlen_k)
-
-    def column_lse(self, held_lse: Optional[cute.Tensor], sLSE2: cute.Tensor, tScS: cute.Tensor, skip, stage, j: int):
-        """Query column ``j``'s LSE (log2 units): from registers where ``column_rows`` holds it, else
-        from shared memory."""
-        return held_lse[j] if const_expr(held_lse is not None) else sLSE2[skip + tScS[0, j][1], stage]
-
-    @cute.jit
-    def column_rows(self, sRows: cute.Tensor, tScS: cute.Tensor, skip, stage) -> cute.Tensor:
-        """This thread's query columns' entries of a row statistic of ``stage``, into registers."""
-        num_cols = cute.size(tScS, mode=[1])
-        vals = cute.make_rmem_tensor((num_cols,), Float32)
-        for j in cutlass.range_constexpr(num_cols):
-            vals[j] = sRows[skip + tScS[0, j][1], stage]
-        return vals
-
-    @cute.jit
     def wait_for_turn(self, mSemaphores: cute.Tensor, batch, head, m_block, n_block, has_predecessor):
         """The dQ warp: spin until K/V tile n_block - 1 (if it adds into this query tile) has
         completed its add. Returns the semaphore's address."""
@@ -730,14 +502,3 @@ class HopperAttentionBackward(DeviceWorkTileList):
         cute.arch.fence_proxy("async.global")
         with cute.arch.elect_one():
             cute.arch.store(sem, n_block + 1, sem="release", scope="gpu")
-
-    @cute.jit
-    def apply_mask(self, s: cute.Tensor, tScS: cute.Tensor, m0, n0, seqlen_q, seqlen_k, window_left, window_right):
-        """Scores of S^T (rows: keys, columns: queries) that the mask drops, to -inf; ``tScS``:
-        the (key, query) coordinates of ``s`` within the tile."""
-        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            lo, hi = self.key_bounds(m0 + tScS[0, j][1], seqlen_q, seqlen_k, window_left, window_right)
-            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                key = n0 + tScS[r, j][0]
-                if key < lo or key >= hi:
-                    s[r, j] = Float32(-math.inf)

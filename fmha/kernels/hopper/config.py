@@ -432,6 +432,12 @@ class HopperBackwardConfig:
     #: scores capped at softcap * tanh(s / softcap) (sinks need nothing of the kernel: P comes
     #: from the LSE, which holds them, and their gradient from delta, ``HopperBackwardRunner``)
     softcap: bool = False
+    #: V's head dim (and dO's, O's, dV's); None: Q's
+    head_dim_v: int = None
+
+    def __post_init__(self):
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
 
     @property
     def tile_n(self) -> int:
@@ -441,11 +447,12 @@ class HopperBackwardConfig:
 
     @property
     def split_head_dim(self) -> bool:
-        """D > 128 (FA4's shape at D=256): dK and dV of 64 keys per warpgroup would take D
-        registers per thread, so both warpgroups hold all 64 keys of the CTA, each over its half of
-        the head dim (D / 2 registers for both). S^T and dP^T are split by query columns instead,
-        and P^T and dS^T go through shared memory, where both warpgroups' products read them."""
-        return self.head_dim > 128
+        """D + D_v > 256 (FA4's shape at D=256): dK and dV of 64 keys per warpgroup would take
+        (D + D_v) / 2 registers per thread, so both warpgroups hold all 64 keys of the CTA, each
+        over its half of the head dims (half of that for both). S^T and dP^T are split by query
+        columns instead, and P^T and dS^T go through shared memory, where both warpgroups'
+        products read them."""
+        return self.head_dim + self.head_dim_v > 256
 
     @property
     def q_stages(self) -> int:
@@ -462,9 +469,9 @@ class HopperBackwardConfig:
         below that length, and with a causal mask, 64 measured ahead); 64 elsewhere (beside
         D=128's dK and dV, 128-row S and dP tiles would not fit in registers; D=32 is not
         measured)."""
-        if self.head_dim == 64:
+        if self.head_dim == self.head_dim_v == 64:
             return 128
-        return 80 if self.long_rows else 64
+        return 80 if self.long_rows and self.head_dim_v == 128 else 64
 
     @property
     def dq_split_rows(self) -> bool:
@@ -478,7 +485,7 @@ class HopperBackwardConfig:
         lines) rather than by every thread's pairs straight to global memory (varlen: through two
         more per-sequence descriptors, which stop at the sequence's end): at D=128, where each
         thread held 64 pairs; at D=64 it measured no clear gain (docs/performance.md)."""
-        return self.head_dim == 128
+        return self.head_dim == self.head_dim_v == 128
 
     #: dK is staged in K's buffer while dV's TMA store still reads V's (each buffer is staged
     #: once); a lab variant waits for dV's store first, as before
@@ -530,7 +537,8 @@ class HopperBackwardConfig:
         return HopperBackwardConfig(problem.dtype, problem.head_dim, m.kind, m.window_left is not None,
                                     m.window_right is not None, m.bottom_right if m.kind == MaskKind.WINDOW else False,
                                     problem.varlen, options.deterministic, listed,
-                                    listed and problem.seqlens_q is None, long_rows, problem.softcap > 0)
+                                    listed and problem.seqlens_q is None, long_rows, problem.softcap > 0,
+                                    problem.head_dim_v)
 
 
 def why_unsupported_backward(problem: AttentionProblem, options: KernelOptions) -> list:
@@ -538,9 +546,9 @@ def why_unsupported_backward(problem: AttentionProblem, options: KernelOptions) 
     reasons = []
     if problem.dtype not in (torch.float16, torch.bfloat16):
         reasons.append(f"the Hopper backward takes float16/bfloat16 inputs, not {problem.dtype}")
-    if not backward_head_dim_served(problem.head_dim) or problem.head_dim_v != problem.head_dim:
-        reasons.append(f"the Hopper backward takes head dims that are multiples of {BACKWARD_HEAD_DIM_STEP} up to "
-                       f"{MAX_HEAD_DIM} with V's equal to Q's, got {problem.head_dim} and {problem.head_dim_v}")
+    if not (backward_head_dim_served(problem.head_dim) and backward_head_dim_served(problem.head_dim_v)):
+        reasons.append(f"the Hopper backward takes head dims (of q/k and of v) that are multiples of "
+                       f"{BACKWARD_HEAD_DIM_STEP} up to {MAX_HEAD_DIM}, got {problem.head_dim} and {problem.head_dim_v}")
     if problem.out_dtype != problem.dtype:
         reasons.append(f"the Hopper backward needs out (and dout) in q's dtype {problem.dtype}, "
                        f"not {problem.out_dtype}")
