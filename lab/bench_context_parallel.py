@@ -156,31 +156,31 @@ def _measure(point: Point, rank: int, world: int, device, timer: _Timer, backend
     del one_out, one_grads
 
     # ---- the same local work with no exchange, the same exchanges with no work
-    ring = cp._Ring(None)
+    ring = cp.ring._Ring(None)
     scale = 1.0 / math.sqrt(point.head_dim)
     left, right = (None, 0) if point.causal else (None, None)
-    shards = cp._dense_shards(point.layout, rank, world, qs.shape[1], left, right, backend)
+    shards = cp.plan._dense_shards(point.layout, rank, world, qs.shape[1], left, right, backend)
     order = [(rank - s) % world for s in range(world)] if point.method == "ring" else list(range(world))
-    out, lse = cp._ContextParallelAttention.apply(qs, ks, vs, ring, shards, scale, point.method)
+    out, lse = cp.ring._ContextParallelAttention.apply(qs, ks, vs, ring, shards, scale, point.method)
     n = ks.numel() + vs.numel()
 
     def compute_fwd():
-        acc = cp._accumulator(qs, vs, shards)
-        rows = cp._RowCache(shards, q=qs)
+        acc = cp.ring._accumulator(qs, vs, shards)
+        rows = cp.ring._RowCache(shards, q=qs)
         for src in order:
-            cp._attend_shard(shards, src, rows, ks, vs, scale, acc)
+            cp.ring._attend_shard(shards, src, rows, ks, vs, scale, acc)
         o, _ = acc.result()
         return o.to(qs.dtype)
 
     def compute_bwd():
-        dq = cp._GradRows(torch.empty(qs.shape, dtype=torch.float32, device=device), shards)
-        rows = cp._RowCache(shards, dout=douts, q=qs, out=out, lse=lse)
+        dq = cp.ring._GradRows(torch.empty(qs.shape, dtype=torch.float32, device=device), shards)
+        rows = cp.ring._RowCache(shards, dout=douts, q=qs, out=out, lse=lse)
         dkv = torch.empty(world, n, dtype=torch.float32, device=device)
         for i, src in enumerate(order):
-            blocks = cp._grad_shard(shards, src, rows, ks, vs, scale, dq)
+            blocks = cp.ring._grad_shard(shards, src, rows, ks, vs, scale, dq)
             # the ring adds onto the incoming sum (after its first step); all-gather fills a row per shard
             ring_sum = point.method == "ring"
-            cp._add_kv_grads(shards, dkv[0] if ring_sum else dkv[src], (ks, vs), blocks, ring_sum and i > 0)
+            cp.ring._add_kv_grads(shards, dkv[0] if ring_sum else dkv[src], (ks, vs), blocks, ring_sum and i > 0)
         return dq.done().to(qs.dtype)
 
     def check():
@@ -188,7 +188,7 @@ def _measure(point: Point, rank: int, world: int, device, timer: _Timer, backend
 
     def comm_fwd():
         check()
-        kv = cp._pack(ks, vs)
+        kv = cp.ring._pack(ks, vs)
         if point.method == "all_gather":
             return ring.all_gather(kv)
         for _ in range(world - 1):
@@ -199,7 +199,7 @@ def _measure(point: Point, rank: int, world: int, device, timer: _Timer, backend
     sums = torch.zeros(world, n, dtype=torch.float32, device=device)
 
     def comm_bwd():
-        kv = cp._pack(ks, vs)
+        kv = cp.ring._pack(ks, vs)
         if point.method == "all_gather":
             ring.all_gather(kv)
             return ring.reduce_scatter(sums)
@@ -221,14 +221,14 @@ def _measure(point: Point, rank: int, world: int, device, timer: _Timer, backend
     res["compute_step"] = timer(lambda: (compute_fwd(), compute_bwd()))
     res["comm_fwd"] = timer(comm_fwd)
     res["comm_step"] = timer(lambda: (comm_fwd(), comm_bwd()))
-    kv = cp._pack(ks, vs)
+    kv = cp.ring._pack(ks, vs)
     res["kv_exchange"] = timer(lambda: ring.wait(ring.start(kv)[1]))
     dkv = torch.zeros(n, dtype=torch.float32, device=device)
     res["dkv_exchange"] = timer(lambda: ring.wait(ring.start(dkv)[1]))
     res["check"] = timer(check)
     acc_o = torch.zeros(out.shape, dtype=torch.float32, device=device)
     acc_l = torch.zeros(lse.shape, dtype=torch.float32, device=device)
-    res["merge"] = timer(lambda: cp._merge(acc_o, acc_l, out, lse))
+    res["merge"] = timer(lambda: cp.ring._merge(acc_o, acc_l, out, lse))
     res["rel_l2_vs_one"] = max(diffs)
     diff_t = torch.tensor([res["rel_l2_vs_one"]], dtype=torch.float64, device=device)
     dist.all_reduce(diff_t, op=dist.ReduceOp.MAX)

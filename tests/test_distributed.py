@@ -157,7 +157,7 @@ def test_block_windows_keep_exactly_what_the_full_mask_keeps(q_start, k_start, q
         want &= j >= i - left
     if right is not None:
         want &= j <= i + right
-    block = cp._block_window(q_start, k_start, q_len, k_len, left, right)
+    block = cp.plan._block_window(q_start, k_start, q_len, k_len, left, right)
     got = torch.zeros_like(want)
     if block is not None:
         first_row, first_key, (ll, rr) = block
@@ -297,7 +297,7 @@ def test_each_ring_step_keeps_what_the_full_mask_keeps_exactly_once(world):
             q_pos = _positions(cp.segments(layout, rank, world, s), s)
             k_pos = _positions(cp.segments(layout, src, world, s), s)
             got = torch.zeros(total, total, dtype=torch.int64)
-            calls = cp._dense_calls(layout, rank, src, world, s, left, right)
+            calls = cp.plan._dense_calls(layout, rank, src, world, s, left, right)
             for call in calls:
                 rows, keys = torch.arange(*call.rows), torch.arange(*call.keys)
                 ll, rr = call.kw["window_size"]
@@ -328,7 +328,7 @@ def test_each_varlen_ring_step_keeps_what_the_document_mask_keeps_exactly_once(w
         if causal:
             want &= (j <= i).long()
         for rank in range(world):
-            shards = cp._varlen_shards(layout, rank, world, offsets, cu, causal)
+            shards = cp.plan._varlen_shards(layout, rank, world, offsets, cu, causal)
             q_pos = _positions(cp.varlen_segments(layout, rank, world, offsets), total // world)
             for src in range(world):
                 k_pos = _positions(cp.varlen_segments(layout, src, world, offsets), total // world)
