@@ -256,7 +256,8 @@ def test_runner_arguments_and_early_exits(monkeypatch):
     assert args[3] is out and args[4] is lse and args[9] == "flag"
     assert args[7].tolist() == [[2, 1], [2, 0], [1, 0]]  # (batch, 256-row block), costliest first
     assert tuple(args[8].shape) == (3, 3, 16)
-    assert args[10] == 300 and args[-1] == 148 and args[13] is None and args[14] == 0
+    assert args[10] is None and args[14] is None  # no sinks, no softcap
+    assert args[11] == 300 and args[-1] == 148 and args[15] is None and args[16] == 0
 
     dense_q = torch.zeros(1, 0, 4, 64, dtype=torch.bfloat16)
     dense_k = torch.zeros(1, 7, 4, 64, dtype=torch.bfloat16)

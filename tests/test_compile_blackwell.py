@@ -10,6 +10,7 @@ out; one sm_103a build. ``FMHA_BLACKWELL_FULL_MATRIX=1`` compiles the full produ
 import functools
 import itertools
 import os
+import re
 import tempfile
 
 import pytest
@@ -87,3 +88,32 @@ def test_compiles_for_sm_103a(tmp_path):
     cfg = dataclasses.replace(blackwell_config(torch.bfloat16, 128, "causal"), arch="sm_103a")
     compile_forward(cfg, extra_options=f"--keep-cubin --dump-dir={tmp_path}")
     assert [p.name for p in tmp_path.glob("*.cubin")] and all(".sm_103a." in p.name for p in tmp_path.glob("*.cubin"))
+
+
+#: the variants: (dtype, head dim, mask, softcap, sinks, varlen)
+_VARIANTS = [(torch.bfloat16, 128, "causal", True, False, False),
+             (torch.bfloat16, 64, "window", False, True, False),
+             (torch.float16, 128, "none", True, True, True),
+             (FP8, 64, "causal_bottom_right", True, True, False)]
+
+
+@pytest.mark.parametrize("dtype,head_dim,mask,softcap,sinks,varlen", _VARIANTS, ids=_ids)
+def test_compiles_the_variants(dtype, head_dim, mask, softcap, sinks, varlen):
+    """Softcap (one ``tanh.approx`` per score, before the mask, in the softmax warpgroups) and
+    sinks (the correction warpgroup's finalize, ``row_lse_and_inverse``) compile for sm_100a: the
+    softcapped kernels have the MUFU.TANH a plain one has not, and neither spills."""
+    import dataclasses
+
+    from lab.machine_code import find_nvdisasm, sass_of
+
+    if find_nvdisasm() is None:
+        pytest.skip("needs nvdisasm (pip install nvidia-cuda-nvdisasm)")
+    problem = dataclasses.replace(problem_for(dtype, head_dim, mask, varlen, heads_q=4, heads_k=2),
+                                  softcap=30.0 if softcap else 0.0, has_sinks=sinks)
+    cfg = BlackwellForwardConfig.from_problem(problem, KernelOptions())
+    assert (cfg.softcap, cfg.has_sinks) == (softcap, sinks)
+    sass = sass_of(compiled_cubin(cfg))
+    assert ("MUFU.TANH" in sass) == softcap
+    assert not re.search(r"\b(LDL|STL)\b", sass)
+    plain = sass_of(compiled_cubin(dataclasses.replace(cfg, softcap=False, has_sinks=False)))
+    assert "MUFU.TANH" not in plain

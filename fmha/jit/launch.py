@@ -39,6 +39,11 @@ def fill_empty_lse(lse: torch.Tensor, sinks=None) -> None:
         lse.copy_(sinks.to(lse.dtype).view(-1, 1).expand(lse.shape[-2:]))
 
 
+def sinks_fp32(sinks: torch.Tensor) -> torch.Tensor:
+    """The kernels read the sink logits as fp32."""
+    return sinks if sinks.dtype == torch.float32 else sinks.float()
+
+
 @contextlib.contextmanager
 def persistent_grid_of(num_ctas: int, device_index: int):
     """Persistent launches on ``device_index`` use ``num_ctas`` CTAs inside the block (the GPU

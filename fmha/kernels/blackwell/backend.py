@@ -11,7 +11,7 @@ import torch
 from fmha import device_errors
 from fmha.jit import disk_cache
 from fmha.jit.compile import compile_for, cutlass_dtype, fake_rows, fake_vector
-from fmha.jit.launch import answered_without_launch, sm_count
+from fmha.jit.launch import answered_without_launch, sinks_fp32, sm_count
 from fmha.problem import AttentionProblem, KernelOptions
 from fmha.work_tiles import work_tile_table
 
@@ -37,7 +37,8 @@ def _fake_arguments(cfg: BlackwellForwardConfig) -> tuple:
         descriptors = cute.runtime.make_fake_tensor(cutlass.Int64, (cute.sym_int(), 3, 16), stride=(48, 16, 1),
                                                     assumed_align=128)
         errors = fake_vector(cutlass.Int32, 1)  # set by the descriptor kernel for bad offsets
-    return q, k, v, o, lse, cu_q, cu_k, tiles, descriptors, errors
+    sinks = fake_vector(cutlass.Float32) if cfg.has_sinks else None
+    return q, k, v, o, lse, cu_q, cu_k, tiles, descriptors, errors, sinks
 
 
 def compile_forward(cfg: BlackwellForwardConfig, extra_options: str = ""):
@@ -52,6 +53,7 @@ def compile_forward(cfg: BlackwellForwardConfig, extra_options: str = ""):
         Int32(1),  # max_seqlen_q
         Float32(1.0),  # scale_log2
         Float32(1.0),  # output_scale
+        Float32(1.0) if cfg.softcap else None,  # softcap_factor
         Int32(0) if cfg.window_left_bounded else None,
         Int32(0) if cfg.window_right_bounded else None,
         Int32(1),  # num_ctas
@@ -74,7 +76,7 @@ class BlackwellRunner:
                  sinks=None):
         cfg = self.cfg
         m = problem.mask
-        if answered_without_launch(problem, out, lse):
+        if answered_without_launch(problem, out, lse, sinks):
             return
         tiles = descriptors = None
         if cfg.varlen:
@@ -91,9 +93,11 @@ class BlackwellRunner:
             tiles,
             descriptors,
             device_errors.flag(q.device) if cfg.varlen else None,
+            sinks_fp32(sinks) if cfg.has_sinks else None,
             problem.seqlen_q,
-            problem.score_scale_log2,
+            problem.softmax_scale_log2,
             problem.output_scale,
+            problem.softcap_factor if cfg.softcap else None,
             m.window_left if cfg.window_left_bounded else None,
             m.window_right if cfg.window_right_bounded else None,
             sm_count(q.device) if cfg.persistent else 1,

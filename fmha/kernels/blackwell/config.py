@@ -72,6 +72,11 @@ class BlackwellForwardConfig:
     has_lse: bool
     persistent: bool
     arch: str = "sm_100a"
+    # ---- variants (``common/mask.py``, ``common/softmax.py``)
+    #: scores capped at softcap * tanh(s / softcap)
+    softcap: bool = False
+    #: a sink logit per query head joins each row's softmax denominator
+    has_sinks: bool = False
 
     def __post_init__(self):
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -97,6 +102,8 @@ class BlackwellForwardConfig:
             # persistent unless asked otherwise: the TMEM allocation and barrier set-up are paid once per SM
             persistent=options.persistent is not False,
             arch=arch_for(problem.device),
+            softcap=problem.softcap > 0,
+            has_sinks=problem.has_sinks,
         )
 
     # ---- derived: one line of reason each
@@ -171,8 +178,4 @@ def why_unsupported(problem: AttentionProblem, options: KernelOptions) -> list:
                            f"got {options.tile_m}x{options.tile_n}")
     if options.claim_tiles:
         reasons.append("the Blackwell kernel walks tiles statically; it does not claim them (claim_tiles=True)")
-    if problem.softcap:
-        reasons.append("the Blackwell kernel has no softcap yet")
-    if problem.has_sinks:
-        reasons.append("the Blackwell kernel has no attention sinks yet")
     return reasons

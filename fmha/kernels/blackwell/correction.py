@@ -10,6 +10,8 @@ store, or (varlen, where a TMA box would run into the next sequence) straight to
 predicated on the sequence's length.
 """
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
@@ -29,10 +31,10 @@ class CorrectionRole:
     """Mixed into ``BlackwellAttentionForward``."""
 
     @cute.jit
-    def correction(self, scheduler, tScS, tOcO, tOsO, tmem_base, mQ_tma, mK_tma, mO, mLSE, mCuSeqlensQ,
+    def correction(self, scheduler, tScS, tOcO, tOsO, tmem_base, mQ_tma, mK_tma, mO, mLSE, mSinks, mCuSeqlensQ,
                    mCuSeqlensK, scale_log2: Float32, output_scale: Float32, window_left, window_right, pipes):
         """``tScS``/``tOcO``: coordinates of S/O as the MMAs partition them; ``tOsO``: the two O
-        staging tiles, likewise (None for varlen)."""
+        staging tiles, likewise (None for varlen); ``mSinks``: the (H_q,) fp32 sink logits, or None."""
         cfg = self.cfg
         tidx = cute.arch.thread_idx()[0] % WARPGROUP
         tOtO = self.tmem.o_tiles(tmem_base)
@@ -66,12 +68,15 @@ class CorrectionRole:
                                                                     views)
                     stats1_consumer, o_consumer = self.correct_step(1, stats1_consumer, o_consumer, scale_log2,
                                                                     views)
+                sink_log2 = None
+                if const_expr(cfg.has_sinks):  # the tile's query head's, in log2 units
+                    sink_log2 = mSinks[tile.head] * Float32(math.log2(math.e))
                 stats0_consumer, o_consumer, staged_producer = self.finish_q_tile(
-                    0, stats0_consumer, o_consumer, staged_producer, scale_log2, output_scale, mO, mLSE, tile,
-                    seq, views)
+                    0, stats0_consumer, o_consumer, staged_producer, scale_log2, output_scale, sink_log2, mO, mLSE,
+                    tile, seq, views)
                 stats1_consumer, o_consumer, staged_producer = self.finish_q_tile(
-                    1, stats1_consumer, o_consumer, staged_producer, scale_log2, output_scale, mO, mLSE, tile,
-                    seq, views)
+                    1, stats1_consumer, o_consumer, staged_producer, scale_log2, output_scale, sink_log2, mO, mLSE,
+                    tile, seq, views)
             tile_idx, _ = scheduler.consumer_next(tile_idx, None)
 
     @cute.jit
@@ -93,7 +98,7 @@ class CorrectionRole:
     @cute.jit
     def finish_q_tile(self, t: cutlass.Constexpr, stats_consumer: pipeline.PipelineConsumer,
                       o_consumer: pipeline.PipelineConsumer, staged_producer: pipeline.PipelineProducer,
-                      scale_log2: Float32, output_scale: Float32, mO, mLSE, tile, seq, views):
+                      scale_log2: Float32, output_scale: Float32, sink_log2, mO, mLSE, tile, seq, views):
         """Q tile ``t`` after its last step: LSE, then O normalized into the staging buffer (or to
         global memory)."""
         cfg = self.cfg
@@ -101,7 +106,7 @@ class CorrectionRole:
         handle = stats_consumer.wait_and_advance()
         stats = self.read_stats(load_stats, stats_src[t], tLcStats)
         handle.release()
-        lse, inv = row_lse_and_inverse(stats[1], stats[0], scale_log2, output_scale)
+        lse, inv = row_lse_and_inverse(stats[1], stats[0], scale_log2, output_scale, sink_log2)
         row = tile.m_block * cfg.cta_rows + t * cfg.tile_m + my_row
         self.store_lse(mLSE, lse, row, tile, seq)
         o_handle = o_consumer.wait_and_advance()  # the last P V is in O_t

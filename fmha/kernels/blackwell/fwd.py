@@ -86,9 +86,11 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
         mTileTable: Optional[cute.Tensor],
         mSeqDescriptors: Optional[cute.Tensor],
         mErrors: Optional[cute.Tensor],
+        mSinks: Optional[cute.Tensor],
         max_seqlen_q: Int32,
         scale_log2: Float32,
         output_scale: Float32,
+        softcap_factor: Optional[Float32],
         window_left: Optional[Int32],
         window_right: Optional[Int32],
         num_ctas: Int32,
@@ -177,8 +179,8 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_o, tma_tensor_o,
-            mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mTileTable, mSeqDescriptors, num_m_blocks, num_batches,
-            scale_log2, output_scale, window_left, window_right,
+            mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mTileTable, mSeqDescriptors, mSinks, num_m_blocks, num_batches,
+            scale_log2, output_scale, softcap_factor, window_left, window_right,
             sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout,
         ).launch(
             grid=[grid_x, 1, 1],
@@ -209,10 +211,12 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
         mCuSeqlensK: Optional[cute.Tensor],
         mTileTable: Optional[cute.Tensor],
         mSeqDescriptors: Optional[cute.Tensor],
+        mSinks: Optional[cute.Tensor],
         num_m_blocks: Int32,
         num_batches: Int32,
         scale_log2: Float32,
         output_scale: Float32,
+        softcap_factor: Optional[Float32],
         window_left: Optional[Int32],
         window_right: Optional[Int32],
         sQ_layout: cute.ComposedLayout,
@@ -278,17 +282,19 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
             which = warp_idx // 4  # 0: softmax 0, 1: softmax 1 (uniform per warpgroup)
             if which == 0:
                 self.softmax(0, scheduler, tScS, tmem_base, mQ_tma, mK_tma, mCuSeqlensQ, mCuSeqlensK,
-                             scale_log2, window_left, window_right, pipes.s0.consumer, pipes.stats0.producer,
+                             scale_log2, softcap_factor, window_left, window_right, pipes.s0.consumer,
+                             pipes.stats0.producer,
                              pipes.turn)
             else:
                 self.softmax(1, scheduler, tScS, tmem_base, mQ_tma, mK_tma, mCuSeqlensQ, mCuSeqlensK,
-                             scale_log2, window_left, window_right, pipes.s1.consumer, pipes.stats1.producer,
+                             scale_log2, softcap_factor, window_left, window_right, pipes.s1.consumer,
+                             pipes.stats1.producer,
                              pipes.turn)
             cute.arch.mbarrier_arrive(tmem_dealloc_mbar)
         if warp_idx >= WarpRoles.CORRECTION[0] and warp_idx < WarpRoles.MMA:
             cute.arch.setmaxregister_decrease(REGISTERS_CORRECTION)
             tmem_base = self.wait_for_tmem(storage)
-            self.correction(scheduler, tScS, tOcO, tOsO, tmem_base, mQ_tma, mK_tma, mO, mLSE, mCuSeqlensQ,
+            self.correction(scheduler, tScS, tOcO, tOsO, tmem_base, mQ_tma, mK_tma, mO, mLSE, mSinks, mCuSeqlensQ,
                             mCuSeqlensK, scale_log2, output_scale, window_left, window_right, pipes)
             cute.arch.mbarrier_arrive(tmem_dealloc_mbar)
 

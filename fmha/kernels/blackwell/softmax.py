@@ -1,7 +1,7 @@
 """The softmax warpgroups of the Blackwell forward (``fwd.py``): one per Q tile, a row per thread.
 
 Per K/V step a thread loads its row of S (128 fp32 scores) from TMEM, masks it where the walk
-says (bounds from ``fmha.kernels.common.mask.FragmentMask``, the rows' bands of
+says (``fmha.kernels.common.mask.FragmentMask.apply_row_scores``, the rows' bands of
 ``fmha.masking``), takes the new running max, hands (old max, new max) to the correction
 warpgroup through TMEM, and writes P = exp2(S * scale_log2 - max * scale_log2) in the input dtype
 over S's columns for the P.V MMA. The running sum stays in a register; after the last step
@@ -35,7 +35,7 @@ class SoftmaxRole:
 
     @cute.jit
     def softmax(self, which: cutlass.Constexpr, scheduler, tScS, tmem_base, mQ_tma, mK_tma, mCuSeqlensQ,
-                mCuSeqlensK, scale_log2: Float32, window_left, window_right,
+                mCuSeqlensK, scale_log2: Float32, softcap_factor, window_left, window_right,
                 s_consumer: pipeline.PipelineConsumer, stats_producer: pipeline.PipelineProducer, turn):
         """Softmax warpgroup ``which`` (0 or 1) over every tile of the CTA's walk."""
         cfg = self.cfg
@@ -77,7 +77,7 @@ class SoftmaxRole:
             if tile.m_block * cfg.cta_rows < seq.seqlen_q:
                 walk = self.kv_walk(tile.m_block, seq, window_left, window_right)
                 mask = FragmentMask(cfg.mask_kind, seq.seqlen_q, seq.seqlen_k, window_left, window_right,
-                                    cfg.bottom_right)
+                                    cfg.bottom_right, softcap_factor=softcap_factor)
                 row_base = tile.m_block * cfg.cta_rows + which * cfg.tile_m
                 row_max = Float32(-math.inf)
                 row_sum = Float32(0.0)
@@ -113,13 +113,7 @@ class SoftmaxRole:
         s_handle = s_consumer.wait_and_advance()
         s = cute.make_rmem_tensor(tLcS.shape, Float32)
         cute.copy(load_s, tLtS, s)
-        if masked:
-            lo, hi = mask.key_bounds(row_base + tLcS[0][0])
-            # relative to this tile's first column: one compare against a constant per bound
-            lo_rel, hi_rel = lo - col_base, hi - col_base
-            for i in cutlass.range_constexpr(cute.size(s)):
-                col = tLcS[i][1]
-                s[i] = s[i] if (col >= lo_rel) & (col < hi_rel) else Float32(-math.inf)
+        mask.apply_row_scores(s, tLcS, row_base + tLcS[0][0], col_base, masked)
 
         old_max = row_max
         row_max = s.load().reduce(cute.ReductionOp.MAX, row_max, 0)

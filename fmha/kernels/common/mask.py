@@ -1,6 +1,9 @@
 """The score-and-mask object of a score fragment: softcap (every tile) and the element-wise mask
 from the same row bands the host uses (``fmha.masking.row_key_bounds``; only tiles the tile
-schedule marks as masked pay for it).
+schedule marks as masked pay for it). One object serves every kernel's fragment: the Hopper
+forward's warpgroup-MMA accumulator (``apply_scores``), the Hopper backward's transposed S^T
+(``softcap``, ``apply_transposed``) and the Blackwell softmax's row per thread
+(``apply_row_scores``).
 
 Softcap keeps the kernels' score units: a kernel holds ``tanh(q.k * softcap_factor)`` in place of
 the raw q.k and its softmax scale becomes ``softcap * log2(e)`` (``AttentionProblem.
@@ -111,6 +114,39 @@ class FragmentMask:
             softcap_scores(as_rows_cols(acc_s), self.softcap_factor)
         if cutlass.const_expr(masked):
             self.apply(acc_s, coords, row_base, col_base)
+
+    @cute.jit
+    def softcap(self, s: cute.Tensor):
+        """Softcap of a (rows, cols) view of scores, where the object has one."""
+        if cutlass.const_expr(self.softcap_factor is not None):
+            softcap_scores(s, self.softcap_factor)
+
+    @cute.jit
+    def apply_row_scores(self, s: cute.Tensor, cols: cute.Tensor, row, col_base, masked):
+        """``apply_scores`` for a thread that holds scores of one row (Blackwell's softmax):
+        ``cols[i][1]`` is score i's column within the tile; ``masked`` may be dynamic."""
+        if cutlass.const_expr(self.softcap_factor is not None):
+            for i in cutlass.range_constexpr(cute.size(s)):
+                s[i] = tanh_approx(s[i] * self.softcap_factor)
+        if masked:
+            lo, hi = self.key_bounds(row)
+            # relative to this tile's first column: one compare against a constant per bound
+            lo_rel, hi_rel = lo - col_base, hi - col_base
+            for i in cutlass.range_constexpr(cute.size(s)):
+                col = cols[i][1]
+                s[i] = s[i] if (col >= lo_rel) & (col < hi_rel) else Float32(-math.inf)
+
+    @cute.jit
+    def apply_transposed(self, s: cute.Tensor, coords: cute.Tensor, row_base, col_base):
+        """Set masked scores of a transposed (rows: keys, columns: queries) view ``s`` to -inf
+        (the Hopper backward's S^T); ``coords`` its (key, query) coordinates within the tile,
+        ``row_base``/``col_base`` the tile's first query and key."""
+        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            lo, hi = self.key_bounds(row_base + coords[0, j][1])
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                key = col_base + coords[r, j][0]
+                if key < lo or key >= hi:
+                    s[r, j] = Float32(-math.inf)
 
     def key_bounds(self, row):
         g = self.rows_per_query

@@ -11,7 +11,7 @@ import torch
 from fmha import device_errors
 from fmha.jit import disk_cache
 from fmha.jit.compile import compile_for, cutlass_dtype, fake_rows, fake_vector
-from fmha.jit.launch import answered_without_launch, fill_empty_lse, sm_count
+from fmha.jit.launch import answered_without_launch, fill_empty_lse, sinks_fp32, sm_count
 from fmha.masking import MaskKind, MaskSpec
 from fmha.reference import lse_delta, sink_gradient
 from fmha.problem import AttentionProblem, KernelOptions
@@ -137,11 +137,6 @@ class HopperRunner:
             sm_count(q.device) if cfg.persistent else 1,
             None, None,  # num_splits, page_size (``HopperDecodeRunner``)
         )
-
-
-def sinks_fp32(sinks: torch.Tensor) -> torch.Tensor:
-    """The kernels read the sink logits as fp32."""
-    return sinks if sinks.dtype == torch.float32 else sinks.float()
 
 
 def compile_split_combine(cfg, extra_options: str = ""):

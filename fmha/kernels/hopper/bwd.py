@@ -62,7 +62,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from fmha.masking import MaskKind, first_row_past, row_key_bounds
+from fmha.masking import MaskKind, first_row_past
 
 from ..common import sequence_descriptors as seq_desc
 from ..common.layouts import bshd_to_sdhb, mma_operand_smem_layout, rows_first
@@ -350,11 +350,6 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
         when it visits none)."""
         m_start, m_end = self.query_tiles(n_block, seq.seqlen_q, seq.seqlen_k, window_left, window_right)
         return m_end - m_start + 1
-
-    def key_bounds(self, row, seqlen_q, seqlen_k, window_left, window_right):
-        cfg = self.cfg
-        return row_key_bounds(row, seqlen_q, seqlen_k, cfg.mask_kind, window_left, window_right, cfg.bottom_right,
-                              imin=cutlass.min, imax=cutlass.max)
 
     def first_row_past(self, key, seqlen_q, seqlen_k, window_left, window_right, use_lo: bool):
         """The first row whose band end (``use_lo``: start) is past ``key`` (closed form, no search)."""

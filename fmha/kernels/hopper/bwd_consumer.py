@@ -14,7 +14,7 @@ from fmha.masking import MaskKind
 
 from ..common import sequence_descriptors as seq_desc
 from ..common.fragments import as_operand_a, as_rows_cols, store_as_16bit_pairs
-from ..common.mask import softcap_scores, softcap_slope
+from ..common.mask import FragmentMask, softcap_slope
 from ..common.pipelines import release_by_one_lane
 from ..common.seqinfo import SequenceInfo
 from .barriers import NamedBarrierBwd
@@ -38,7 +38,7 @@ def _transposed(t: cute.Tensor) -> cute.Tensor:
 
 
 class BackwardConsumer:
-    """Mixed into the kernel class, whose ``cfg``, ``dtype``, tiles and ``key_bounds`` it reads."""
+    """Mixed into the kernel class, whose ``cfg``, ``dtype`` and tiles it reads."""
 
     @cute.jit
     def consumer(self, mma_sdp, mma_dkv, mma_dv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDelta,
@@ -103,6 +103,9 @@ class BackwardConsumer:
         dp_scale = out_scale * score_scale if const_expr(cfg.ds_prescaled) else out_scale
         inv_scale_log2 = Float32(1.0) / scale_log2 if const_expr(cfg.softcap) else None
 
+        # the score-and-mask object (``common/mask.py``), applied to S^T
+        mask = FragmentMask(cfg.mask_kind, seqlen_q, seqlen_k, window_left, window_right, cfg.bottom_right,
+                            softcap_factor=softcap_factor)
         kv_handle = kv_consumer.wait_and_advance()
         tile_parity = Int32(0)
         for g in cutlass.range(group, unroll=1):
@@ -134,19 +137,18 @@ class BackwardConsumer:
                                                                   Float32(math.inf), held_lse[j]))
                 warpgroup.wait_group(1)  # S^T is ready; dP^T still runs
                 s = as_rows_cols(acc_s)
-                if const_expr(cfg.softcap):  # before the mask, as the forward's
-                    softcap_scores(s, softcap_factor)
+                mask.softcap(s)  # before the mask, as the forward's
                 # keys past the sequence (the last K/V tile's zero rows) are masked too: their P
                 # would be 2^-lse, which for a row of very negative scores overflows dS
                 if const_expr(cfg.mask_kind != MaskKind.NONE):
                     last = cutlass.min(m0 + tile_m, seqlen_q) - 1
-                    lo_last, _ = self.key_bounds(last, seqlen_q, seqlen_k, window_left, window_right)
-                    _, hi_first = self.key_bounds(m0, seqlen_q, seqlen_k, window_left, window_right)
+                    lo_last, _ = mask.key_bounds(last)
+                    _, hi_first = mask.key_bounds(m0)
                     if not (lo_last <= n0 and hi_first >= n0 + tile_n):  # bands end at seqlen_k at the latest
-                        self.apply_mask(s, tScS, m0, n0, seqlen_q, seqlen_k, window_left, window_right)
+                        mask.apply_transposed(s, tScS, m0, n0)
                 else:
                     if n0 + tile_n > seqlen_k:
-                        self.apply_mask(s, tScS, m0, n0, seqlen_q, seqlen_k, window_left, window_right)
+                        mask.apply_transposed(s, tScS, m0, n0)
                 for j in cutlass.range_constexpr(num_cols):
                     lse2 = self.column_lse(held_lse, sLSE2, tScS, skip, stage, j)
                     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
@@ -262,14 +264,3 @@ class BackwardConsumer:
         for j in cutlass.range_constexpr(num_cols):
             vals[j] = sRows[skip + tScS[0, j][1], stage]
         return vals
-
-    @cute.jit
-    def apply_mask(self, s: cute.Tensor, tScS: cute.Tensor, m0, n0, seqlen_q, seqlen_k, window_left, window_right):
-        """Scores of S^T (rows: keys, columns: queries) that the mask drops, to -inf; ``tScS``:
-        the (key, query) coordinates of ``s`` within the tile."""
-        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            lo, hi = self.key_bounds(m0 + tScS[0, j][1], seqlen_q, seqlen_k, window_left, window_right)
-            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                key = n0 + tScS[r, j][0]
-                if key < lo or key >= hi:
-                    s[r, j] = Float32(-math.inf)
