@@ -4,99 +4,17 @@ form modelled on cuDNN's graph API (construct from samples, check_support, compi
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Optional
 
 import torch
 
-from .backends import (
-    UnsupportedError,
-    check_backend_name,
-    get_backward_runner,
-    get_runner,
-    recall_dispatch,
-    remember_dispatch,
-    select_backend,
-    select_backward_backend,
-    unsupported_reasons,
-)
-from . import device_errors
-from .problem import AttentionProblem, accumulate_dtype
-from .validation import (ALIGN_BYTES, kernel_options, lse_shape, offsets_read_record, out_shape, validate,
-                         validate_backward)
+from . import dispatch, ops
+from .backends import FORWARD, UnsupportedError, check_backend_name, runner_for, select, unsupported_reasons
+from .problem import AttentionProblem
+from .validation import kernel_options, validate
 
 __all__ = ["attention", "attention_varlen", "attention_backward", "FusedAttention"]
-
-
-def _allocate(q: torch.Tensor, problem: AttentionProblem, out, lse):
-    if out is None:
-        out = torch.empty(out_shape(q, problem.head_dim_v), dtype=problem.out_dtype,
-                          device=q.device)
-    if lse is None and problem.return_lse:
-        lse = torch.empty(lse_shape(q, problem.varlen), dtype=accumulate_dtype(q.dtype), device=q.device)
-    return out, lse
-
-
-_PLAIN = (int, float, bool, str, type(None), torch.dtype)
-
-
-def _memo_key(tensors, args):
-    """Key of a call for ``recall_dispatch`` (its tensors' metadata and its plain arguments), or
-    None when an argument is not a plain value (a tensor scale, a list window...): those take the
-    full path, which also reports them."""
-    for a in args:
-        if type(a) not in _PLAIN and not (type(a) is tuple and all(type(e) in _PLAIN for e in a)):
-            return None
-    meta = tuple(None if t is None else (t.dtype, t.device, t.shape, t.stride()) for t in tensors)
-    # types too: True and 1 are equal keys, but validation may accept only one of them
-    return meta + args + tuple(map(type, args))
-
-
-def _recall(tensors, args, cu_seqlens=()):
-    """(key to remember the call under, (problem, runner) remembered for it or None).
-
-    Varlen calls key their offsets tensors' metadata too. A problem validated without reading
-    the offsets (``max_seqlen_*`` given on a GPU) holds for any offsets of that metadata. One
-    that read them holds only while they are the very read it was validated on: its entry keeps
-    the read's records (``offsets_read_record``), and an in-place change, a new tensor (even one
-    at a reused address) or another call's re-read replaces them. A call with an argument in a
-    tensor's place that is not one gets no key (validation reports it)."""
-    tensors = tuple(tensors) + tuple(cu_seqlens)
-    if not all(t is None or isinstance(t, torch.Tensor) for t in tensors):
-        return None, None
-    key = _memo_key(tensors, args)
-    if key is None:
-        return None, None
-    hit = recall_dispatch(key)
-    if hit is not None or not cu_seqlens:
-        return key, hit
-    guard = _offsets_read_guard(cu_seqlens)
-    return key, (None if guard is None else recall_dispatch(key + ("offsets read",), guard))
-
-
-def _remember(key, problem, runner, cu_seqlens=()):
-    """Remember a validated call under its ``_recall`` key; a varlen one that read its offsets
-    with the records of that read."""
-    if key is None:
-        return
-    if cu_seqlens and (problem.seqlens_q is not None or problem.seqlens_k is not None):
-        guard = _offsets_read_guard(cu_seqlens)
-        if guard is not None:  # inference tensors are read every call
-            remember_dispatch(key + ("offsets read",), problem, runner, guard)
-        return
-    remember_dispatch(key, problem, runner)
-
-
-def _offsets_read_guard(cu_seqlens) -> Optional[tuple]:
-    """The records of the current host reads of each offsets tensor (``offsets_read_record``), or
-    None when one of them has none."""
-    guard = tuple(offsets_read_record(cu) for cu in cu_seqlens)
-    return None if any(record is None for record in guard) else guard
-
-
-def _pointers_aligned(tensors) -> bool:
-    return all(t is None or t.data_ptr() % ALIGN_BYTES == 0 for t in tensors)
 
 
 def _needs_autograd(q, k, v, sinks=None) -> bool:
@@ -112,8 +30,6 @@ def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqle
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     if _needs_autograd(q, k, v, mask_and_scales.get("sinks")):
-        from . import ops
-
         if out is not None or lse is not None:
             raise ValueError("out= and lse= are not differentiable; leave them out when an input requires "
                              "grad (or call under torch.no_grad())")
@@ -122,50 +38,9 @@ def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqle
                                      persistent=persistent, tile_mn=tile_mn, deterministic=deterministic,
                                      **mask_and_scales)
         return (o, l) if return_lse else o
-    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=varlen, max_seqlen_q=max_seqlen_q,
+    return dispatch.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=varlen, max_seqlen_q=max_seqlen_q,
                     max_seqlen_k=max_seqlen_k, return_lse=return_lse, out=out, lse=lse, out_dtype=out_dtype,
                     backend=backend, persistent=persistent, tile_mn=tile_mn, **mask_and_scales)
-
-
-def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqlen_k,
-             return_lse, out, lse, out_dtype, backend, persistent, tile_mn, **mask_and_scales):
-    """Validate, dispatch and run one forward call (no autograd)."""
-    cu_seqlens = (cu_seqlens_q, cu_seqlens_k) if varlen else ()
-    sinks = mask_and_scales.get("sinks")
-    plain = tuple(v for n, v in mask_and_scales.items() if n != "sinks")
-    key, hit = _recall((q, k, v, out, lse, sinks), (return_lse, out_dtype, backend, persistent, tile_mn, varlen,
-                                                    max_seqlen_q, max_seqlen_k) + plain, cu_seqlens)
-    if hit is not None and _pointers_aligned((q, k, v, out)):
-        problem, runner = hit
-        out, lse = _allocate(q, problem, out, lse)
-        with _offsets_checked_on_device(problem):
-            runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks)
-        return (out, lse) if return_lse else out
-    check_backend_name(backend)
-    problem = validate(
-        q, k, v, varlen=varlen, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse,
-        out=out, lse=lse, out_dtype=out_dtype, **mask_and_scales,
-    )
-    options = kernel_options(persistent, tile_mn)
-    out, lse = _allocate(q, problem, out, lse)
-    chosen = select_backend(backend, problem, options)
-    runner = get_runner(chosen, problem, options)
-    _remember(key, problem, runner, cu_seqlens)
-    with _offsets_checked_on_device(problem):
-        runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks)
-    return (out, lse) if return_lse else out
-
-
-@contextlib.contextmanager
-def _offsets_checked_on_device(problem):
-    """Around a varlen launch whose offsets the host did not read (``fmha.device_errors``)."""
-    unread = problem.varlen and problem.seqlens_q is None and problem.device.type == "cuda"
-    if unread:
-        device_errors.raise_pending(problem.device)
-    yield
-    if unread:
-        device_errors.watch(problem.device)
 
 
 def attention(
@@ -235,39 +110,11 @@ def attention_backward(
     With ``sinks``, returns ``(dq, dk, dv, dsinks)`` (written into ``dsinks`` when given).
     For frameworks that drive the backward themselves (ring attention); ``attention(...)`` with
     inputs that require grad records autograd on its own."""
-    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    tensors = (dout, q, k, v, out, lse, dlse, dq, dk, dv, sinks, dsinks)
-    cu_seqlens = (cu_seqlens_q, cu_seqlens_k) if varlen else ()
-    # a training loop repeats its calls: validation and dispatch are reused as the forward's are
-    key, hit = _recall(tensors, ("backward", causal, window_size, mask_align, compressed_causal, softmax_scale,
-                                 softcap, scale_q, scale_k, scale_v, inv_scale_o, deterministic, backend, varlen,
-                                 max_seqlen_q, max_seqlen_k), cu_seqlens)
-    if hit is not None and _pointers_aligned((dout, q, k, v, out, dq, dk, dv)):
-        problem, runner = hit
-    else:
-        check_backend_name(backend)
-        problem = validate_backward(
-            dout, q, k, v, out, lse, dlse=dlse, dq=dq, dk=dk, dv=dv, dsinks=dsinks, varlen=varlen,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, causal=causal, window_size=window_size, mask_align=mask_align,
-            compressed_causal=compressed_causal, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks,
-            scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o,
-        )
-        if not isinstance(deterministic, bool):
-            raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-        options = dataclasses.replace(kernel_options(), deterministic=deterministic)
-        chosen = select_backward_backend(backend, problem, options)
-        runner = get_backward_runner(chosen, problem, options)
-        _remember(key, problem, runner, cu_seqlens)
-    dq = torch.empty_like(q) if dq is None else dq
-    dk = torch.empty_like(k) if dk is None else dk
-    dv = torch.empty_like(v) if dv is None else dv
-    if sinks is not None and dsinks is None:
-        dsinks = torch.empty_like(sinks)
-    with _offsets_checked_on_device(problem):
-        runner(problem, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, deterministic,
-               sinks, dsinks)
-    return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)
+    return dispatch.backward(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=dlse, causal=causal,
+        window_size=window_size, mask_align=mask_align, compressed_causal=compressed_causal,
+        softmax_scale=softmax_scale, softcap=softcap, sinks=sinks, scale_q=scale_q, scale_k=scale_k, scale_v=scale_v,
+        inv_scale_o=inv_scale_o, deterministic=deterministic, dq=dq, dk=dk, dv=dv, dsinks=dsinks, backend=backend)
 
 
 class FusedAttention:
@@ -335,8 +182,8 @@ class FusedAttention:
 
     def compile(self) -> "FusedAttention":
         """Choose the backend (falling back to the reference under 'auto') and prepare it."""
-        self._backend = select_backend(self._backend_arg, self.problem, self.options)
-        self._runner = get_runner(self._backend, self.problem, self.options)
+        self._backend = select(FORWARD, self._backend_arg, self.problem, self.options)
+        self._runner = runner_for(FORWARD, self._backend, self.problem, self.options)
         return self
 
     def execute(self, q, k, v, o, lse=None, cu_seqlens_q=None, cu_seqlens_k=None, *, sinks=None,
@@ -349,7 +196,7 @@ class FusedAttention:
         if not check:
             if self._runner is None:
                 self.compile()
-            with _offsets_checked_on_device(self._problem_unread):
+            with dispatch.offsets_checked_on_device(self._problem_unread):
                 self._runner(self._problem_unread, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, sinks)
             return
         problem = self._validate(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
@@ -369,5 +216,5 @@ class FusedAttention:
             )
         if self._runner is None:
             self.compile()
-        with _offsets_checked_on_device(problem):
+        with dispatch.offsets_checked_on_device(problem):
             self._runner(problem, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, sinks)

@@ -22,6 +22,12 @@ A kernel backend is any object with
   dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, deterministic, sinks=None, dsinks=None)`` writing
   ``dq``, ``dk``, ``dv`` (and ``dsinks`` when ``problem.has_sinks``).
   A backend without them has no backward; the reference then computes it.
+- optionally, for ``attention_with_kvcache``: ``why_unsupported_decode(problem, options)``,
+  ``decode_cache_key(problem, options)`` and ``prepare_decode(problem, options) -> runner`` for a
+  ``fmha.kvcache.DecodeProblem``.
+
+One selection serves the three (``Kind``: ``FORWARD``, ``BACKWARD``, ``DECODE``): ``select``
+picks the backend, ``runner_for`` its prepared runner.
 
 Kernel backends are imported lazily (the CuTe DSL costs about a second to import) and only
 when the tensors are on a GPU, or when the caller asks for the reasons. An architecture joins
@@ -34,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,10 +54,12 @@ __all__ = [
     "kernel_backends",
     "unsupported_reasons",
     "check_backend_name",
-    "select_backend",
-    "select_backward_backend",
-    "get_runner",
-    "get_backward_runner",
+    "Kind",
+    "FORWARD",
+    "BACKWARD",
+    "DECODE",
+    "select",
+    "runner_for",
     "clear_cache",
 ]
 
@@ -178,9 +186,27 @@ def _architecture_reason(backend, device: torch.device) -> Optional[str]:
             f"this kernel runs on {wanted}")
 
 
-def unsupported_reasons(problem: AttentionProblem, options: KernelOptions,
-                        every_reason: bool = True) -> Tuple[Optional[object], List[str]]:
-    """The first kernel backend that supports the call, or None and the reasons none does.
+class Kind(NamedTuple):
+    """What a kernel backend is asked for: its support check, cache key and prepare methods by
+    name, and whether its runners prove themselves on unverified GPUs (``fmha.self_check``)."""
+
+    name: str
+    why_unsupported: str
+    cache_key: str
+    prepare: str
+    self_checked: bool
+
+
+FORWARD = Kind("forward", "why_unsupported", "cache_key", "prepare", True)
+BACKWARD = Kind("backward", "why_unsupported_backward", "backward_cache_key", "prepare_backward", True)
+#: ``attention_with_kvcache`` (``fmha.kvcache.DecodeProblem``); the reference runs in kvcache.py
+DECODE = Kind("decode", "why_unsupported_decode", "decode_cache_key", "prepare_decode", False)
+
+
+def unsupported_reasons(problem, options: KernelOptions, every_reason: bool = True,
+                        kind: Kind = FORWARD) -> Tuple[Optional[object], List[str]]:
+    """The first kernel backend that serves ``kind`` of the call, or None and the reasons none
+    does.
 
     With ``every_reason`` False, a platform that no kernel can run on is reason enough: the
     kernel modules (and the DSL) are then not imported at all."""
@@ -190,11 +216,16 @@ def unsupported_reasons(problem: AttentionProblem, options: KernelOptions,
     backends, load_reasons = kernel_backends()
     reasons = platform + list(load_reasons)
     for backend in backends:
+        if not hasattr(backend, kind.prepare):
+            reasons.append(f"{backend.name}: no {kind.name} kernel yet")
+            continue
         arch = _architecture_reason(backend, problem.device)
-        why = ([arch] if arch else []) + backend.why_unsupported(problem, options)
+        why = ([arch] if arch else []) + getattr(backend, kind.why_unsupported)(problem, options)
         if not why and not platform:
             return backend, []
         reasons += [f"{backend.name}: {r}" for r in why]
+    if not reasons:
+        reasons = [f"no kernel serves this {kind.name} call on this machine"]
     return None, reasons
 
 
@@ -215,41 +246,16 @@ def check_backend_name(backend) -> None:
         raise ValueError(f"backend must be one of {choices}, got {backend!r}")
 
 
-def select_backend(backend: str, problem: AttentionProblem, options: KernelOptions):
-    """The backend object for ``backend=`` ('auto', 'kernel' or 'reference')."""
+def select(kind: Kind, backend: str, problem, options: KernelOptions):
+    """The backend object that runs ``kind`` of the call for ``backend=`` ('auto', 'kernel' or
+    'reference'): the first kernel backend that serves it, else (unless 'kernel', which raises
+    with every reason) the reference, with the reasons logged once."""
     check_backend_name(backend)
     if backend == "reference":
         return REFERENCE
-    chosen, reasons = unsupported_reasons(problem, options, every_reason=backend == "kernel")
+    chosen, reasons = unsupported_reasons(problem, options, every_reason=backend == "kernel", kind=kind)
     if chosen is not None:
         return chosen
-    if backend == "kernel":
-        raise UnsupportedError(reasons)
-    _log_fallback(reasons)
-    return REFERENCE
-
-
-def select_backward_backend(backend: str, problem: AttentionProblem, options: KernelOptions):
-    """The backend object that computes the gradients of ``problem``: the first kernel backend
-    with a backward that supports it, else (unless ``backend="kernel"``) the reference."""
-    check_backend_name(backend)
-    if backend == "reference":
-        return REFERENCE
-    platform = _platform_reasons(problem.device)
-    if platform and backend != "kernel":  # no kernel can run: do not import them (as the forward)
-        _log_fallback(platform)
-        return REFERENCE
-    backends, load_reasons = kernel_backends()
-    reasons = platform + list(load_reasons)
-    for kernel in backends:
-        if not hasattr(kernel, "prepare_backward"):
-            reasons.append(f"{kernel.name}: no backward kernel yet")
-            continue
-        arch = _architecture_reason(kernel, problem.device)
-        why = ([arch] if arch else []) + kernel.why_unsupported_backward(problem, options)
-        if not why and not platform:
-            return kernel
-        reasons += [f"{kernel.name}: {r}" for r in why]
     if backend == "kernel":
         raise UnsupportedError(reasons)
     _log_fallback(reasons)
@@ -259,23 +265,15 @@ def select_backward_backend(backend: str, problem: AttentionProblem, options: Ke
 _runners: Dict[Hashable, Runner] = {}
 
 
-def get_runner(backend_obj, problem: AttentionProblem, options: KernelOptions) -> Runner:
-    """The prepared runner for this problem, compiling only on the first use of its key."""
-    key = (backend_obj.name, backend_obj.cache_key(problem, options))
+def runner_for(kind: Kind, backend_obj, problem, options: KernelOptions) -> Runner:
+    """The prepared runner of ``kind`` for this problem, compiling only on the first use of its
+    key (``backend_obj.<kind.cache_key>``)."""
+    key = (kind.name, backend_obj.name, getattr(backend_obj, kind.cache_key)(problem, options))
     runner = _runners.get(key)
     if runner is None:
-        runner = _self_checked(backend_obj.prepare(problem, options), "forward", backend_obj, key[1], problem)
-        _runners[key] = runner
-    return runner
-
-
-def get_backward_runner(backend_obj, problem: AttentionProblem, options: KernelOptions) -> Runner:
-    """The prepared backward runner for this problem (compiled on the first use of its key)."""
-    key = ("backward", backend_obj.name, backend_obj.backward_cache_key(problem, options))
-    runner = _runners.get(key)
-    if runner is None:
-        runner = _self_checked(backend_obj.prepare_backward(problem, options), "backward", backend_obj, key[2],
-                               problem)
+        runner = getattr(backend_obj, kind.prepare)(problem, options)
+        if kind.self_checked:
+            runner = _self_checked(runner, kind.name, backend_obj, key[2], problem)
         _runners[key] = runner
     return runner
 
@@ -295,7 +293,7 @@ def _self_checked(runner: Runner, kind: str, backend_obj, cfg, problem: Attentio
 # dtypes and arguments every step. What validation, backend selection and the runner lookup decide depends
 # on nothing else (data pointers aside, which the caller checks per call), so the API keys a
 # call that passed on exactly that and reuses the outcome; validation is most of the host cost
-# of a small call. Varlen calls key their offsets too (``fmha.api._recall``).
+# of a small call. Varlen calls key their offsets too (``fmha.dispatch._recall``).
 _dispatch_memo: Dict[Hashable, tuple] = {}
 _DISPATCH_MEMO_LIMIT = 1024
 

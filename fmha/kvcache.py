@@ -163,31 +163,12 @@ def _append_on_device(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table
 def _decode_runner(backend: str, problem: DecodeProblem):
     """The kernel runner for ``problem``, or None where the reference runs it."""
     from . import backends
+    from .problem import KernelOptions
 
-    if backend == "reference":
+    chosen = backends.select(backends.DECODE, backend, problem, KernelOptions())
+    if chosen is backends.REFERENCE:
         return None
-    reasons = backends._platform_reasons(problem.device)
-    if not reasons:
-        kernels, load_reasons = backends.kernel_backends()
-        reasons = list(load_reasons)
-        for kernel in kernels:
-            if not hasattr(kernel, "prepare_decode"):
-                continue
-            arch = backends._architecture_reason(kernel, problem.device)
-            why = ([arch] if arch else []) + kernel.why_unsupported_decode(problem)
-            if not why:
-                key = ("decode", kernel.name, kernel.decode_cache_key(problem))
-                runner = backends._runners.get(key)
-                if runner is None:
-                    runner = backends._runners[key] = kernel.prepare_decode(problem)
-                return runner
-            reasons += [f"{kernel.name}: {r}" for r in why]
-        if not kernels and not reasons:
-            reasons = ["no kernel serves a KV cache on this machine"]
-    if backend == "kernel":
-        raise backends.UnsupportedError(reasons)
-    backends._log_fallback(reasons)
-    return None
+    return backends.runner_for(backends.DECODE, chosen, problem, KernelOptions())
 
 
 def _key_positions(b: int, length: int, block_table, page_size: Optional[int], num_pages: int,
@@ -278,7 +259,7 @@ def attention_with_kvcache(
     choose (``fmha.split_kv.choose_num_splits``). On the kernel path ``cache_seqlens`` and the
     block table are checked on the GPU: a bad value raises at a later call or at
     ``fmha.check_device_errors()``."""
-    from .api import _memo_key, _pointers_aligned
+    from .dispatch import memo_key, pointers_aligned
     from .backends import check_backend_name, recall_dispatch, remember_dispatch
     from .reference import attention_reference, cast_output
 
@@ -286,10 +267,10 @@ def attention_with_kvcache(
     key = None
     if all(t is None or isinstance(t, torch.Tensor) for t in tensors):
         # a decode loop repeats its call: what validation and dispatch decided is reused
-        key = _memo_key(tensors, ("kvcache", causal, window_size, softmax_scale, softcap, scale_q, scale_k, scale_v,
+        key = memo_key(tensors, ("kvcache", causal, window_size, softmax_scale, softcap, scale_q, scale_k, scale_v,
                                   inv_scale_o, return_lse, out_dtype, backend, num_splits))
     hit = recall_dispatch(key) if key is not None else None
-    if hit is not None and _pointers_aligned(tensors):
+    if hit is not None and pointers_aligned(tensors):
         problem, runner = hit
     else:
         check_backend_name(backend)

@@ -7,7 +7,7 @@ the LSE is saved rather than recomputed, ``torch.compile(fullgraph=True)`` trace
 calls fmha (the ops stay opaque nodes of the graph), and CUDA-graph capture sees plain launches.
 Eager calls with autograd run the same forward and backward through a plain
 ``torch.autograd.Function`` (``_EagerAttention``), without the ops' dispatch cost; calls that
-need no autograd go straight to ``api._forward``.
+need no autograd go straight to ``dispatch.forward``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from . import dispatch
 from .masking import MaskSpec
 from .problem import default_out_dtype, accumulate_dtype
 from .validation import _scale, check_softcap, kernel_options, lse_shape, out_shape
@@ -34,9 +35,7 @@ def _forward_kwargs(causal, window_left, window_right, mask_align, compressed_ca
 def _forward_impl(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal,
                   window_left, window_right, mask_align, compressed_causal, softmax_scale, softcap, scale_q, scale_k,
                   scale_v, inv_scale_o, out_dtype, backend, persistent, tile_mn, deterministic):
-    from .api import _forward
-
-    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=varlen, max_seqlen_q=max_seqlen_q,
+    return dispatch.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=varlen, max_seqlen_q=max_seqlen_q,
                     max_seqlen_k=max_seqlen_k, return_lse=True, out=None, lse=None, out_dtype=out_dtype,
                     backend=backend, persistent=persistent, tile_mn=None if tile_mn is None else tuple(tile_mn),
                     sinks=sinks,
@@ -69,9 +68,7 @@ def _backward_impl(dout, q, k, v, out, lse, dlse, sinks, cu_seqlens_q, cu_seqlen
                    causal, window_left, window_right, mask_align, compressed_causal, softmax_scale, softcap, scale_q,
                    scale_k, scale_v, inv_scale_o, deterministic, backend):
     """(dq, dk, dv, dsinks); dsinks is an empty tensor without sinks (an op returns tensors only)."""
-    from .api import attention_backward
-
-    grads = attention_backward(
+    grads = dispatch.backward(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=dlse,
         deterministic=deterministic, backend=backend, sinks=sinks,
         **_forward_kwargs(causal, window_left, window_right, mask_align, compressed_causal, softmax_scale,

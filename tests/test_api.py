@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fmha
-from fmha import backends
+from fmha import backends, dispatch
 from fmha.masking import MaskSpec
 from fmha.reference import attention_reference, cast_output
 
@@ -218,13 +218,13 @@ def _counting_validate(monkeypatch):
     import fmha.api as api
 
     calls = []
-    real = api.validate
+    real = dispatch.validate
 
     def counted(*a, **kw):
         calls.append(1)
         return real(*a, **kw)
 
-    monkeypatch.setattr(api, "validate", counted)
+    monkeypatch.setattr(dispatch, "validate", counted)
     backends.clear_cache()
     return calls
 

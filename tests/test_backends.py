@@ -225,10 +225,10 @@ def test_every_reason_includes_the_backends_on_a_wrong_platform(monkeypatch):
 def _counting_validate(monkeypatch, unread=False):
     """Count fmha.api's validations; ``unread``: describe each call as one whose offsets stayed
     on the GPU (what ``max_seqlen_*`` given on a CUDA device does), here on the CPU."""
-    from fmha import api
+    from fmha import dispatch
 
     counts = {"forward": 0, "backward": 0}
-    real, real_backward = api.validate, api.validate_backward
+    real, real_backward = dispatch.validate, dispatch.validate_backward
 
     def validate(*args, **kwargs):
         counts["forward"] += 1
@@ -239,8 +239,8 @@ def _counting_validate(monkeypatch, unread=False):
         counts["backward"] += 1
         return real_backward(*args, **kwargs)
 
-    monkeypatch.setattr(api, "validate", validate)
-    monkeypatch.setattr(api, "validate_backward", validate_backward)
+    monkeypatch.setattr(dispatch, "validate", validate)
+    monkeypatch.setattr(dispatch, "validate_backward", validate_backward)
     return counts
 
 

@@ -178,15 +178,16 @@ def test_a_gradient_on_the_lse_reaches_q_and_k():
 def test_deterministic_reaches_the_backend_choice(monkeypatch):
     """``deterministic=True`` is part of what the backward's backend is chosen by (the Hopper
     kernel builds an ordered-dQ kernel for it), from the functional backward and from autograd."""
-    from fmha import api, backends
+    from fmha import backends, dispatch
 
     seen = []
 
-    def spy(backend, problem, options):
-        seen.append(options.deterministic)
+    def spy(kind, backend, problem, options):
+        if kind is backends.BACKWARD:
+            seen.append(options.deterministic)
         return backends.REFERENCE
 
-    monkeypatch.setattr(api, "select_backward_backend", spy)
+    monkeypatch.setattr(dispatch, "select", spy)
     backends.clear_cache()  # calls remembered by earlier tests would not reach the spy
     q, k, v, _ = _inputs(False, {}, dtype=torch.bfloat16, d=64)
     o, lse = fmha.attention(q, k, v, return_lse=True)
@@ -306,14 +307,14 @@ def test_training_under_torch_compile_fullgraph_matches_sdpa(backend):
 def test_repeated_backward_calls_skip_validation_and_dispatch(monkeypatch):
     """A training loop's backward calls repeat their metadata: the second is not validated again,
     and gives the same gradients; a call with other metadata is."""
-    from fmha import api, backends
+    from fmha import backends, dispatch
 
     backends.clear_cache()
     q, k, v, _ = _inputs(False, {"causal": True}, dtype=torch.bfloat16, d=64)
     o, lse = fmha.attention(q, k, v, causal=True, return_lse=True)
     calls = []
-    real = api.validate_backward
-    monkeypatch.setattr(api, "validate_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = dispatch.validate_backward
+    monkeypatch.setattr(dispatch, "validate_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     first = fmha.attention_backward(o, q, k, v, o, lse, causal=True)
     second = fmha.attention_backward(o, q, k, v, o, lse, causal=True)
     assert len(calls) == 1 and all(torch.equal(a, b) for a, b in zip(first, second))

@@ -479,7 +479,7 @@ class HopperBackend:
 
     def cache_key(self, problem: AttentionProblem, options: KernelOptions):
         if served_as_decode(problem, options):
-            return ("decode",) + self.decode_cache_key(problem)
+            return ("decode",) + self.decode_cache_key(problem, options)
         return HopperForwardConfig.from_problem(problem, options)
 
     def prepare(self, problem: AttentionProblem, options: KernelOptions) -> Callable:
@@ -488,15 +488,15 @@ class HopperBackend:
         cfg = HopperForwardConfig.from_problem(problem, options)
         return HopperRunner(cfg, disk_cache.load_or_compile(cfg, compile_forward))
 
-    def why_unsupported_decode(self, problem) -> list:
+    def why_unsupported_decode(self, problem, options: KernelOptions) -> list:
         return why_unsupported_decode(problem)
 
-    def decode_cache_key(self, problem):
+    def decode_cache_key(self, problem, options: KernelOptions):
         """What the decode runner depends on beyond each call's sizes (its kernels compile lazily,
         and it plans each problem itself)."""
         return (problem.dtype, problem.head_dim)
 
-    def prepare_decode(self, problem) -> HopperDecodeRunner:
+    def prepare_decode(self, problem, options: KernelOptions) -> HopperDecodeRunner:
         return HopperDecodeRunner(problem)
 
     def why_unsupported_backward(self, problem: AttentionProblem, options: KernelOptions) -> list:
