@@ -67,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--q_shape", type=_shape, required=True, metavar="B,S,H,D")
     p.add_argument("--k_shape", type=_shape, default=None, metavar="B,S,H,D",
                    help="default: q_shape")
+    p.add_argument("--v_head_dim", type=int, default=None, metavar="D_V",
+                   help="V's (and O's) head dim, e.g. 128 beside a D of 192 (default: k_shape's D)")
     p.add_argument("--is_causal", action="store_true")
     p.add_argument("--is_persistent", action="store_true",
                    help="ask for the persistent kernel (default: the backend's choice)")
@@ -146,7 +148,8 @@ def _make_inputs(args, device):
         )
     q = _random(q_shape, dtype, gen, device)
     k = _random(kv_shape, dtype, gen, device)
-    v = _random(kv_shape, dtype, gen, device)
+    v_shape = kv_shape if args.v_head_dim is None else kv_shape[:-1] + (args.v_head_dim,)
+    v = _random(v_shape, dtype, gen, device)
     return q, k, v, cu_q, cu_k, lens
 
 

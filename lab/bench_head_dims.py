@@ -44,7 +44,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
     ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--dims", default="", help="only these D/D_v pairs, e.g. 192/128,128/128")
     args = ap.parse_args()
+    wanted = set(filter(None, args.dims.split(",")))
     try:
         from flash_attn.cute import flash_attn_func as fa4
     except ImportError as e:
@@ -52,6 +54,8 @@ def main():
         print("no FA4:", e)
     rows = []
     for b, s, hq, hk, d, dv, causal in POINTS:
+        if wanted and f"{d}/{dv}" not in wanted:
+            continue
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(b, s, hq, d, generator=g, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, s, hk, d, generator=g, device="cuda", dtype=torch.bfloat16)

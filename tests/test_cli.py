@@ -37,11 +37,14 @@ def test_varlen_fp8_window_lse():
 
 
 def test_variants_run_and_verify():
-    """Head dims no kernel serves, softcap and sinks: the reference runs them, checked in fp64."""
+    """Softcap, sinks, fp64 inputs, and V's head dim apart from Q's (``--v_head_dim``): checked in
+    fp64 (on the CPU the reference runs them)."""
     r = fmha_cli("--q_shape", "2,37,4,48", "--k_shape", "2,41,2,48", "--is_causal", "--softcap", "5", "--sinks",
                  "--lse", "--in_dtype", "bfloat16")
     assert r.returncode == 0 and "softcap=5 sinks" in r.stdout and r.stdout.strip().endswith("verified"), r.stdout
     r = fmha_cli("--q_shape", "1,20,2,16", "--in_dtype", "float64", "--window_size", "4,-2")
+    assert r.returncode == 0 and r.stdout.strip().endswith("verified"), r.stdout + r.stderr
+    r = fmha_cli("--q_shape", "1,70,2,192", "--k_shape", "1,90,1,192", "--v_head_dim", "128", "--is_causal")
     assert r.returncode == 0 and r.stdout.strip().endswith("verified"), r.stdout + r.stderr
 
 
