@@ -253,11 +253,12 @@ def test_runner_arguments_and_early_exits(monkeypatch):
     out, lse = torch.empty_like(q), torch.empty(4, sum(lens_q))
     runner(problem, q, k, k, out, lse, cu(lens_q), cu(lens_k))
     (args,) = calls
-    assert args[3] is out and args[4] is lse and args[9] == "flag"
-    assert args[7].tolist() == [[2, 1], [2, 0], [1, 0]]  # (batch, 256-row block), costliest first
-    assert tuple(args[8].shape) == (3, 3, 16)
-    assert args[10] is None and args[14] is None  # no sinks, no softcap
-    assert args[11] == 300 and args[-1] == 148 and args[15] is None and args[16] == 0
+    args = bb.ForwardArgs(*args)
+    assert args.mO is out and args.mLSE is lse and args.mErrors == "flag"
+    assert args.mTileTable.tolist() == [[2, 1], [2, 0], [1, 0]]  # (batch, 256-row block), costliest first
+    assert tuple(args.mSeqDescriptors.shape) == (3, 3, 16)
+    assert args.mSinks is None and args.softcap_factor is None
+    assert args.max_seqlen_q == 300 and args.num_ctas == 148 and args.window_left is None and args.window_right == 0
 
     dense_q = torch.zeros(1, 0, 4, 64, dtype=torch.bfloat16)
     dense_k = torch.zeros(1, 7, 4, 64, dtype=torch.bfloat16)

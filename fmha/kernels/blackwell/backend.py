@@ -4,7 +4,7 @@ arguments). Compiling needs no GPU; running needs a Blackwell GPU (docs/blackwel
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -18,11 +18,36 @@ from fmha.work_tiles import work_tile_table
 from .config import ARCH_OF_CAPABILITY, SMEM_LIMIT, BlackwellForwardConfig, why_unsupported
 
 
-def _fake_arguments(cfg: BlackwellForwardConfig) -> tuple:
-    """The kernel's tensor arguments as fake tensors: symbolic sizes and strides, head dim
-    static and contiguous, rows 16-byte aligned, so that one compiled kernel serves every size."""
+class ForwardArgs(NamedTuple):
+    """The kernel's arguments by name, in ``BlackwellAttentionForward.__call__``'s order (the
+    stream aside). None: absent."""
+
+    mQ: Any = None
+    mK: Any = None
+    mV: Any = None
+    mO: Any = None
+    mLSE: Any = None
+    mCuSeqlensQ: Any = None
+    mCuSeqlensK: Any = None
+    mTileTable: Any = None
+    mSeqDescriptors: Any = None
+    mErrors: Any = None
+    mSinks: Any = None
+    max_seqlen_q: Any = None
+    scale_log2: Any = None
+    output_scale: Any = None
+    softcap_factor: Any = None
+    window_left: Any = None
+    window_right: Any = None
+    num_ctas: Any = None
+
+
+def _fake_arguments(cfg: BlackwellForwardConfig) -> ForwardArgs:
+    """The kernel's arguments with fake tensors: symbolic sizes and strides, head dim static and
+    contiguous, rows 16-byte aligned, so that one compiled kernel serves every size."""
     import cutlass
     import cutlass.cute as cute
+    from cutlass import Float32, Int32
 
     in_t, out_t = cutlass_dtype(cfg.dtype), cutlass_dtype(cfg.out_dtype)
     rank = 3 if cfg.varlen else 4
@@ -38,27 +63,20 @@ def _fake_arguments(cfg: BlackwellForwardConfig) -> tuple:
                                                     assumed_align=128)
         errors = fake_vector(cutlass.Int32, 1)  # set by the descriptor kernel for bad offsets
     sinks = fake_vector(cutlass.Float32) if cfg.has_sinks else None
-    return q, k, v, o, lse, cu_q, cu_k, tiles, descriptors, errors, sinks
+    return ForwardArgs(
+        mQ=q, mK=k, mV=v, mO=o, mLSE=lse, mCuSeqlensQ=cu_q, mCuSeqlensK=cu_k, mTileTable=tiles,
+        mSeqDescriptors=descriptors, mErrors=errors, mSinks=sinks, max_seqlen_q=Int32(1), scale_log2=Float32(1.0),
+        output_scale=Float32(1.0), softcap_factor=Float32(1.0) if cfg.softcap else None,
+        window_left=Int32(0) if cfg.window_left_bounded else None,
+        window_right=Int32(0) if cfg.window_right_bounded else None, num_ctas=Int32(1))
 
 
 def compile_forward(cfg: BlackwellForwardConfig, extra_options: str = ""):
     """Compile the forward kernel of ``cfg`` for ``cfg.arch``; needs no GPU."""
-    from cutlass import Float32, Int32
-
     from .fwd import BlackwellAttentionForward
 
     kernel = BlackwellAttentionForward(cfg)
-    compiled = compile_for(
-        cfg.arch, kernel, *_fake_arguments(cfg),
-        Int32(1),  # max_seqlen_q
-        Float32(1.0),  # scale_log2
-        Float32(1.0),  # output_scale
-        Float32(1.0) if cfg.softcap else None,  # softcap_factor
-        Int32(0) if cfg.window_left_bounded else None,
-        Int32(0) if cfg.window_right_bounded else None,
-        Int32(1),  # num_ctas
-        extra_options=extra_options,
-    )
+    compiled = compile_for(cfg.arch, kernel, *_fake_arguments(cfg), extra_options=extra_options)
     smem = kernel.shared_storage.size_in_bytes()
     if smem > SMEM_LIMIT:  # the launch would fail; kv_stages_for must leave room
         raise ValueError(f"the Blackwell kernel for {cfg} needs {smem} bytes of shared memory (limit {SMEM_LIMIT})")
@@ -86,22 +104,21 @@ class BlackwellRunner:
                 lens_q, lens_k = (problem.seqlen_q,) * problem.batch, (problem.seqlen_k,) * problem.batch
             # one entry per CTA row block (two Q tiles) that holds rows
             tiles = work_tile_table(lens_q, lens_k, problem.mask, cfg.cta_rows, cfg.tile_n, q.device)
-        self.compiled(
-            q, k, v, out, lse if cfg.has_lse else None,
-            cu_seqlens_q if cfg.varlen else None,
-            cu_seqlens_k if cfg.varlen else None,
-            tiles,
-            descriptors,
-            device_errors.flag(q.device) if cfg.varlen else None,
-            sinks_fp32(sinks) if cfg.has_sinks else None,
-            problem.seqlen_q,
-            problem.softmax_scale_log2,
-            problem.output_scale,
-            problem.softcap_factor if cfg.softcap else None,
-            m.window_left if cfg.window_left_bounded else None,
-            m.window_right if cfg.window_right_bounded else None,
-            sm_count(q.device) if cfg.persistent else 1,
-        )
+        self.compiled(*ForwardArgs(
+            mQ=q, mK=k, mV=v, mO=out, mLSE=lse if cfg.has_lse else None,
+            mCuSeqlensQ=cu_seqlens_q if cfg.varlen else None,
+            mCuSeqlensK=cu_seqlens_k if cfg.varlen else None,
+            mTileTable=tiles, mSeqDescriptors=descriptors,
+            mErrors=device_errors.flag(q.device) if cfg.varlen else None,
+            mSinks=sinks_fp32(sinks) if cfg.has_sinks else None,
+            max_seqlen_q=problem.seqlen_q,
+            scale_log2=problem.softmax_scale_log2,
+            output_scale=problem.output_scale,
+            softcap_factor=problem.softcap_factor if cfg.softcap else None,
+            window_left=m.window_left if cfg.window_left_bounded else None,
+            window_right=m.window_right if cfg.window_right_bounded else None,
+            num_ctas=sm_count(q.device) if cfg.persistent else 1,
+        ))
 
 
 class BlackwellBackend:

@@ -4,7 +4,7 @@ tensors, per-call arguments)."""
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -25,9 +25,41 @@ from .v_staging import stage_v_fp8
 ARCH = "sm_90a"
 
 
-def _fake_arguments(cfg: HopperForwardConfig) -> tuple:
-    """The kernel's tensor arguments as fake tensors: symbolic sizes and strides, head dim
-    static and contiguous, rows 16-byte aligned, so that one compiled kernel serves every size."""
+class ForwardArgs(NamedTuple):
+    """The forward kernel's arguments by name, in ``HopperAttentionForward.__call__``'s order (the
+    stream aside): what a launch passes and what ``compile_forward`` fakes. None: absent."""
+
+    mQ: Any = None
+    mK: Any = None
+    mV: Any = None
+    mO: Any = None
+    mLSE: Any = None
+    mCuSeqlensQ: Any = None
+    mCuSeqlensK: Any = None
+    mTileTable: Any = None
+    mTileCount: Any = None
+    mSeqDescriptors: Any = None
+    mErrors: Any = None
+    mTileCounter: Any = None
+    mCacheSeqlens: Any = None
+    mBlockTable: Any = None
+    mSinks: Any = None
+    max_seqlen_q: Any = None
+    scale_log2: Any = None
+    output_scale: Any = None
+    softcap_factor: Any = None
+    window_left: Any = None
+    window_right: Any = None
+    num_ctas: Any = None
+    num_splits: Any = None
+    page_size: Any = None
+
+
+def _fake_arguments(cfg: HopperForwardConfig) -> ForwardArgs:
+    """The kernel's arguments with fake tensors: symbolic sizes and strides, head dim static and
+    contiguous, rows 16-byte aligned, so that one compiled kernel serves every size."""
+    from cutlass import Float32, Int32
+
     import cutlass
     import cutlass.cute as cute
 
@@ -61,30 +93,23 @@ def _fake_arguments(cfg: HopperForwardConfig) -> tuple:
         errors = fake_vector(cutlass.Int32, 1)
     counter = fake_vector(cutlass.Int32, 1) if cfg.claims_tiles else None
     sinks = fake_vector(cutlass.Float32) if cfg.has_sinks else None
-    return q, k, v, o, lse, cu_q, cu_k, tiles, count, descriptors, errors, counter, cache_seqlens, block_table, sinks
+    return ForwardArgs(
+        mQ=q, mK=k, mV=v, mO=o, mLSE=lse, mCuSeqlensQ=cu_q, mCuSeqlensK=cu_k, mTileTable=tiles, mTileCount=count,
+        mSeqDescriptors=descriptors, mErrors=errors, mTileCounter=counter, mCacheSeqlens=cache_seqlens,
+        mBlockTable=block_table, mSinks=sinks, max_seqlen_q=Int32(1), scale_log2=Float32(1.0),
+        output_scale=Float32(1.0), softcap_factor=Float32(1.0) if cfg.softcap else None,
+        window_left=Int32(0) if cfg.window_left_bounded else None,
+        window_right=Int32(0) if cfg.window_right_bounded else None, num_ctas=Int32(1),
+        num_splits=Int32(1) if cfg.split_kv else None, page_size=Int32(16) if cfg.page_run else None)
 
 
 def compile_forward(cfg: HopperForwardConfig, extra_options: str = "", kernel_class=None):
     """Compile the forward kernel of ``cfg`` for sm_90a; needs no GPU. ``kernel_class``: a
     subclass of ``HopperAttentionForward`` to build instead (benchmark variants)."""
-    from cutlass import Float32, Int32
-
     from .fwd import HopperAttentionForward
 
     kernel = (kernel_class or HopperAttentionForward)(cfg)
-    return compile_for(
-        ARCH, kernel, *_fake_arguments(cfg),
-        Int32(1),  # max_seqlen_q
-        Float32(1.0),  # scale_log2
-        Float32(1.0),  # output_scale
-        Float32(1.0) if cfg.softcap else None,  # softcap_factor
-        Int32(0) if cfg.window_left_bounded else None,
-        Int32(0) if cfg.window_right_bounded else None,
-        Int32(1),  # num_ctas
-        Int32(1) if cfg.split_kv else None,  # num_splits
-        Int32(16) if cfg.page_run else None,  # page_size
-        extra_options=extra_options,
-    )
+    return compile_for(ARCH, kernel, *_fake_arguments(cfg), extra_options=extra_options)
 
 
 class HopperRunner:
@@ -116,27 +141,23 @@ class HopperRunner:
                 if lens_q is None:  # not read (FusedAttention.execute(check=False)): every tile up to the max
                     lens_q, lens_k = (problem.seqlen_q,) * problem.batch, (problem.seqlen_k,) * problem.batch
                 tiles = work_tile_table(lens_q, lens_k, problem.mask, cfg.tile_m, cfg.tile_n, q.device)
-        self.compiled(
-            q, k, v, out, lse if cfg.has_lse else None,
-            cu_seqlens_q if cfg.varlen else None,
-            cu_seqlens_k if cfg.varlen else None,
-            tiles,
-            count,
-            descriptors,
-            device_errors.flag(q.device) if cfg.varlen else None,
+        self.compiled(*ForwardArgs(
+            mQ=q, mK=k, mV=v, mO=out, mLSE=lse if cfg.has_lse else None,
+            mCuSeqlensQ=cu_seqlens_q if cfg.varlen else None,
+            mCuSeqlensK=cu_seqlens_k if cfg.varlen else None,
+            mTileTable=tiles, mTileCount=count, mSeqDescriptors=descriptors,
+            mErrors=device_errors.flag(q.device) if cfg.varlen else None,
             # the claim counter starts at 0 in every launch (ClaimingTileScheduler)
-            torch.zeros(1, dtype=torch.int32, device=q.device) if cfg.claims_tiles else None,
-            None, None,  # a KV cache's lengths and block table (``HopperDecodeRunner``)
-            sinks_fp32(sinks) if cfg.has_sinks else None,
-            problem.seqlen_q,
-            problem.softmax_scale_log2,
-            problem.output_scale,
-            problem.softcap_factor if cfg.softcap else None,
-            m.window_left if cfg.window_left_bounded else None,
-            m.window_right if cfg.window_right_bounded else None,
-            sm_count(q.device) if cfg.persistent else 1,
-            None, None,  # num_splits, page_size (``HopperDecodeRunner``)
-        )
+            mTileCounter=torch.zeros(1, dtype=torch.int32, device=q.device) if cfg.claims_tiles else None,
+            mSinks=sinks_fp32(sinks) if cfg.has_sinks else None,
+            max_seqlen_q=problem.seqlen_q,
+            scale_log2=problem.softmax_scale_log2,
+            output_scale=problem.output_scale,
+            softcap_factor=problem.softcap_factor if cfg.softcap else None,
+            window_left=m.window_left if cfg.window_left_bounded else None,
+            window_right=m.window_right if cfg.window_right_bounded else None,
+            num_ctas=sm_count(q.device) if cfg.persistent else 1,
+        ))
 
 
 def compile_split_combine(cfg, extra_options: str = ""):
@@ -232,12 +253,15 @@ class HopperDecodeRunner:
         else:
             o_k, lse_k = out, lse
         m = plan.mask
-        kernel(q_in, k_cache, v_cache, o_k, lse_k if plan.cfg.has_lse else None, None, None, None, None, None,
-               device_errors.flag(q.device), None, lengths, block_table,
-               sinks_fp32(sinks) if plan.cfg.has_sinks else None, rows, problem.softmax_scale_log2,
-               problem.output_scale, problem.softcap_factor if plan.cfg.softcap else None, m.window_left,
-               m.window_right, sm_count(q.device), splits if plan.cfg.split_kv else None,
-               problem.page_size if plan.cfg.page_run else None)
+        kernel(*ForwardArgs(
+            mQ=q_in, mK=k_cache, mV=v_cache, mO=o_k, mLSE=lse_k if plan.cfg.has_lse else None,
+            mErrors=device_errors.flag(q.device), mCacheSeqlens=lengths, mBlockTable=block_table,
+            mSinks=sinks_fp32(sinks) if plan.cfg.has_sinks else None, max_seqlen_q=rows,
+            scale_log2=problem.softmax_scale_log2, output_scale=problem.output_scale,
+            softcap_factor=problem.softcap_factor if plan.cfg.softcap else None, window_left=m.window_left,
+            window_right=m.window_right, num_ctas=sm_count(q.device),
+            num_splits=splits if plan.cfg.split_kv else None,
+            page_size=problem.page_size if plan.cfg.page_run else None))
         if splits > 1:  # merged, and unpacked on the way
             from ..common.split_combine import SplitCombineConfig
 
@@ -309,6 +333,36 @@ class HopperDenseDecodeRunner:
                     sinks)
 
 
+class BackwardArgs(NamedTuple):
+    """The backward kernel's arguments by name, in ``HopperAttentionBackward.__call__``'s order
+    (the stream aside). None: absent."""
+
+    mQ: Any = None
+    mK: Any = None
+    mV: Any = None
+    mdO: Any = None
+    mLSE2: Any = None
+    mDelta: Any = None
+    mdQacc: Any = None
+    mdK: Any = None
+    mdV: Any = None
+    mCuSeqlensQ: Any = None
+    mCuSeqlensK: Any = None
+    mSeqDescriptors: Any = None
+    mErrors: Any = None
+    mSemaphores: Any = None
+    mTileTable: Any = None
+    mTileCount: Any = None
+    max_seqlen_q: Any = None
+    max_seqlen_k: Any = None
+    scale_log2: Any = None
+    out_scale: Any = None
+    score_scale: Any = None
+    softcap_factor: Any = None
+    window_left: Any = None
+    window_right: Any = None
+
+
 def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
     """Compile the backward kernel of ``cfg`` for sm_90a; needs no GPU."""
     import cutlass
@@ -341,16 +395,14 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
         descriptors = cute.runtime.make_fake_tensor(cutlass.Int64, (cute.sym_int(), n, 16), stride=(16 * n, 16, 1),
                                                     assumed_align=128)
         errors = fake_vector(cutlass.Int32, 1)
-    return compile_for(
-        ARCH, HopperAttentionBackward(cfg), q, k, v, do, lse2, delta, dq_acc, dk, dv, cu_q, cu_k, descriptors,
-        errors, semaphores, tiles, count,
-        Int32(1), Int32(1),  # max_seqlen_q, max_seqlen_k
-        Float32(1.0), Float32(1.0), Float32(1.0),  # scale_log2, out_scale, score_scale
-        Float32(1.0) if cfg.softcap else None,  # softcap_factor
-        Int32(0) if cfg.window_left_bounded else None,
-        Int32(0) if cfg.window_right_bounded else None,
-        extra_options=extra_options,
-    )
+    args = BackwardArgs(
+        mQ=q, mK=k, mV=v, mdO=do, mLSE2=lse2, mDelta=delta, mdQacc=dq_acc, mdK=dk, mdV=dv, mCuSeqlensQ=cu_q,
+        mCuSeqlensK=cu_k, mSeqDescriptors=descriptors, mErrors=errors, mSemaphores=semaphores, mTileTable=tiles,
+        mTileCount=count, max_seqlen_q=Int32(1), max_seqlen_k=Int32(1), scale_log2=Float32(1.0),
+        out_scale=Float32(1.0), score_scale=Float32(1.0), softcap_factor=Float32(1.0) if cfg.softcap else None,
+        window_left=Int32(0) if cfg.window_left_bounded else None,
+        window_right=Int32(0) if cfg.window_right_bounded else None)
+    return compile_for(ARCH, HopperAttentionBackward(cfg), *args, extra_options=extra_options)
 
 
 def compile_dq_convert(cfg, extra_options: str = ""):
@@ -456,16 +508,17 @@ class HopperBackwardRunner:
             m_tiles = -(-problem.seqlen_q // self.cfg.tile_m)
             semaphores = torch.zeros((problem.batch, problem.num_heads_q, m_tiles), dtype=torch.int32,
                                      device=q.device)
-        self.compiled(
-            q, k, v, dout, lse2, delta, dq_acc, dk, dv,
-            cu_seqlens_q if self.cfg.varlen else None, cu_seqlens_k if self.cfg.varlen else None, descriptors,
-            device_errors.flag(q.device) if self.cfg.varlen else None, semaphores, tiles, count, problem.seqlen_q,
-            problem.seqlen_k,
-            problem.softmax_scale_log2, problem.output_scale, problem.score_scale,
-            problem.softcap_factor if self.cfg.softcap else None,
-            m.window_left if self.cfg.window_left_bounded else None,
-            m.window_right if self.cfg.window_right_bounded else None,
-        )
+        self.compiled(*BackwardArgs(
+            mQ=q, mK=k, mV=v, mdO=dout, mLSE2=lse2, mDelta=delta, mdQacc=dq_acc, mdK=dk, mdV=dv,
+            mCuSeqlensQ=cu_seqlens_q if self.cfg.varlen else None,
+            mCuSeqlensK=cu_seqlens_k if self.cfg.varlen else None, mSeqDescriptors=descriptors,
+            mErrors=device_errors.flag(q.device) if self.cfg.varlen else None, mSemaphores=semaphores,
+            mTileTable=tiles, mTileCount=count, max_seqlen_q=problem.seqlen_q, max_seqlen_k=problem.seqlen_k,
+            scale_log2=problem.softmax_scale_log2, out_scale=problem.output_scale, score_scale=problem.score_scale,
+            softcap_factor=problem.softcap_factor if self.cfg.softcap else None,
+            window_left=m.window_left if self.cfg.window_left_bounded else None,
+            window_right=m.window_right if self.cfg.window_right_bounded else None,
+        ))
         self.dq_convert()(dq_acc, dq, cu_seqlens_q if self.cfg.varlen else None, problem.seqlen_q)
 
 
