@@ -2,7 +2,7 @@
 
 Roles (a CTA works on one query tile of 64 rows per consumer warpgroup at a time):
 
-* warpgroup 0, the **producer** (``producer``): its first warp issues the TMA loads of each
+* warpgroup 0, the **producer** (``fwd_producer.py``): its first warp issues the TMA loads of each
   tile's Q and of its K and V tiles into a ring of shared-memory stages, in the order the
   consumers wait for them. It gives most of its registers away (``setmaxnreg``).
 * warpgroups 1..n (n = 2, or 3 at head dim <= 64), the **consumers** (``consumer``): each owns 64
@@ -46,15 +46,15 @@ from ..common.mask import FragmentMask
 from ..common.scheduler import ClaimingTileScheduler, StaticTileScheduler, TileHandOff, TileTableScheduler, WorkTile
 from ..common.seqinfo import SequenceInfo
 from ..common.softmax import MAX_SLACK, OnlineSoftmax
-from ..common.tma import tma_tiles
 from .barriers import NamedBarrier
 from .config import SMEM_LIMIT, HopperForwardConfig, OStore
 from .epilogue import drain_o_stores, store_lse, store_o_direct, store_o_tma, wg_slice_layout
+from .fwd_producer import ProducerWarp
 from .mainloop import ConsumerFragments, ConsumerMainloop
 from .wgmma import WARPGROUP_THREADS as _WG
 
 
-class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, DeviceWorkTileList):
+class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDescriptors, DeviceWorkTileList):
     """The kernel for one ``HopperForwardConfig``; call it (through ``cute.compile``) with the
     tensors and sizes of ``__call__``."""
 
@@ -359,147 +359,6 @@ class HopperAttentionForward(ConsumerMainloop, seq_desc.SequenceDescriptors, Dev
         else:
             seq = SequenceInfo.create(batch, mQ_sdhb.shape[0], mK_tma.shape[0], mCuSeqlensQ, mCuSeqlensK)
         return batch, split, seq
-
-    # ------------------------------------------------------------------ producer warp
-    @cute.jit
-    def producer(
-        self, scheduler, cache: KvCache, mQ_tma, mK_tma, mV_tma, mQ_sdhb,
-        mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, window_left, window_right,
-        tma_q, tma_k, tma_v, sQ, sK, sV,
-        q_producer: pipeline.PipelineProducer, kv_producer: pipeline.PipelineProducer,
-    ):
-        """Per work tile: Q, then the K/V tiles its mask keeps, in the order the mainloop waits."""
-        cfg = self.cfg
-        cursor = scheduler.producer_cursor()
-        tile_idx = scheduler.first()
-        num_tiles = scheduler.num_tiles
-        while tile_idx < num_tiles:
-            tile = scheduler.decode(tile_idx)
-            batch, split, seq = self.work_of(tile, cache, mQ_sdhb, mK_tma, mCuSeqlensQ, mCuSeqlensK)
-            if const_expr(cfg.cache_lengths):
-                cache.flag_bad_length(batch, mK_tma)
-            if tile.m_block * cfg.tile_m < seq.seqlen_q:
-                head_kv = tile.head // (mQ_tma.shape[2] // mK_tma.shape[2])
-                desc_q = desc_k = desc_v = None  # None: the descriptor built into the TMA atom
-                if const_expr(cfg.varlen):
-                    # This sequence's own descriptors: coordinates are relative to its first row
-                    # and TMA stops at its last.
-                    desc_q = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.Q)
-                    desc_k = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.K)
-                    if const_expr(not cfg.v_staged):
-                        desc_v = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.V)
-                # varlen tensors have one batch row, the packed tokens; staged V has one per
-                # sequence; a paged cache is one run of pages
-                row_batch = Int32(0) if const_expr(cfg.varlen) else batch
-                kv_batch = Int32(0) if const_expr(cfg.page_run) else row_batch
-                mQ_cur = mQ_tma[None, None, tile.head, row_batch]
-                mK_cur = mK_tma[None, None, head_kv, kv_batch]
-                mV_cur = mV_tma[None, None, head_kv, batch if const_expr(cfg.v_staged) else kv_batch]
-                gQ = cute.local_tile(mQ_cur, (cfg.tile_m, cfg.head_dim), (tile.m_block, 0))
-                tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
-
-                q_handle = q_producer.acquire_and_advance()
-                cute.copy(tma_q, tQgQ, tQsQ[None, q_handle.index], tma_bar_ptr=q_handle.barrier, tma_desc_ptr=desc_q)
-
-                kv_tiles = self.kv_tile_schedule(tile.m_block, seq, window_left, window_right, split,
-                                                 cache.num_splits)
-                if const_expr(cfg.page_run):
-                    kv_producer = self.load_kv_paged(kv_tiles, cache, batch, seq, mK_cur, mV_cur, tma_k, tma_v,
-                                                     sK, sV, kv_producer)
-                else:
-                    gK = cute.local_tile(mK_cur, (cfg.tile_n, cfg.head_dim), (None, 0))
-                    gV = cute.local_tile(mV_cur, (cfg.head_dim_v, cfg.tile_n), (0, None))
-                    tKsK, tKgK = tma_tiles(tma_k, sK, gK)
-                    tVsV, tVgV = tma_tiles(tma_v, sV, gV)
-                    kv_producer = self.load_kv(kv_tiles, (tma_k, tKgK, tKsK, desc_k), (tma_v, tVgV, tVsV, desc_v),
-                                               kv_producer)
-            # Claimed tiles are claimed once this tile's loads are issued: the consumers get the
-            # claim well before they finish the tile, and the claim order stays the start order.
-            tile_idx, cursor = scheduler.producer_next(tile_idx, cursor)
-
-    @cute.jit
-    def load_kv(self, kv_tiles, k_load, v_load, kv_producer: pipeline.PipelineProducer):
-        """K_0, then (K_n, V_n-1) pairs, then the last V: the order ``mainloop`` waits in.
-        ``k_load``/``v_load``: (TMA atom, global tiles, shared stages, descriptor or None)."""
-        tma_k, tKgK, tKsK, desc_k = k_load
-        tma_v, tVgV, tVsV, desc_v = v_load
-        if kv_tiles.total > 0:
-            kv_producer = self.load_stage(kv_producer, tma_k, tKgK[None, kv_tiles.start], tKsK, desc_k, True)
-            for i in cutlass.range(1, kv_tiles.total, unroll=1):
-                n_block = kv_tiles.start + i
-                kv_producer = self.load_stage(kv_producer, tma_k, tKgK[None, n_block], tKsK, desc_k, True)
-                kv_producer = self.load_stage(kv_producer, tma_v, tVgV[None, n_block - 1], tVsV, desc_v, False)
-            kv_producer = self.load_stage(
-                kv_producer, tma_v, tVgV[None, kv_tiles.start + kv_tiles.total - 1], tVsV, desc_v, False)
-        return kv_producer
-
-    @cute.jit
-    def load_stage(self, kv_producer: pipeline.PipelineProducer, tma, src, dst_stages, desc, is_k: cutlass.Constexpr):
-        """TMA-load one K (``is_k``) or V tile (``src``) into the ring's next free stage. The
-        advanced producer is returned for the caller to rebind."""
-        handle = self.acquire_stage(kv_producer, is_k)
-        cute.copy(tma, src, dst_stages[None, handle.index], tma_bar_ptr=handle.barrier, tma_desc_ptr=desc)
-        return kv_producer
-
-    @cute.jit
-    def acquire_stage(self, kv_producer: pipeline.PipelineProducer, is_k: cutlass.Constexpr):
-        """The ring's next free stage, its barrier expecting this tile's bytes: the pipeline
-        expects the smaller of a K and a V tile, and the larger adds the difference (while the
-        stage still waits for every byte, so its phase cannot complete in between)."""
-        handle = kv_producer.acquire_and_advance()
-        extra = (self.k_bytes - self.v_bytes) if const_expr(is_k) else (self.v_bytes - self.k_bytes)
-        if const_expr(extra > 0):
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_expect_tx(handle.barrier, extra)
-        return handle
-
-    @cute.jit
-    def load_kv_paged(self, kv_tiles, cache: KvCache, batch: Int32, seq: SequenceInfo, mK_cur: cute.Tensor,
-                      mV_cur: cute.Tensor, tma_k, tma_v, sK, sV, kv_producer: pipeline.PipelineProducer):
-        """``load_kv`` from a paged cache: each K or V tile in runs of ``kv_load_rows`` keys, each
-        run from the page the block table names (every run lies within one page). A tile's pages
-        are looked up once, for its K, and kept for its V one step later."""
-        if kv_tiles.total > 0:
-            first = kv_tiles.start
-            rows = self.page_rows(cache, batch, seq, first, mK_cur.shape[0])
-            kv_producer = self.load_stage_paged(kv_producer, rows, mK_cur, tma_k, sK, True)
-            for i in cutlass.range(1, kv_tiles.total, unroll=1):
-                next_rows = self.page_rows(cache, batch, seq, first + i, mK_cur.shape[0])
-                kv_producer = self.load_stage_paged(kv_producer, next_rows, mK_cur, tma_k, sK, True)
-                kv_producer = self.load_stage_paged(kv_producer, rows, mV_cur, tma_v, sV, False)
-                rows = next_rows
-            kv_producer = self.load_stage_paged(kv_producer, rows, mV_cur, tma_v, sV, False)
-        return kv_producer
-
-    @cute.jit
-    def page_rows(self, cache: KvCache, batch: Int32, seq: SequenceInfo, n_block: Int32, num_rows: Int32) -> Int32:
-        """Lane i of the producer warp: the cache row where run i of K/V tile ``n_block`` starts
-        (one block-table round trip for the whole tile)."""
-        cfg = self.cfg
-        runs = cfg.tile_n // cfg.kv_load_rows
-        key = n_block * cfg.tile_n + cutlass.min(cute.arch.lane_idx(), runs - 1) * cfg.kv_load_rows
-        return cache.physical_row(cache.page_of(batch, key), key, seq.seqlen_k, num_rows)
-
-    @cute.jit
-    def load_stage_paged(self, kv_producer: pipeline.PipelineProducer, lane_rows: Int32, m_cur: cute.Tensor, tma,
-                         s_stages, is_k: cutlass.Constexpr):
-        """One K (``is_k``) or V tile into the ring's next stage, run i from the cache row lane i
-        holds (``page_rows``)."""
-        cfg = self.cfg
-        rows = cfg.kv_load_rows
-        handle = self.acquire_stage(kv_producer, is_k)
-        for run in cutlass.range_constexpr(cfg.tile_n // rows):
-            row = cute.arch.shuffle_sync(lane_rows, run)
-            stage = s_stages[None, None, handle.index]
-            if const_expr(is_k):
-                dst = cute.local_tile(stage, (rows, cfg.head_dim), (run, 0))
-                src = cute.local_tile(m_cur, (rows, cfg.head_dim), (row // rows, 0))
-            else:
-                dst = cute.local_tile(stage, (cfg.head_dim_v, rows), (0, run))
-                src = cute.local_tile(m_cur, (cfg.head_dim_v, rows), (0, row // rows))
-            t_s, t_g = tma_tiles(tma, dst, src)
-            cute.copy(tma, t_g, t_s, tma_bar_ptr=handle.barrier)
-        return kv_producer
 
     # ------------------------------------------------------------------ consumer warpgroups
     @cute.jit
