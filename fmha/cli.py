@@ -61,6 +61,18 @@ def _pair(text):
     return _ints(text, 2)
 
 
+def _values_joined(argv: list) -> list:
+    """``--window_size -1,8`` as ``--window_size=-1,8``: argparse reads a value that starts with
+    a dash (and is not a plain negative number) as an option."""
+    out = []
+    for i, token in enumerate(argv):
+        if i and argv[i - 1] == "--window_size" and token.startswith("-") and out and out[-1] == "--window_size":
+            out[-1] = f"--window_size={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m fmha", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,7 +109,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tolerance", type=float, default=None,
                    help="max relative L2 error of O (default: by dtype)")
-    args = p.parse_args(argv)
+    args = p.parse_args(_values_joined(sys.argv[1:] if argv is None else list(argv)))
+    if args.page_size is not None and (args.page_size <= 0 or args.page_size % 16):
+        p.error(f"--page_size must be a positive multiple of 16, got {args.page_size}")
+    if args.page_size is not None and not args.kvcache:
+        p.error("--page_size pages the KV cache of --kvcache")
     if args.k_shape is None:
         args.k_shape = list(args.q_shape)
     if args.iterations < 1 or args.warmup_iterations < 0:
@@ -234,8 +250,6 @@ def run_kvcache(args) -> int:
 
     if args.varlen_q or args.varlen_k or args.compressed_causal:
         raise ValueError("--kvcache takes dense --q_shape/--k_shape and causal or window masks")
-    if args.page_size is not None and args.page_size % 16:
-        raise ValueError(f"--page_size must be a multiple of 16, got {args.page_size}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     q, k, v, _, _, _ = _make_inputs(args, device)
     gen = torch.Generator().manual_seed(args.seed + 1)

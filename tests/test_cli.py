@@ -58,6 +58,17 @@ def test_bad_arguments_exit_2():
     assert r.returncode == 2 and "head dim must be at least 1" in r.stderr
     r = fmha_cli("--q_shape", "2,64,2,32", "--varlen_q", "1,2,3")
     assert r.returncode == 2 and "must equal the number of lengths" in r.stderr
+    for page in ("-16", "0", "24"):  # a negative or zero page was a traceback or a silent dense cache
+        r = fmha_cli("--q_shape", "1,1,2,64", "--k_shape", "1,64,2,64", "--kvcache", "--page_size", page)
+        assert r.returncode == 2 and "positive multiple of 16" in r.stderr, (page, r.stderr)
+    r = fmha_cli("--q_shape", "1,1,2,64", "--page_size", "16")
+    assert r.returncode == 2 and "--kvcache" in r.stderr
+
+
+def test_window_with_an_unbounded_left_side_parses():
+    """The help's own syntax: -1 for an unbounded side, first side included."""
+    r = fmha_cli("--q_shape", "1,40,2,32", "--window_size", "-1,8")
+    assert r.returncode == 0 and "window(None,8" in r.stdout and r.stdout.strip().endswith("verified"), r.stdout + r.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the kernel may run on a GPU")

@@ -130,6 +130,9 @@ def test_every_rank_gets_its_rows_of_the_full_attention_and_gradients(world):
     for r in range(world):
         errors = dict(results[r][1])
         assert "differ" in errors["lengths"] and "differ" in errors["layout"], errors
+        # each differing item by name, with every rank's value of it, and only those
+        assert "layout: rank 0 'contiguous', rank 1 'zigzag'" in errors["layout"], errors
+        assert "q_shape: rank 0" in errors["lengths"] and "layout:" not in errors["lengths"], errors
         assert f"rank {world - 1}: TypeError" in errors["dtype"], errors
 
 

@@ -51,11 +51,12 @@ _DTYPES = (torch.float16, torch.bfloat16)
 # ---------------------------------------------------------------------------- checks
 
 
-def _agree(group, what: str, problem: str, meta: list, described: str) -> None:
-    """Every rank's local problem (or "") and metadata to every rank; all raise the same error
-    when any rank has a problem or the metadata differ. The ranks first compare a digest (one small
-    all-gather); only when the digests differ is the whole metadata exchanged, for the message."""
-    digest = hashlib.blake2b(repr([problem] + meta).encode(), digest_size=7).digest()
+def _agree(group, what: str, problem: str, meta: dict, described: str) -> None:
+    """Every rank's local problem (or "") and metadata (name -> value) to every rank; all raise the
+    same error when any rank has a problem or the metadata differ, naming what differs and each
+    rank's value of it. The ranks first compare a digest (one small all-gather); only when the
+    digests differ is the whole metadata exchanged, for the message."""
+    digest = hashlib.blake2b(repr([problem, list(meta.items())]).encode(), digest_size=7).digest()
     device = _group_device(group)
     mine = torch.tensor([int(bool(problem)), int.from_bytes(digest, "little")], dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
@@ -65,12 +66,15 @@ def _agree(group, what: str, problem: str, meta: list, described: str) -> None:
     if all(r == rows[0] for r in rows) and not problem:
         return
     everyone = [None] * world
-    dist.all_gather_object(everyone, [problem] + meta, group=group)
+    dist.all_gather_object(everyone, [problem, meta], group=group)
     bad = [(r, m[0]) for r, m in enumerate(everyone) if m[0]]
     if bad:
         raise ValueError(f"{what}: " + "; ".join(f"rank {r}: {why}" for r, why in bad))
-    if any(m != everyone[0] for m in everyone):
-        diffs = [f"rank {r}: {m[1:]}" for r, m in enumerate(everyone)]
+    metas = [m[1] for m in everyone]
+    differing = [name for name in metas[0] if any(m.get(name) != metas[0][name] for m in metas)]
+    differing += [name for m in metas for name in m if name not in metas[0] and name not in differing]
+    if differing:
+        diffs = [f"{name}: " + ", ".join(f"rank {r} {m.get(name)!r}" for r, m in enumerate(metas)) for name in differing]
         raise ValueError(f"{what}: the ranks' {described} differ (every rank must pass shards of one sequence "
                          "in one layout with the same mask): " + "; ".join(diffs))
     # equal metadata written differently (a scale 1 and 1.0): nothing to refuse
@@ -116,8 +120,11 @@ def _check_shards(q, k, v, group, layout, causal, window_size, softmax_scale,
             raise ValueError(f"context parallelism takes window sides >= 0 or None, got {window_size!r}")
     except (TypeError, ValueError) as e:
         problem, left, right = f"{type(e).__name__}: {e}", None, None
-    meta = [layout, bool(causal), tuple(window_size) if isinstance(window_size, (tuple, list)) else None,
-            softmax_scale, backend] + ([tuple(t.shape) for t in (q, k, v)] + [str(q.dtype)] if not problem else [])
+    meta = dict(layout=layout, causal=bool(causal),
+                window_size=tuple(window_size) if isinstance(window_size, (tuple, list)) else None,
+                softmax_scale=softmax_scale, backend=backend)
+    if not problem:
+        meta.update(q_shape=tuple(q.shape), k_shape=tuple(k.shape), v_shape=tuple(v.shape), dtype=str(q.dtype))
     _agree(group, "context_parallel_attention", problem, meta, "shards, layouts or masks")
     return left, right
 
@@ -184,8 +191,10 @@ def _check_varlen_shards(q, k, v, cu_seqlens, group, layout, causal, window_size
                              f"{q.shape[0] * world}")
     except (TypeError, ValueError) as e:
         problem = f"{type(e).__name__}: {e}"
-    meta = [layout, bool(causal), softmax_scale, backend] + (
-        [tuple(t.shape) for t in (q, k, v)] + [str(q.dtype), offsets] if not problem else [])
+    meta = dict(layout=layout, causal=bool(causal), softmax_scale=softmax_scale, backend=backend)
+    if not problem:
+        meta.update(q_shape=tuple(q.shape), k_shape=tuple(k.shape), v_shape=tuple(v.shape), dtype=str(q.dtype),
+                    cu_seqlens=offsets)
     _agree(group, "context_parallel_attention_varlen", problem, meta, "shards, layouts, masks or cu_seqlens")
     return offsets
 

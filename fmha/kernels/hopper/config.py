@@ -83,7 +83,7 @@ def allowed_tiles(dtype: torch.dtype, head_dim: int, head_dim_v: int = None) -> 
         # get what remains of about 190 (D=256: 80 keys, D=192: 112)
         tile_n = min(128, (190 - dv // 2) * 4 // 3 // 16 * 16)
     # a K/V ring stage holds a K or a V tile; fewer than 4 stages beside the Q tile starve the
-    # loop (192/128: 128 keys with 3 stages ran 10% below 112 keys with 4)
+    # loop (docs/performance.md, head dims)
     while tile_n > 16 and 128 * head_dim * element_bytes(dtype) + MIN_KV_STAGES * tile_n * max(head_dim, dv) * \
             element_bytes(dtype) > SMEM_BYTES:
         tile_n -= 16
