@@ -19,8 +19,10 @@ __all__ = ["attention", "attention_varlen", "attention_backward", "FusedAttentio
 
 def _needs_autograd(q, k, v, sinks=None) -> bool:
     """Whether the call must go through the custom ops: an input requires grad (and grad mode is
-    on), or torch.compile is tracing it."""
-    if torch.compiler.is_compiling():
+    on), torch.compile is tracing it, or it runs on meta or fake tensors or under a Python
+    dispatch mode (FlopCounterMode...), which need the ops' fake implementations and FLOP
+    formulas."""
+    if torch.compiler.is_compiling() or not ops.plain_eager_call(q, k, v, sinks):
         return True
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, sinks))
 

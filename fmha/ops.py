@@ -18,6 +18,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils.flop_counter import register_flop_formula
 
 from . import dispatch
 from .masking import MaskSpec
@@ -160,10 +161,33 @@ class _NotDifferentiableAgain(torch.autograd.Function):
         raise RuntimeError("fmha.attention has no double backward: its gradients are not differentiable")
 
 
+def _forward_flops(q_shape, k_shape, v_shape, sinks_shape, cu_q_shape, cu_k_shape, varlen, max_seqlen_q,
+                   max_seqlen_k, *args, **kwargs) -> int:
+    """The forward's matmul FLOPs as PyTorch counts SDPA's (the whole score matrix, masks not
+    discounted): 2 * H_q * rows * keys * (D + D_v); a packed batch counts each query row against
+    the longest sequence's keys."""
+    d, d_v, heads = q_shape[-1], v_shape[-1], q_shape[-2]
+    if varlen:
+        rows, keys = q_shape[0], max_seqlen_k if max_seqlen_k is not None else k_shape[0]
+        return 2 * heads * rows * keys * (d + d_v)
+    return 2 * q_shape[0] * heads * q_shape[1] * k_shape[1] * (d + d_v)
+
+
+def _backward_flops(dout_shape, q_shape, k_shape, v_shape, out_shape_, lse_shape_, dlse_shape, sinks_shape,
+                    cu_q_shape, cu_k_shape, max_seqlen_q, max_seqlen_k, *args, **kwargs) -> int:
+    """Twice the forward's, as PyTorch counts SDPA's backward (dQ, dK, dV and dP)."""
+    return 2 * _forward_flops(q_shape, k_shape, v_shape, sinks_shape, cu_q_shape, cu_k_shape, cu_q_shape is not None,
+                              max_seqlen_q, max_seqlen_k)
+
+
+register_flop_formula(torch.ops.fmha.attention_forward)(_forward_flops)
+register_flop_formula(torch.ops.fmha.attention_backward)(_backward_flops)
+
+
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _plain_eager_call(q, k, v, sinks) -> bool:
+def plain_eager_call(q, k, v, sinks) -> bool:
     """Whether the call may take ``_EagerAttention``: plain tensors with no torch.compile tracing
     and no Python dispatch mode (meta and fake tensors, FlopCounterMode...), which need the ops'
     fake implementations."""
@@ -193,7 +217,7 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen
     kernel_options(persistent, tile_mn)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-    forward = _EagerAttention.apply if _plain_eager_call(q, k, v, sinks) else torch.ops.fmha.attention_forward
+    forward = _EagerAttention.apply if plain_eager_call(q, k, v, sinks) else torch.ops.fmha.attention_forward
     return forward(
         q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal, window_left,
         window_right, mask_align, compressed_causal, softmax_scale, softcap, scale_q, scale_k, scale_v, inv_scale_o,

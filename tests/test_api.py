@@ -264,3 +264,26 @@ def test_a_repeated_call_still_checks_the_data_pointer_and_reports_bad_arguments
     with pytest.raises(ValueError, match="backend"):
         fmha.attention(q, k, v, backend="nope")
     assert len(calls) == 4
+
+
+def test_meta_fake_tensors_and_flop_counter_without_grad():
+    """Shape propagation (meta tensors, FakeTensorMode) and FlopCounterMode need no input that
+    requires grad: they go through the custom ops' fake implementations and FLOP formulas
+    (PyTorch's SDPA accounting: 2 * H_q * S_q * S_k * (D + D_v), the backward twice that)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q = torch.empty(1, 8, 2, 16, device="meta")
+    o, lse = fmha.attention(q, q, q[..., :8], causal=True, return_lse=True)
+    assert o.device.type == "meta" and o.shape == (1, 8, 2, 8) and lse.shape == (1, 2, 8)
+    with FakeTensorMode():
+        a = torch.empty(1, 8, 2, 16)
+        assert fmha.attention(a, a, a).shape == (1, 8, 2, 16)
+    q, k, v = torch.randn(2, 8, 4, 16), torch.randn(2, 12, 2, 16), torch.randn(2, 12, 2, 8)
+    forward = 2 * 2 * 4 * 8 * 12 * (16 + 8)
+    with FlopCounterMode(display=False) as counter:
+        fmha.attention(q, k, v)
+    assert counter.get_total_flops() == forward
+    with FlopCounterMode(display=False) as counter:
+        fmha.attention(q.requires_grad_(), k, v).sum().backward()
+    assert counter.get_total_flops() == 3 * forward
