@@ -22,6 +22,8 @@ def _needs_autograd(q, k, v, sinks=None) -> bool:
     on), torch.compile is tracing it, or it runs on meta or fake tensors or under a Python
     dispatch mode (FlopCounterMode...), which need the ops' fake implementations and FLOP
     formulas."""
+    if not all(t is None or isinstance(t, torch.Tensor) for t in (q, k, v, sinks)):
+        return False  # validation reports it
     if torch.compiler.is_compiling() or not ops.plain_eager_call(q, k, v, sinks):
         return True
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, sinks))
