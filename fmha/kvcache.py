@@ -268,7 +268,7 @@ def attention_with_kvcache(
     if all(t is None or isinstance(t, torch.Tensor) for t in tensors):
         # a decode loop repeats its call: what validation and dispatch decided is reused
         key = memo_key(tensors, ("kvcache", causal, window_size, softmax_scale, softcap, scale_q, scale_k, scale_v,
-                                  inv_scale_o, return_lse, out_dtype, backend, num_splits))
+                                 inv_scale_o, return_lse, out_dtype, backend, num_splits))
     hit = recall_dispatch(key) if key is not None else None
     if hit is not None and pointers_aligned(tensors):
         problem, runner = hit
