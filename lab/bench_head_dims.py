@@ -6,15 +6,14 @@ bf16, with 128/128 as the plain point of comparison. Each row checks fmha agains
 """
 
 import argparse
-import json
 import os
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.environ.get("FMHA_PATH", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fmha  # noqa: E402
+from lab.timing import keep_row, seconds_per_call  # noqa: E402
 
 POINTS = [  # (B, S, H_q, H_k, D, D_v, causal)
     (2, 8192, 16, 16, 128, 128, False),
@@ -30,14 +29,6 @@ POINTS = [  # (B, S, H_q, H_k, D, D_v, causal)
 
 def flops(b, s, hq, d, dv, causal):
     return 2 * b * hq * s * s * (d + dv) / (2 if causal else 1)
-
-
-def bench(fn, rep):
-    from triton.testing import do_bench
-
-    fn()
-    torch.cuda.synchronize()
-    return do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e-3
 
 
 def main():
@@ -71,7 +62,7 @@ def main():
                 with torch.no_grad():
                     out = fn()
                     outs[name] = out[0] if isinstance(out, tuple) else out
-                    row[name] = round(flops(b, s, hq, d, dv, causal) / bench(fn, args.rep) / 1e12, 1)
+                    row[name] = round(flops(b, s, hq, d, dv, causal) / seconds_per_call(fn, args.rep) / 1e12, 1)
             except Exception as e:  # a peer without the shape
                 row[name] = None
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -79,13 +70,7 @@ def main():
             row["fmha/fa4"] = round(row["fmha"] / row["fa4"], 3)
             a, w = outs["fmha"].float(), outs["fa4"].float()
             row["rel_diff_vs_fa4"] = float(((a - w).norm() / w.norm()).item())
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if args.out:  # after every row: a run cut short keeps what it measured
-            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M"),
-                               command=" ".join(sys.argv), rows=rows), f, indent=1)
+        keep_row(rows, row, args.out)
 
 
 if __name__ == "__main__":

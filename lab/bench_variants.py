@@ -7,16 +7,16 @@ older fmha first on PYTHONPATH for a before/after of the same call.
 """
 
 import argparse
-import json
-import math
 import os
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.environ.get("FMHA_PATH", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # lab
+sys.path.insert(0, os.environ.get("FMHA_PATH", ROOT))  # fmha, possibly an older tree's
 import fmha  # noqa: E402
+from lab.timing import keep_row, seconds_per_call  # noqa: E402
 
 POINTS = [  # (B, S, H_q, H_k, D, causal)
     (2, 8192, 16, 16, 128, False),
@@ -30,14 +30,6 @@ VARIANTS = {"plain": (0.0, False), "softcap": (30.0, False), "sinks": (0.0, True
 def flops(b, s, hq, d, causal, backward):
     f = 4 * b * hq * s * s * d / (2 if causal else 1)
     return f * (3.5 if backward else 1.0)
-
-
-def bench(fn, rep):
-    from triton.testing import do_bench
-
-    fn()
-    torch.cuda.synchronize()
-    return do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e-3
 
 
 def main():
@@ -88,18 +80,12 @@ def main():
                 for kind, fn in (("fwd", fwd), ("fwd+bwd", step)):
                     try:
                         with torch.no_grad() if kind == "fwd" else torch.enable_grad():
-                            t = bench(fn, args.rep)
+                            t = seconds_per_call(fn, args.rep)
                         row[kind] = round(flops(b, s, hq, d, causal, kind != "fwd") / t / 1e12, 1)
                     except Exception as e:  # a peer without the variant
                         row[kind] = None
                         row[f"{kind}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                if args.out:  # after every row: a run cut short keeps what it measured
-                    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-                    with open(args.out, "w") as f:
-                        json.dump(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M"),
-                                       command=" ".join(sys.argv), rows=rows), f, indent=1)
+                keep_row(rows, row, args.out)
 
 
 if __name__ == "__main__":

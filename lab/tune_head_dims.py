@@ -7,10 +7,6 @@ follows from them), timed side by side in one process, bf16. The measurements th
 """
 
 import argparse
-import json
-import os
-import sys
-import time
 
 import torch
 
@@ -18,7 +14,8 @@ from fmha.kernels.hopper.backend import HopperRunner, compile_forward
 from fmha.kernels.hopper.config import HopperForwardConfig, OStore
 from fmha.problem import KernelOptions
 from fmha.validation import validate
-from lab.bench_head_dims import bench, flops
+from lab.bench_head_dims import flops
+from lab.timing import keep_row, seconds_per_call
 from lab.variants import variant_config
 
 
@@ -55,19 +52,13 @@ def main():
 
                         def fn():
                             runner(problem, q, k, v, out, None)
-                        row["tflops"] = round(flops(b, s, h, d, dv, causal) / bench(fn, args.rep) / 1e12, 1)
+                        row["tflops"] = round(flops(b, s, h, d, dv, causal) / seconds_per_call(fn, args.rep) / 1e12, 1)
                         if want is None:
                             want = out.float().clone()
                         row["rel_diff"] = float(((out.float() - want).norm() / want.norm()).item())
                     except Exception as e:  # a configuration that does not fit
                         row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    if args.out:
-                        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-                        with open(args.out, "w") as f:
-                            json.dump(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M"),
-                                           command=" ".join(sys.argv), rows=rows), f, indent=1)
+                    keep_row(rows, row, args.out)
 
 
 if __name__ == "__main__":

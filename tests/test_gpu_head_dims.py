@@ -14,6 +14,7 @@ import torch
 import fmha
 from fmha.masking import MaskSpec
 from fmha.reference import attention_backward_reference, attention_reference
+from gpu_checks import cu_seqlens, lse_max_err, rel_l2
 
 pytestmark = pytest.mark.gpu
 _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -28,22 +29,6 @@ MASKS = {
 #: (Q/K head dim, V head dim): the new equal dims, then unequal pairs
 DIMS = [(16, 16), (48, 48), (80, 80), (96, 96), (112, 112), (160, 160), (192, 192), (224, 224),
         (192, 128), (128, 64), (64, 128), (256, 128), (128, 256), (96, 64)]
-
-
-def _rel(got, want):
-    got, want = got.double().nan_to_num(nan=1e30), want.double()
-    n = want.norm().item()
-    return (got - want).norm().item() / (n if n > 0 else 1.0)
-
-
-def _lse_err(got, want):
-    assert torch.equal(torch.isneginf(got), torch.isneginf(want)), "-inf rows differ"
-    fin = torch.isfinite(want)
-    return (got[fin].double() - want[fin]).abs().max().item() if fin.any() else 0.0
-
-
-def _cu(lens):
-    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
 
 
 FORWARD = [(torch.bfloat16, d, dv, m, layout, "plain") for d, dv in DIMS for m in MASKS for layout in ("dense", "varlen")]
@@ -74,13 +59,13 @@ def test_forward(dtype, d, dv, mask, layout, variant):
         lse = torch.full((2, 8, 333), math.nan, device="cuda")
         fmha.attention(q, k, v, out=out, lse=lse, backend="kernel", **kw)
     else:
-        cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+        cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
         lse = torch.full((8, sum(lens_q)), math.nan, device="cuda")
         fmha.attention_varlen(q, k, v, cu_q, cu_k, out=out, lse=lse, backend="kernel", **kw)
     want_o, want_lse = attention_reference(q, k, v, cu_q, cu_k, mask=MaskSpec.from_args(**MASKS[mask]),
                                            softcap=softcap, sinks=sinks, compute_dtype=torch.float64)
-    assert _rel(out, want_o) < 1e-2
-    assert _lse_err(lse, want_lse) < 5e-3
+    assert rel_l2(out, want_o) < 1e-2
+    assert lse_max_err(lse, want_lse) < 5e-3
 
 
 BACKWARD = [(torch.bfloat16, d, d, m, layout, "plain", False) for d in (96, 160, 192, 224) for m in MASKS
@@ -110,7 +95,7 @@ def test_backward(dtype, d, dv, mask, layout, variant, det):
     else:
         lens_q, lens_k = [0, 1, 190, 65], [4, 1, 0, 200]
         shape_q, shape_k = (sum(lens_q), 4, d), (sum(lens_k), 2, d)
-        cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+        cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
     q = torch.randn(shape_q, generator=gen, device="cuda").to(dtype)
     k = torch.randn(shape_k, generator=gen, device="cuda").to(dtype)
     v = torch.randn(shape_k[:-1] + (dv,), generator=gen, device="cuda").to(dtype)
@@ -127,7 +112,7 @@ def test_backward(dtype, d, dv, mask, layout, variant, det):
                                         sinks=sinks, compute_dtype=torch.float64)
     for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
         tol = 3e-2 if name == "dsinks" else 2e-2
-        assert _rel(g, w) < tol, f"{name}: {_rel(g, w):.3g}"
+        assert rel_l2(g, w) < tol, f"{name}: {rel_l2(g, w):.3g}"
     if det:
         again = fmha.attention_backward(dout, q, k, v, out, lse, *cu, **kw)
         for g, h in zip(got, again):
@@ -150,6 +135,6 @@ def test_autograd(d, dv):
     q0, k0, v0 = (t.detach() for t in (q, k, v))
     want, lse = attention_reference(q0, k0, v0, mask=mask, compute_dtype=torch.float64)
     wants = attention_backward_reference(do, q0, k0, v0, want, lse, mask=mask, compute_dtype=torch.float64)
-    assert _rel(out, want) < 1e-2
+    assert rel_l2(out, want) < 1e-2
     for got, ref in zip((q.grad, k.grad, v.grad), wants):
-        assert _rel(got, ref) < 2e-2
+        assert rel_l2(got, ref) < 2e-2

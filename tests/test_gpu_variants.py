@@ -13,6 +13,7 @@ import torch
 import fmha
 from fmha.masking import MaskSpec
 from fmha.reference import attention_backward_reference, attention_reference
+from gpu_checks import cu_seqlens, lse_max_err, rel_l2
 
 pytestmark = pytest.mark.gpu
 _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -29,27 +30,11 @@ MASKS = {
 VARIANTS = {"softcap": (7.5, False), "sinks": (0.0, True), "both": (2.5, True), "plain": (0.0, False)}
 
 
-def _rel(got, want):
-    got, want = got.double().nan_to_num(nan=1e30), want.double()
-    n = want.norm().item()
-    return (got - want).norm().item() / (n if n > 0 else 1.0)
-
-
-def _lse_err(got, want):
-    assert torch.equal(torch.isneginf(got), torch.isneginf(want)), "-inf rows differ"
-    fin = torch.isfinite(want)
-    return (got[fin].double() - want[fin]).abs().max().item() if fin.any() else 0.0
-
-
 def _data(shape_q, shape_k, dtype, gen):
     q = torch.randn(shape_q, generator=gen, device="cuda").to(dtype)
     k = torch.randn(shape_k, generator=gen, device="cuda").to(dtype)
     v = torch.randn(shape_k, generator=gen, device="cuda").to(dtype)
     return q, k, v
-
-
-def _cu(lens):
-    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
 
 
 FORWARD = [(dt, d, m, var, layout)
@@ -76,14 +61,14 @@ def test_forward(dtype, d, mask, variant, layout):
     else:
         lens_q, lens_k = [0, 1, 200, 77, 1], [5, 1, 260, 0, 300]
         q, k, v = _data((sum(lens_q), 8, d), (sum(lens_k), 2, d), dtype, gen)
-        cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+        cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
         out = torch.full(q.shape, math.nan, dtype=dtype, device="cuda")
         lse = torch.full((8, sum(lens_q)), math.nan, device="cuda")
         fmha.attention_varlen(q, k, v, cu_q, cu_k, out=out, lse=lse, backend="kernel", **kw)
     want_o, want_lse = attention_reference(q, k, v, cu_q, cu_k, mask=MaskSpec.from_args(**MASKS[mask]),
                                            softcap=softcap, sinks=sinks, compute_dtype=torch.float64)
-    assert _rel(out, want_o) < 1e-2
-    assert _lse_err(lse, want_lse) < 5e-3
+    assert rel_l2(out, want_o) < 1e-2
+    assert lse_max_err(lse, want_lse) < 5e-3
 
 
 DECODE = [(d, page, splits, var, s_q, mask) for d in (64, 128) for page in (0, 64) for splits in (1, 3)
@@ -123,8 +108,8 @@ def test_decode(d, page, splits, variant, s_q, mask):
         n = int(lengths[i])
         wo, wl = attention_reference(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], mask=mspec, softcap=softcap,
                                      sinks=sinks, compute_dtype=torch.float64)
-        assert _rel(out[i:i + 1], wo) < 1e-2
-        assert _lse_err(lse[i:i + 1], wl) < 5e-3
+        assert rel_l2(out[i:i + 1], wo) < 1e-2
+        assert lse_max_err(lse[i:i + 1], wl) < 5e-3
 
 
 BACKWARD = [(dt, d, m, var, layout, det)
@@ -150,7 +135,7 @@ def test_backward(dtype, d, mask, variant, layout, det):
     else:
         lens_q, lens_k = [0, 1, 190, 65], [4, 1, 0, 200]
         q, k, v = _data((sum(lens_q), 4, d), (sum(lens_k), 2, d), dtype, gen)
-        cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+        cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
     o, lse = attention_reference(q, k, v, cu_q, cu_k, mask=mspec, softcap=softcap, sinks=sinks)
     out = o.to(dtype)
     dout = torch.randn(out.shape, generator=gen, device="cuda").to(dtype)
@@ -167,7 +152,7 @@ def test_backward(dtype, d, mask, variant, layout, det):
                                         sinks=sinks, compute_dtype=torch.float64)
     for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
         tol = 3e-2 if name == "dsinks" else 2e-2
-        assert _rel(g, w) < tol, f"{name}: {_rel(g, w):.3g}"
+        assert rel_l2(g, w) < tol, f"{name}: {rel_l2(g, w):.3g}"
     if det:
         again = fmha.attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, **kw) if layout == "varlen" else \
             fmha.attention_backward(dout, q, k, v, out, lse, **kw)
@@ -190,9 +175,9 @@ def test_training_autograd(variant):
                        backend="kernel")
     o_ref = fmha.attention(*refs[:3], causal=True, softcap=softcap, sinks=refs[3] if with_sinks else None,
                            backend="reference")
-    assert _rel(o, o_ref) < 1e-2
+    assert rel_l2(o, o_ref) < 1e-2
     dout = torch.randn(o.shape, generator=gen, device="cuda").to(o.dtype)
     o.backward(dout)
     o_ref.backward(dout)
     for a, b in zip(leaves, refs):
-        assert _rel(a.grad, b.grad) < 2e-2
+        assert rel_l2(a.grad, b.grad) < 2e-2

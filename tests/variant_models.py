@@ -111,3 +111,17 @@ def train_losses(style, use_fmha, backend="auto", steps=4, shape=(2, 200), devic
         opt.step()
         losses.append(loss.item())
     return losses, sink_grads
+
+
+def assert_matches_eager(style, fmha_run, eager_run, loss_rtol: float, grad_rtol: float):
+    """``train_losses``' (losses, sinks' gradients) of fmha against the eager model's: the eager
+    model learns, every loss within ``loss_rtol``, each layer's sinks gradient within
+    ``grad_rtol`` (relative L2)."""
+    (got, got_sinks), (want, want_sinks) = fmha_run, eager_run
+    assert want[-1] < want[0]  # it learns, so the comparison is of a moving model
+    for g, w in zip(got, want):
+        assert abs(g - w) < loss_rtol * abs(w)
+    assert len(got_sinks) == len(want_sinks) == (2 if STYLES[style]["sinks"] else 0)
+    for g, w in zip(got_sinks, want_sinks):  # each layer's sinks gradient
+        assert w.abs().max() > 0
+        assert (g - w).norm() < grad_rtol * w.norm()
