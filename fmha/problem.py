@@ -144,6 +144,7 @@ class AttentionProblem(ScoreScaling):
                 rows, sq, sk, m.kind, m.window_left, m.window_right, m.bottom_right,
                 imin=lambda a, b: torch.clamp(a, max=b) if torch.is_tensor(a) else min(a, b),
                 imax=lambda a, b: torch.clamp(a, min=b) if torch.is_tensor(a) else max(a, b),
+                compression=m.compression,
             )
             kept += int(torch.clamp(hi - lo, min=0).sum())
         return 2.0 * kept * self.num_heads_q * (self.head_dim + self.head_dim_v)

@@ -34,7 +34,7 @@ def _torch_max(a, b):
 def _row_bounds(rows: torch.Tensor, sq: int, sk: int, mask: MaskSpec):
     lo, hi = row_key_bounds(
         rows, sq, sk, mask.kind, mask.window_left, mask.window_right, mask.bottom_right,
-        imin=_torch_min, imax=_torch_max,
+        imin=_torch_min, imax=_torch_max, compression=mask.compression,
     )
     return lo, hi
 

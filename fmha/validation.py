@@ -368,7 +368,7 @@ def validate(
         lens_q, lens_k = [seqlen_q] * batch, [seqlen_k] * batch
 
     mask = MaskSpec.from_args(causal, window_size, mask_align, compressed_causal)
-    if mask.kind == MaskKind.COMPRESSED_CAUSAL:
+    if mask.kind == MaskKind.COMPRESSED_CAUSAL and mask.compression is None:
         _check_compressed_causal(lens_q, lens_k)
 
     scales = {n: _scale(n, s) for n, s in

@@ -5,7 +5,7 @@ A varlen launch sized by the longest sequence would give every sequence ``max_se
 query tiles, most of them empty, and a static split of those over the SMs is unbalanced because
 tile costs follow each sequence's key count. Validation has already read the sequence lengths on
 the host, so the launcher lists the (sequence, query tile) pairs that hold rows, ordered by
-the number of K/V tiles they visit (the same ``kv_tile_schedule`` the kernel runs), largest
+the number of K/V tiles they visit (the same ``kv_walk`` the kernel runs), largest
 first: one CTA per tile then runs longest-processing-time-first, and a persistent grid deals
 the list out as a snake (``scheduler.snake_next``), which gives every CTA about the same work.
 """
@@ -17,7 +17,8 @@ from typing import Sequence
 
 import torch
 
-from .masking import MaskSpec, kv_tile_schedule, num_q_tiles, row_key_bounds
+from .kernels.common.kv_walk import kv_walk
+from .masking import MaskSpec, num_q_tiles, row_key_bounds
 
 _DEVICE_CACHE: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _CACHE_SIZE = 64
@@ -43,8 +44,8 @@ def work_tiles(seqlens_q: Sequence[int], seqlens_k: Sequence[int], mask: MaskSpe
     items = []
     for b, (sq, sk) in enumerate(zip(seqlens_q, seqlens_k)):
         for m in range(num_q_tiles(sq, tile_m)):
-            sched = kv_tile_schedule(m, tile_m, tile_n, sq, sk, mask.kind, mask.window_left,
-                                     mask.window_right, mask.bottom_right)
+            sched = kv_walk(m, tile_m, tile_n, sq, sk, mask.kind, mask.window_left, mask.window_right,
+                            mask.bottom_right, compression=mask.compression)
             # +1: a tile that visits no K/V still loads Q and writes O and LSE
             items.append((-(sched.total + 1), b, m))
     items.sort()
@@ -110,8 +111,10 @@ def kv_work_tiles(seqlens_q: Sequence[int], seqlens_k: Sequence[int], mask: Mask
         for m in range(num_q_tiles(sq, tile_m)):
             first, last = m * tile_m, min(m * tile_m + tile_m, sq) - 1
             # bands never move left as the row grows: the tile's keys lie in [first's lo, last's hi)
-            lo = row_key_bounds(first, sq, sk, mask.kind, mask.window_left, mask.window_right, mask.bottom_right)[0]
-            hi = row_key_bounds(last, sq, sk, mask.kind, mask.window_left, mask.window_right, mask.bottom_right)[1]
+            lo = row_key_bounds(first, sq, sk, mask.kind, mask.window_left, mask.window_right, mask.bottom_right,
+                                compression=mask.compression)[0]
+            hi = row_key_bounds(last, sq, sk, mask.kind, mask.window_left, mask.window_right, mask.bottom_right,
+                                compression=mask.compression)[1]
             n_lo, n_hi = max(lo, 0) // tile_n, -(-min(hi, sk) // tile_n)
             if n_lo < n_hi:
                 starts[n_lo] += 1

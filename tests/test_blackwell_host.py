@@ -1,5 +1,5 @@
 """Host side of the Blackwell kernel, on the CPU: which K/V tiles a CTA visits and which it masks
-(``kv_walk``) against the semantics' mask predicate (``tests/naive.py``), what the configuration
+(the shared ``kv_walk``, as the kernel takes it) against the semantics' mask predicate (``tests/naive.py``), what the configuration
 supports and why not, its TMEM, register and shared-memory budgets, the backend's shape, and a
 step-by-step model of the kernel's softmax/correction protocol against the naive attention."""
 
@@ -14,7 +14,7 @@ pytest.importorskip("cutlass")
 from fmha.kernels.blackwell import config as bc  # noqa: E402
 from fmha.kernels.blackwell.backend import BlackwellBackend  # noqa: E402
 from fmha.kernels.blackwell.config import BlackwellForwardConfig  # noqa: E402
-from fmha.kernels.blackwell.kv_walk import cta_kv_walk, step_is_masked  # noqa: E402
+from fmha.kernels.common.kv_walk import kv_walk  # noqa: E402
 from fmha.masking import MaskKind, MaskSpec, row_key_bounds  # noqa: E402
 from fmha.problem import KernelOptions  # noqa: E402
 from fmha.validation import validate  # noqa: E402
@@ -53,6 +53,11 @@ def _lengths(kind):
         yield sq, sk
 
 
+def cta_kv_walk(m, cta_rows, tile_n, sq, sk, kind, left, right, bottom_right):
+    """The walk as the kernel takes it (``BlackwellForwardKernel.kv_walk``)."""
+    return kv_walk(m, cta_rows, tile_n, sq, sk, kind, left, right, bottom_right).at_least_one_tile(sk, tile_n)
+
+
 @pytest.mark.parametrize("mask", MASKS, ids=lambda m: f"{m[0]}-{m[1]}-{m[2]}-{'br' if m[3] else 'tl'}")
 def test_walk_visits_every_kept_key_and_masks_every_partial_tile(mask):
     """For every CTA row block: every key some row keeps lies in a visited tile; every visited tile
@@ -67,17 +72,17 @@ def test_walk_visits_every_kept_key_and_masks_every_partial_tile(mask):
             walk = cta_kv_walk(m, CTA_ROWS, TILE_N, sq, sk, spec.kind, spec.window_left, spec.window_right,
                                spec.bottom_right)
             kept_tiles = sorted({j // TILE_N for j in rows.any(0).nonzero().flatten().tolist()})
-            visited = list(range(walk.start, walk.start + walk.count))
-            assert walk.count >= 1
+            visited = list([walk.block(i) for i in range(walk.total)])
+            assert walk.total >= 1
             if not kept_tiles:
-                assert walk.count == 1 and step_is_masked(walk, 0), (sq, sk, m)
+                assert walk.total == 1 and walk.needs_mask(0), (sq, sk, m)
                 assert walk.start * TILE_N >= max(sk, 1), (sq, sk, m)  # zero-filled, nothing read
                 continue
             assert visited == kept_tiles, (sq, sk, m, walk)
             for step, n in enumerate(visited):
                 cols = rows[:, n * TILE_N:(n + 1) * TILE_N]
                 whole = cols.shape[1] == TILE_N and bool(cols.all())
-                if not step_is_masked(walk, step):
+                if not walk.needs_mask(step):
                     assert whole, (sq, sk, m, step, walk)
 
 
@@ -121,8 +126,8 @@ def _simulate_cta(q, k, v, spec: MaskSpec, score_scale, out_scale, p_dtype):
             row_max = torch.full((len(rows),), -math.inf, dtype=torch.float64)
             row_sum = torch.zeros(len(rows), dtype=torch.float64)
             acc = torch.zeros(len(rows), v.shape[1], dtype=torch.float64)
-            for step in range(walk.count):
-                col_base = (walk.start + step) * TILE_N
+            for step in range(walk.total):
+                col_base = walk.block(step) * TILE_N
                 cols = torch.arange(col_base, col_base + TILE_N)
                 inside = (cols >= 0) & (cols < sk)
                 kk = torch.zeros(TILE_N, k.shape[1], dtype=torch.float64)
@@ -130,7 +135,7 @@ def _simulate_cta(q, k, v, spec: MaskSpec, score_scale, out_scale, p_dtype):
                 kk[inside] = k[cols[inside]].double()  # TMA zero-fills past the end
                 vv[inside] = v[cols[inside]].double()
                 s = q[rows].double() @ kk.T
-                if step_is_masked(walk, step):
+                if walk.needs_mask(step):
                     s = torch.where((cols[None] >= lo) & (cols[None] < hi), s, neg_inf)
                 old = row_max
                 row_max = torch.maximum(row_max, s.max(1).values)

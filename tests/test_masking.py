@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from fmha.masking import MaskKind, MaskSpec, first_row_past, kv_tile_schedule, row_key_bounds
+from fmha.kernels.common.kv_walk import kv_walk, query_walk
+from fmha.masking import MaskKind, MaskSpec, first_row_past, row_key_bounds
 
 
 def spec_keeps(i, j, sq, sk, spec):
@@ -14,6 +15,9 @@ def spec_keeps(i, j, sq, sk, spec):
     if spec.kind == MaskKind.NONE:
         return True
     if spec.kind == MaskKind.COMPRESSED_CAUSAL:
+        if spec.compression is not None:  # summary j covers tokens [j * stride, j * stride + block)
+            block, stride = spec.compression
+            return j * stride + block - 1 <= i
         c = sq // sk
         return j <= (i + 1) // c - 1
     off = sk - sq if spec.bottom_right else 0
@@ -27,6 +31,10 @@ def spec_keeps(i, j, sq, sk, spec):
 def random_spec(rng, sq, sk):
     kind = rng.choice(list(MaskKind))
     if kind == MaskKind.COMPRESSED_CAUSAL:
+        if rng.random() < 0.5:  # NSA's geometry: any lengths
+            block = rng.choice([1, 2, 4, 5, 8, 16, 32])
+            stride = rng.choice([s for s in (1, 2, 3, 4, 8, 16) if s <= block] + [block])
+            return MaskSpec(kind, compression=(block, stride))
         if sk == 0 or sk > sq:
             return MaskSpec(MaskKind.NONE)
         return MaskSpec(kind)
@@ -43,7 +51,8 @@ def test_row_bounds_match_spec():
         sq, sk = rng.randint(1, 70), rng.randint(0, 70)
         spec = random_spec(rng, sq, sk)
         for i in range(sq):
-            lo, hi = row_key_bounds(i, sq, sk, spec.kind, spec.window_left, spec.window_right, spec.bottom_right)
+            lo, hi = row_key_bounds(i, sq, sk, spec.kind, spec.window_left, spec.window_right, spec.bottom_right,
+                                    compression=spec.compression)
             kept = {j for j in range(sk) if spec_keeps(i, j, sq, sk, spec)}
             assert kept == set(range(lo, hi)), (sq, sk, spec, i)
 
@@ -54,20 +63,20 @@ def test_first_row_past_matches_a_scan_of_the_bands():
     for _ in range(600):
         sq, sk = rng.randint(1, 90), rng.randint(1, 90)
         spec = random_spec(rng, sq, sk)
-        bands = [row_key_bounds(i, sq, sk, spec.kind, spec.window_left, spec.window_right, spec.bottom_right)
-                 for i in range(sq)]
+        bands = [row_key_bounds(i, sq, sk, spec.kind, spec.window_left, spec.window_right, spec.bottom_right,
+                                compression=spec.compression) for i in range(sq)]
         for key in range(sk):
             for use_lo in (False, True):
                 want = next((i for i, band in enumerate(bands) if band[0 if use_lo else 1] > key), sq)
                 got = first_row_past(key, sq, sk, spec.kind, spec.window_left, spec.window_right, spec.bottom_right,
-                                     use_lo)
+                                     use_lo, compression=spec.compression)
                 assert got == want, (sq, sk, spec, key, use_lo)
 
 
 def test_backward_query_ranges_invert_the_forward_schedules():
-    """The backward kernel's query tiles per K/V tile (``first_row_past``, as ``bwd.query_tiles``
-    uses it) are exactly the (query tile, K/V tile) pairs the forward's ``kv_tile_schedule``
-    visits: the K/V tiles that add into a query tile's dQ are the ones its forward visited."""
+    """The backward kernel's query tiles per K/V tile (``query_walk``) are exactly the (query
+    tile, K/V tile) pairs the forward's ``kv_walk`` visits: the K/V tiles that add into a query
+    tile's dQ are the ones its forward visited."""
     rng = random.Random(3)
     for _ in range(1500):
         tm, tn = rng.choice([(64, 128), (128, 128), (4, 8), (8, 4), (3, 5)])
@@ -76,15 +85,12 @@ def test_backward_query_ranges_invert_the_forward_schedules():
         args = (sq, sk, spec.kind, spec.window_left, spec.window_right, spec.bottom_right)
         pairs = set()
         for n in range((sk + tn - 1) // tn):
-            first = first_row_past(n * tn, *args, use_lo=False)
-            end = first_row_past(min(n * tn + tn, sk) - 1, *args, use_lo=True)
-            if spec.kind == MaskKind.NONE:
-                first, end = 0, sq
-            if first < end:
-                pairs |= {(m, n) for m in range(first // tm, (end + tm - 1) // tm)}
+            walk = query_walk(n, tm, tn, *args, compression=spec.compression)
+            assert walk.count >= 0
+            pairs |= {(m, n) for m in range(walk.start, walk.end)}
         want = set()
         for m in range((sq + tm - 1) // tm):
-            sched = kv_tile_schedule(m, tm, tn, *args)
+            sched = kv_walk(m, tm, tn, *args, compression=spec.compression)
             want |= {(m, n) for n in range(sched.start, sched.start + sched.total)}
         assert pairs == want, (sq, sk, tm, tn, spec)
 
@@ -98,8 +104,10 @@ def test_tile_schedule_matches_brute_force(seed):
         spec = random_spec(rng, sq, sk)
         for m in range((sq + tm - 1) // tm):
             rows = range(m * tm, min((m + 1) * tm, sq))
-            sched = kv_tile_schedule(m, tm, tn, sq, sk, spec.kind, spec.window_left, spec.window_right, spec.bottom_right)
+            sched = kv_walk(m, tm, tn, sq, sk, spec.kind, spec.window_left, spec.window_right, spec.bottom_right,
+                            compression=spec.compression)
             assert min(sched) >= 0
+            assert [sched.block(k) for k in range(sched.total)] == list(range(sched.start, sched.start + sched.total))
             visited = range(sched.start, sched.start + sched.total)
             for n in range((sk + tn - 1) // tn + 2):
                 cols = range(n * tn, (n + 1) * tn)
@@ -114,6 +122,10 @@ def test_tile_schedule_matches_brute_force(seed):
                     unmasked = sched.leading_masked <= k < sched.leading_masked + sched.unmasked
                     # a tile is marked unmasked iff every row keeps all of it
                     assert unmasked == all_kept, ctx
+                    assert sched.needs_mask(k) == (not all_kept), ctx
+            # the segments, in order, are the walk's steps with their classes
+            classes = [masked for count, masked in sched.segments for _ in range(count)]
+            assert classes == [bool(sched.needs_mask(k)) for k in range(sched.total)]
 
 
 def test_mask_spec_from_args():
@@ -135,8 +147,30 @@ def test_mask_spec_from_args():
         MaskSpec.from_args(window_size=(1.5, 0))
     with pytest.raises(ValueError, match="mask_align"):
         MaskSpec.from_args(mask_align="center")
-    with pytest.raises(ValueError, match="compressed_causal=True cannot be combined"):
+    with pytest.raises(ValueError, match="compressed_causal cannot be combined"):
         MaskSpec.from_args(causal=True, compressed_causal=True)
+    s = MaskSpec.from_args(compressed_causal=(32, 16))
+    assert (s.kind, s.compression) == (MaskKind.COMPRESSED_CAUSAL, (32, 16))
+    assert MaskSpec.from_args(compressed_causal=True).compression is None
+    assert s.describe() == "compressed_causal(block=32,stride=16)"
+    for bad in ((32,), (0, 16), (32, -1), (32.0, 16), "32,16", (True, 1)):
+        with pytest.raises(ValueError, match="compressed_causal"):
+            MaskSpec.from_args(compressed_causal=bad)
+
+
+def test_compression_geometry_is_nsa_visibility():
+    """Row t keeps compressed key j exactly when block j's last token, j * stride + block - 1,
+    is at or before t; block = stride = c is the ratio form with S_q = c * S_k."""
+    for block, stride in ((32, 16), (8, 4), (5, 3), (4, 4), (1, 1), (3, 5)):
+        for sq, sk in ((100, 7), (1, 3), (64, 0), (200, 200)):
+            for t in range(sq):
+                lo, hi = row_key_bounds(t, sq, sk, MaskKind.COMPRESSED_CAUSAL, compression=(block, stride))
+                assert lo == 0 and hi == len([j for j in range(sk) if j * stride + block - 1 <= t])
+    for c, sk in ((4, 9), (16, 3)):
+        sq = c * sk
+        for t in range(sq):
+            assert (row_key_bounds(t, sq, sk, MaskKind.COMPRESSED_CAUSAL)
+                    == row_key_bounds(t, sq, sk, MaskKind.COMPRESSED_CAUSAL, compression=(c, c)))
 
 
 def test_kept_column_bits_match_the_interval():

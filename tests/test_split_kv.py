@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from fmha import split_kv
-from fmha.masking import KvTileSchedule, MaskKind, kv_tile_schedule, row_key_bounds, split_share
+from fmha.kernels.common.kv_walk import KvWalk, kv_walk
+from fmha.masking import MaskKind, row_key_bounds
 
 
 def test_pack_then_unpack_is_the_identity():
@@ -35,13 +36,13 @@ def test_num_splits_fill_the_gpu_only_when_the_tiles_do_not():
 @pytest.mark.parametrize("start,lead,full,trail", [(0, 1, 10, 1), (3, 2, 0, 0), (0, 0, 7, 1), (5, 0, 0, 0)])
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 8, 20])
 def test_split_shares_cover_each_tile_once_with_its_class(start, lead, full, trail, num_splits):
-    whole = KvTileSchedule(start, lead, full, trail)
+    whole = KvWalk(start, lead, full, trail)
     classes = {}
     for t in range(start, start + whole.total):
         classes[t] = t < start + lead or t >= start + lead + full  # masked?
     seen = {}
     for split in range(num_splits):
-        part = split_share(whole, split, num_splits)
+        part = whole.split_share(split, num_splits)
         assert part.total >= 0 and min(part.leading_masked, part.unmasked, part.trailing_masked) >= 0
         for i in range(part.total):
             t = part.start + i
@@ -60,7 +61,7 @@ def test_packed_rows_visit_the_tiles_of_their_positions(rows_per_query, window):
     left, right = window
     kind = MaskKind.NONE if window == (None, None) else MaskKind.WINDOW
     for m_block in range(-(-rows // tile_m)):
-        sched = kv_tile_schedule(m_block, tile_m, tile_n, rows, seqlen_k, kind, left, right, True,
+        sched = kv_walk(m_block, tile_m, tile_n, rows, seqlen_k, kind, left, right, True,
                                  rows_per_query=rows_per_query)
         first, last = m_block * tile_m, min((m_block + 1) * tile_m, rows) - 1
         kept = set()

@@ -3,7 +3,8 @@ keys) exactly once, costliest first."""
 
 import torch
 
-from fmha.masking import MaskSpec, kv_tile_schedule, row_key_bounds
+from fmha.kernels.common.kv_walk import kv_walk
+from fmha.masking import MaskSpec, row_key_bounds
 from fmha.work_tiles import kv_work_tile_table, kv_work_tiles, work_tile_table, work_tiles
 
 LENS_Q = [0, 1, 17, 300, 1024, 77, 129]
@@ -13,7 +14,7 @@ MASKS = [MaskSpec(), MaskSpec.from_args(causal=True), MaskSpec.from_args(causal=
 
 
 def _cost(b, m, mask, tm, tn):
-    return kv_tile_schedule(m, tm, tn, LENS_Q[b], LENS_K[b], mask.kind, mask.window_left,
+    return kv_walk(m, tm, tn, LENS_Q[b], LENS_K[b], mask.kind, mask.window_left,
                             mask.window_right, mask.bottom_right).total
 
 

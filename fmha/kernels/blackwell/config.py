@@ -10,6 +10,7 @@ kernel.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 
@@ -77,6 +78,8 @@ class BlackwellForwardConfig:
     softcap: bool = False
     #: a sink logit per query head joins each row's softmax denominator
     has_sinks: bool = False
+    #: compressed causal's (block, stride); None: derived per sequence (``MaskSpec.compression``)
+    compression: Optional[Tuple[int, int]] = None
 
     def __post_init__(self):
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -104,6 +107,7 @@ class BlackwellForwardConfig:
             arch=arch_for(problem.device),
             softcap=problem.softcap > 0,
             has_sinks=problem.has_sinks,
+            compression=m.compression,
         )
 
     # ---- derived: one line of reason each

@@ -63,7 +63,7 @@ class CorrectionRole:
                 handle.release()
                 handle = stats1_consumer.wait_and_advance()
                 handle.release()
-                for _ in cutlass.range(1, walk.count, unroll=1):
+                for _ in cutlass.range(1, walk.total, unroll=1):
                     stats0_consumer, o_consumer = self.correct_step(0, stats0_consumer, o_consumer, scale_log2,
                                                                     views)
                     stats1_consumer, o_consumer = self.correct_step(1, stats1_consumer, o_consumer, scale_log2,

@@ -18,7 +18,7 @@ Pipelines (mbarriers): load -> MMA (Q, K/V), MMA -> softmax (S ready / P consume
 correction (row statistics), MMA -> correction (O accumulated / rescaled), correction ->
 epilogue (O staged), and softmax 0 -> softmax 1 (turns at the exponentials). Every role walks
 the same tiles (``fmha.kernels.common.scheduler``) and the same K/V tiles per tile
-(``kv_walk.py``).
+(``common/kv_walk.py``).
 """
 
 from typing import Any, NamedTuple, Optional
@@ -37,10 +37,10 @@ from fmha.masking import num_q_tiles
 from ..common.scheduler import StaticTileScheduler, TileTableScheduler
 from ..common.seqinfo import SequenceInfo
 from ..common import sequence_descriptors as seq_desc
+from ..common.kv_walk import kv_walk
 from ..common.layouts import bshd_to_sdhb
 from .config import REGISTERS_CORRECTION, REGISTERS_OTHER, REGISTERS_SOFTMAX, BlackwellForwardConfig
 from .correction import CorrectionRole
-from .kv_walk import cta_kv_walk
 from .softmax import SoftmaxRole
 from .tmem import TmemPlan
 
@@ -334,10 +334,15 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
         return SequenceInfo.create(tile.batch, mQ_tma.shape[0], mK_tma.shape[0], mCuSeqlensQ, mCuSeqlensK)
 
     def kv_walk(self, m_block, seq: SequenceInfo, window_left, window_right):
-        """The K/V tiles this CTA's rows visit (``kv_walk.py``)."""
+        """The K/V tiles this CTA's rows visit (``common/kv_walk.py``): every role walks the same
+        tiles for both Q tiles (the MMA warp interleaves their GEMMs on each K/V stage), so the
+        walk is over all the CTA's rows; the pipelines expect at least one tile, so a CTA whose
+        rows keep no key visits one fully masked tile past the keys."""
         cfg = self.cfg
-        return cta_kv_walk(m_block, cfg.cta_rows, cfg.tile_n, seq.seqlen_q, seq.seqlen_k, cfg.mask_kind,
-                           window_left, window_right, cfg.bottom_right, imin=cutlass.min, imax=cutlass.max)
+        walk = kv_walk(m_block, cfg.cta_rows, cfg.tile_n, seq.seqlen_q, seq.seqlen_k, cfg.mask_kind, window_left,
+                       window_right, cfg.bottom_right, imin=cutlass.min, imax=cutlass.max,
+                       compression=cfg.compression)
+        return walk.at_least_one_tile(seq.seqlen_k, cfg.tile_n, imin=cutlass.min, imax=cutlass.max)
 
     @cute.jit
     def wait_for_tmem(self, storage):
@@ -378,11 +383,11 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
                 q_tile0 = 2 * tile.m_block
 
                 q_producer = self.load_one(q_producer, tma_q, tQgQ[None, q_tile0, 0], tQsQ, desc_q)
-                kv_producer = self.load_one(kv_producer, tma_k, tKgK[None, walk.start, 0], tKsK, desc_k)
+                kv_producer = self.load_one(kv_producer, tma_k, tKgK[None, walk.block(0), 0], tKsK, desc_k)
                 q_producer = self.load_one(q_producer, tma_q, tQgQ[None, q_tile0 + 1, 0], tQsQ, desc_q)
-                kv_producer = self.load_one(kv_producer, tma_v, tVgV[None, 0, walk.start], tVsV, desc_v)
-                for i in cutlass.range(1, walk.count, unroll=1):
-                    n_block = walk.start + i
+                kv_producer = self.load_one(kv_producer, tma_v, tVgV[None, 0, walk.block(0)], tVsV, desc_v)
+                for i in cutlass.range(1, walk.total, unroll=1):
+                    n_block = walk.block(i)
                     kv_producer = self.load_one(kv_producer, tma_k, tKgK[None, n_block, 0], tKsK, desc_k)
                     kv_producer = self.load_one(kv_producer, tma_v, tVgV[None, 0, n_block], tVsV, desc_v)
             tile_idx, _ = scheduler.producer_next(tile_idx, None)
@@ -448,7 +453,7 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
                 tiled_mma_pv = self.gemm(tiled_mma_pv, tOtO0, tOrP0, tOrV[None, None, None, v_stage.index], False)
                 o0.commit()
                 o1_accumulates = cutlass.Boolean(False)
-                for _ in cutlass.range(1, walk.count, unroll=1):
+                for _ in cutlass.range(1, walk.total, unroll=1):
                     tStS0, tStS1, tOtO0, tOtO1, tOrP0, tOrP1 = self.mma_tmem_views(storage)
                     k_stage = kv_consumer.wait_and_advance()
                     # S0's columns are free: P0 was read by the P.V above, issued earlier in order

@@ -21,7 +21,6 @@ from cutlass.cute.nvgpu import tcgen05
 
 from ..common.mask import FragmentMask
 from ..common.softmax import finite_row_max
-from .kv_walk import step_is_masked
 from .tmem import P_COLUMN, STATS_COLUMN, TmemPlan
 
 WARPGROUP = 128
@@ -76,17 +75,16 @@ class SoftmaxRole:
             seq = self.sequence(tile, mQ_tma, mK_tma, mCuSeqlensQ, mCuSeqlensK)
             if tile.m_block * cfg.cta_rows < seq.seqlen_q:
                 walk = self.kv_walk(tile.m_block, seq, window_left, window_right)
-                mask = FragmentMask(cfg.mask_kind, seq.seqlen_q, seq.seqlen_k, window_left, window_right,
-                                    cfg.bottom_right, softcap_factor=softcap_factor)
+                mask = FragmentMask.of(cfg, seq.seqlen_q, seq.seqlen_k, window_left, window_right, softcap_factor)
                 row_base = tile.m_block * cfg.cta_rows + which * cfg.tile_m
                 row_max = Float32(-math.inf)
                 row_sum = Float32(0.0)
                 stats = stats_producer.acquire_and_advance()
-                for step in cutlass.range(walk.count, unroll=1):
-                    col_base = (walk.start + step) * cfg.tile_n
+                for step in cutlass.range(walk.total, unroll=1):
+                    col_base = walk.block(step) * cfg.tile_n
                     row_max, row_sum, stats, s_consumer, stats_producer, turn_producer, turn_consumer = \
                         self.softmax_step(
-                            which, step_is_masked(walk, step), mask, row_base, col_base, scale_log2, row_max,
+                            which, walk.needs_mask(step), mask, row_base, col_base, scale_log2, row_max,
                             row_sum, stats, s_consumer, stats_producer, turn_producer, turn_consumer, views)
                 # the MMA warp's last commit of this tile: every GEMM reading P is done, S's
                 # columns may take the final statistics

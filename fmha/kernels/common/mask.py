@@ -101,10 +101,19 @@ class FragmentMask:
     window_left: Any = None
     window_right: Any = None
     bottom_right: bool = False
-    #: rows per query position (a packed GQA group, ``kv_tile_schedule``): ``seqlen_q`` counts rows
+    #: rows per query position (a packed GQA group, ``kv_walk``): ``seqlen_q`` counts rows
     rows_per_query: int = 1
     #: softcap: the raw q.k's factor before tanh; None (static) for none
     softcap_factor: Any = None
+    #: compressed causal's static (block, stride) (``fmha.masking.MaskSpec.compression``)
+    compression: Any = None
+
+    @staticmethod
+    def of(cfg, seqlen_q, seqlen_k, window_left, window_right, softcap_factor=None) -> "FragmentMask":
+        """The object of one (sequence, tile) of a kernel built from config ``cfg`` (its static
+        mask kind, alignment, compression geometry and GQA row packing)."""
+        return FragmentMask(cfg.mask_kind, seqlen_q, seqlen_k, window_left, window_right, cfg.bottom_right,
+                            getattr(cfg, "rows_per_query", 1), softcap_factor, cfg.compression)
 
     @cute.jit
     def apply_scores(self, acc_s: cute.Tensor, coords: cute.Tensor, row_base, col_base, masked: cutlass.Constexpr):
@@ -153,6 +162,7 @@ class FragmentMask:
         return row_key_bounds(
             row // g if g > 1 else row, self.seqlen_q // g if g > 1 else self.seqlen_q, self.seqlen_k, self.kind,
             self.window_left, self.window_right, self.bottom_right, imin=cutlass.min, imax=cutlass.max,
+            compression=self.compression,
         )
 
     @cute.jit

@@ -62,11 +62,12 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from fmha.masking import MaskKind, first_row_past
+from fmha.masking import MaskKind
 
 from ..common import sequence_descriptors as seq_desc
 from ..common.layouts import bshd_to_sdhb, mma_operand_smem_layout, rows_first
 from ..common.device_tile_list import COST_BINS, DeviceWorkTileList, cost_bins_bytes
+from ..common.kv_walk import query_walk
 from ..common.seqinfo import SequenceInfo
 from ..common.tma import bulk_reduce_add_f32, tma_tiles
 from . import dq_layout
@@ -351,28 +352,14 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
         m_start, m_end = self.query_tiles(n_block, seq.seqlen_q, seq.seqlen_k, window_left, window_right)
         return m_end - m_start + 1
 
-    def first_row_past(self, key, seqlen_q, seqlen_k, window_left, window_right, use_lo: bool):
-        """The first row whose band end (``use_lo``: start) is past ``key`` (closed form, no search)."""
-        cfg = self.cfg
-        return first_row_past(key, seqlen_q, seqlen_k, cfg.mask_kind, window_left, window_right, cfg.bottom_right,
-                              use_lo, imin=cutlass.min, imax=cutlass.max)
-
-    @cute.jit
     def query_tiles(self, n_block, seqlen_q, seqlen_k, window_left, window_right):
-        """[m_start, m_end): the query tiles some row of which keeps a key of K/V tile
-        ``n_block``."""
-        num_m = (seqlen_q + self.tile_m - 1) // self.tile_m
-        m_start, m_end = Int32(0), num_m
-        if const_expr(self.cfg.mask_kind != MaskKind.NONE):
-            n0 = n_block * self.tile_n
-            n1 = cutlass.min(n0 + self.tile_n, seqlen_k)
-            first = self.first_row_past(n0, seqlen_q, seqlen_k, window_left, window_right, False)
-            end = self.first_row_past(n1 - 1, seqlen_q, seqlen_k, window_left, window_right, True)
-            m_start = first // self.tile_m
-            m_end = cutlass.max((end + self.tile_m - 1) // self.tile_m, m_start)
-            if first >= end:
-                m_end = m_start
-        return m_start, m_end
+        """[m_start, m_end): the query tiles some row of which keeps a key of K/V tile ``n_block``
+        (the K/V walk's transpose, ``common/kv_walk.py``)."""
+        cfg = self.cfg
+        walk = query_walk(n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, cfg.mask_kind, window_left,
+                          window_right, cfg.bottom_right, imin=cutlass.min, imax=cutlass.max,
+                          compression=cfg.compression)
+        return walk.start, walk.end
 
     def query_tile_at(self, i, m_start, m_end):
         """The ``i``-th query tile a CTA visits (``m_start <= i < m_end``). Deterministic: from

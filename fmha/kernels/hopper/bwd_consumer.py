@@ -104,8 +104,7 @@ class BackwardConsumer:
         inv_scale_log2 = Float32(1.0) / scale_log2 if const_expr(cfg.softcap) else None
 
         # the score-and-mask object (``common/mask.py``), applied to S^T
-        mask = FragmentMask(cfg.mask_kind, seqlen_q, seqlen_k, window_left, window_right, cfg.bottom_right,
-                            softcap_factor=softcap_factor)
+        mask = FragmentMask.of(cfg, seqlen_q, seqlen_k, window_left, window_right, softcap_factor)
         kv_handle = kv_consumer.wait_and_advance()
         tile_parity = Int32(0)
         for g in cutlass.range(group, unroll=1):

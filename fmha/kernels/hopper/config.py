@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 
@@ -196,6 +197,8 @@ class HopperForwardConfig:
     softcap: bool = False
     #: a sink logit per query head joins each row's softmax denominator
     has_sinks: bool = False
+    #: compressed causal's (block, stride); None: derived per sequence (``MaskSpec.compression``)
+    compression: Optional[Tuple[int, int]] = None
 
     def __post_init__(self):
         if self.tile_m % 64 or self.tile_n % 16:
@@ -247,6 +250,7 @@ class HopperForwardConfig:
             tiles_on_device=problem.varlen and problem.seqlens_q is None,
             softcap=problem.softcap > 0,
             has_sinks=problem.has_sinks,
+            compression=m.compression,
         )
 
     # ---- derived: one line of reason each
@@ -434,6 +438,8 @@ class HopperBackwardConfig:
     softcap: bool = False
     #: V's head dim (and dO's, O's, dV's); None: Q's
     head_dim_v: int = None
+    #: compressed causal's (block, stride); None: derived per sequence (``MaskSpec.compression``)
+    compression: Optional[Tuple[int, int]] = None
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -538,7 +544,7 @@ class HopperBackwardConfig:
                                     m.window_right is not None, m.bottom_right if m.kind == MaskKind.WINDOW else False,
                                     problem.varlen, options.deterministic, listed,
                                     listed and problem.seqlens_q is None, long_rows, problem.softcap > 0,
-                                    problem.head_dim_v)
+                                    problem.head_dim_v, m.compression)
 
 
 def why_unsupported_backward(problem: AttentionProblem, options: KernelOptions) -> list:

@@ -15,7 +15,7 @@ stages, K and V tiles in turn) and, for claimed tiles, the tile hand-off (``sche
 Named barriers among the consumers: ``barriers.NamedBarrier``.
 
 K/V tiles the mask leaves empty are never loaded; only boundary tiles pay for element-wise
-masking (``fmha.masking.kv_tile_schedule``, shared with the host and the tests). Decode over a KV
+masking (``common/kv_walk.py``, shared with the host and the tests). Decode over a KV
 cache switches on compile-time options (``config.decode_config``): a GQA group's query heads as
 the rows of one tile, key counts per sequence, a query tile's keys split over CTAs (fp32 partials
 for ``common/split_combine.py``), paged K/V read through the block table (``load_kv_paged``). Varlen loads go
@@ -35,7 +35,9 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from fmha.masking import kv_tile_schedule, num_q_tiles, split_share
+from fmha.masking import num_q_tiles
+
+from ..common.kv_walk import kv_walk
 
 from ..common.device_tile_list import COST_BINS, DeviceWorkTileList, cost_bins_bytes
 from ..common import sequence_descriptors as seq_desc
@@ -325,18 +327,18 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
                                                 mTileCounter, hand_off)
         return StaticTileScheduler.create(num_m_blocks, num_heads, num_batches, cfg.longest_first, cfg.persistent)
 
-    def kv_tile_schedule(self, m_block, seq: SequenceInfo, window_left, window_right, split=None, num_splits=None):
-        """The K/V tiles this query tile visits (``fmha.masking.kv_tile_schedule``), or with
-        split-KV its split's share of them (``fmha.masking.split_share``)."""
+    def kv_walk(self, m_block, seq: SequenceInfo, window_left, window_right, split=None, num_splits=None):
+        """The K/V tiles this query tile visits (``common/kv_walk.py``), or with split-KV its
+        split's share of them."""
         cfg = self.cfg
-        tiles = kv_tile_schedule(
+        walk = kv_walk(
             m_block, cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k, cfg.mask_kind,
             window_left, window_right, cfg.bottom_right, imin=cutlass.min, imax=cutlass.max,
-            rows_per_query=cfg.rows_per_query,
+            rows_per_query=cfg.rows_per_query, compression=cfg.compression,
         )
         if const_expr(cfg.split_kv):
-            tiles = split_share(tiles, split, num_splits, imin=cutlass.min, imax=cutlass.max)
-        return tiles
+            walk = walk.split_share(split, num_splits, imin=cutlass.min, imax=cutlass.max)
+        return walk
 
     def listed_tiles(self, seq: SequenceInfo):
         """Varlen tile lists (``device_tile_list``): a sequence's query tiles with rows."""
@@ -345,7 +347,7 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
     def listed_tile_cost(self, m_block, seq: SequenceInfo, window_left, window_right):
         """A listed query tile's cost: the K/V tiles it visits, plus one (it loads Q and writes O
         even when it visits none)."""
-        return self.kv_tile_schedule(m_block, seq, window_left, window_right).total + 1
+        return self.kv_walk(m_block, seq, window_left, window_right).total + 1
 
     def work_of(self, tile: WorkTile, cache: KvCache, mQ_sdhb, mK_tma, mCuSeqlensQ, mCuSeqlensK):
         """(batch entry, split, its SequenceInfo) of a work tile: the schedulers count split s of
@@ -411,10 +413,8 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
             tile = scheduler.decode(tile_idx)
             _, split, seq = self.work_of(tile, cache, mQ_sdhb, mK_tma, mCuSeqlensQ, mCuSeqlensK)
             if tile.m_block * cfg.tile_m < seq.seqlen_q:
-                mask = FragmentMask(cfg.mask_kind, seq.seqlen_q, seq.seqlen_k, window_left, window_right,
-                                    cfg.bottom_right, cfg.rows_per_query, softcap_factor)
-                kv_tiles = self.kv_tile_schedule(tile.m_block, seq, window_left, window_right, split,
-                                                 cache.num_splits)
+                mask = FragmentMask.of(cfg, seq.seqlen_q, seq.seqlen_k, window_left, window_right, softcap_factor)
+                kv_tiles = self.kv_walk(tile.m_block, seq, window_left, window_right, split, cache.num_splits)
                 row_base = tile.m_block * cfg.tile_m
                 softmax.reset()
                 acc_o.fill(0.0)

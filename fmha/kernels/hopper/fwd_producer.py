@@ -56,8 +56,7 @@ class ProducerWarp:
                 q_handle = q_producer.acquire_and_advance()
                 cute.copy(tma_q, tQgQ, tQsQ[None, q_handle.index], tma_bar_ptr=q_handle.barrier, tma_desc_ptr=desc_q)
 
-                kv_tiles = self.kv_tile_schedule(tile.m_block, seq, window_left, window_right, split,
-                                                 cache.num_splits)
+                kv_tiles = self.kv_walk(tile.m_block, seq, window_left, window_right, split, cache.num_splits)
                 if const_expr(cfg.page_run):
                     kv_producer = self.load_kv_paged(kv_tiles, cache, batch, seq, mK_cur, mV_cur, tma_k, tma_v,
                                                      sK, sV, kv_producer)
@@ -79,13 +78,13 @@ class ProducerWarp:
         tma_k, tKgK, tKsK, desc_k = k_load
         tma_v, tVgV, tVsV, desc_v = v_load
         if kv_tiles.total > 0:
-            kv_producer = self.load_stage(kv_producer, tma_k, tKgK[None, kv_tiles.start], tKsK, desc_k, True)
+            kv_producer = self.load_stage(kv_producer, tma_k, tKgK[None, kv_tiles.block(0)], tKsK, desc_k, True)
             for i in cutlass.range(1, kv_tiles.total, unroll=1):
-                n_block = kv_tiles.start + i
-                kv_producer = self.load_stage(kv_producer, tma_k, tKgK[None, n_block], tKsK, desc_k, True)
-                kv_producer = self.load_stage(kv_producer, tma_v, tVgV[None, n_block - 1], tVsV, desc_v, False)
+                kv_producer = self.load_stage(kv_producer, tma_k, tKgK[None, kv_tiles.block(i)], tKsK, desc_k, True)
+                kv_producer = self.load_stage(kv_producer, tma_v, tVgV[None, kv_tiles.block(i - 1)], tVsV, desc_v,
+                                              False)
             kv_producer = self.load_stage(
-                kv_producer, tma_v, tVgV[None, kv_tiles.start + kv_tiles.total - 1], tVsV, desc_v, False)
+                kv_producer, tma_v, tVgV[None, kv_tiles.block(kv_tiles.total - 1)], tVsV, desc_v, False)
         return kv_producer
 
     @cute.jit
@@ -115,11 +114,10 @@ class ProducerWarp:
         run from the page the block table names (every run lies within one page). A tile's pages
         are looked up once, for its K, and kept for its V one step later."""
         if kv_tiles.total > 0:
-            first = kv_tiles.start
-            rows = self.page_rows(cache, batch, seq, first, mK_cur.shape[0])
+            rows = self.page_rows(cache, batch, seq, kv_tiles.block(0), mK_cur.shape[0])
             kv_producer = self.load_stage_paged(kv_producer, rows, mK_cur, tma_k, sK, True)
             for i in cutlass.range(1, kv_tiles.total, unroll=1):
-                next_rows = self.page_rows(cache, batch, seq, first + i, mK_cur.shape[0])
+                next_rows = self.page_rows(cache, batch, seq, kv_tiles.block(i), mK_cur.shape[0])
                 kv_producer = self.load_stage_paged(kv_producer, next_rows, mK_cur, tma_k, sK, True)
                 kv_producer = self.load_stage_paged(kv_producer, rows, mV_cur, tma_v, sV, False)
                 rows = next_rows

@@ -11,6 +11,7 @@ tensor-core work. The producer fills the K/V ring in the order this loop waits i
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -49,38 +50,39 @@ class ConsumerMainloop:
     @cute.jit
     def mainloop(self, kv_tiles, row_base: Int32, mask: FragmentMask, softmax: OnlineSoftmax,
                  frags: ConsumerFragments, kv_consumer: pipeline.PipelineConsumer, wg: Int32):
-        """Every K/V tile of ``kv_tiles`` (``fmha.masking.KvTileSchedule``) into ``frags.acc_o``.
+        """Every K/V tile of the walk ``kv_tiles`` (``common/kv_walk.py``) into ``frags.acc_o``.
         Returns the advanced ``kv_consumer``."""
         if kv_tiles.total > 0:
             kv_consumer = self.first_tile(kv_tiles, row_base, mask, softmax, frags, kv_consumer)
-            # Tile 0 came out of the first non-empty group of the schedule.
-            first_leading = cutlass.min(kv_tiles.leading_masked, 1)
-            first_unmasked = cutlass.min(kv_tiles.unmasked, 1 - first_leading)
-            leading = kv_tiles.leading_masked - first_leading
-            unmasked = kv_tiles.unmasked - first_unmasked
-            trailing = kv_tiles.trailing_masked - (1 - first_leading - first_unmasked)
-            n_block = kv_tiles.start + 1
-            # Counted down: with ``range(count)`` ptxas re-derived the bound from the constant bank
-            # in every iteration.
-            remaining = leading
-            while remaining > 0:
-                kv_consumer = self.step(True, n_block, row_base, mask, softmax, frags, kv_consumer, wg)
-                n_block += 1
-                remaining -= 1
-            remaining = unmasked
-            while remaining > 0:
-                kv_consumer = self.step(False, n_block, row_base, mask, softmax, frags, kv_consumer, wg)
-                remaining -= 1
-            n_block += unmasked
-            remaining = trailing
-            while remaining > 0:
-                kv_consumer = self.step(True, n_block, row_base, mask, softmax, frags, kv_consumer, wg)
-                n_block += 1
-                remaining -= 1
+            # Step 0 came out of the first non-empty segment of the walk.
+            segments = kv_tiles.segments
+            untaken = 1
+            step = Int32(1)
+            for s, (count, masked) in enumerate(segments):
+                if const_expr(s < len(segments) - 1):
+                    taken = cutlass.min(count, untaken)
+                    remaining = count - taken
+                    untaken = untaken - taken
+                else:
+                    remaining = count - untaken
+                # Counted down: with ``range(count)`` ptxas re-derived the bound from the constant
+                # bank in every iteration.
+                if const_expr(masked):
+                    while remaining > 0:
+                        kv_consumer = self.step(True, kv_tiles.block(step), row_base, mask, softmax, frags,
+                                                kv_consumer, wg)
+                        step += 1
+                        remaining -= 1
+                else:
+                    # an unmasked step needs no tile index
+                    step += remaining
+                    while remaining > 0:
+                        kv_consumer = self.step(False, None, row_base, mask, softmax, frags, kv_consumer, wg)
+                        remaining -= 1
             # The last P.V.
             v_handle = kv_consumer.wait_and_advance()
             if const_expr(self.cfg.cache_lengths):
-                last = kv_tiles.start + kv_tiles.total - 1
+                last = kv_tiles.block(kv_tiles.total - 1)
                 self.zero_keys_past_end(frags.v_stages[None, None, v_handle.index],
                                         mask.seqlen_k - last * self.cfg.tile_n, wg)
             issue_gemm(frags.mma_pv, frags.acc_o, self.operand_p(frags.p), frags.v[None, None, None, v_handle.index],
@@ -112,19 +114,21 @@ class ConsumerMainloop:
         issue_gemm(frags.mma_qk, acc_s, frags.q, frags.k[None, None, None, k_handle.index], True)
         warpgroup.wait_group(0)
         release_by_one_lane(k_handle)
-        mask.apply_scores(acc_s, frags.s_coords, row_base, kv_tiles.start * self.cfg.tile_n, True)
+        mask.apply_scores(acc_s, frags.s_coords, row_base, kv_tiles.block(0) * self.cfg.tile_n, True)
         softmax.update(acc_s, frags.row_scale)  # O is still zero: no rescale
         self.store_p(frags.p, acc_s)
         return kv_consumer
 
     @cute.jit
-    def step(self, masked: cutlass.Constexpr, n_block: Int32, row_base: Int32, mask: FragmentMask,
+    def step(self, masked: cutlass.Constexpr, n_block: Optional[Int32], row_base: Int32, mask: FragmentMask,
              softmax: OnlineSoftmax, frags: ConsumerFragments, kv_consumer: pipeline.PipelineConsumer,
              wg: Int32):
         """One pipelined step: S_n and P_{n-1} V_{n-1} issued in this warpgroup's turn, then the
-        softmax of S_n under the P.V GEMM, O rescaled, P_n packed."""
+        softmax of S_n under the P.V GEMM, O rescaled, P_n packed. ``n_block`` (K/V tile n's
+        index) places the mask; an unmasked step has none."""
         acc_s, k_handle, v_handle, kv_consumer = self.issue_step_gemms(frags, kv_consumer, wg)
-        mask.apply_scores(acc_s, frags.s_coords, row_base, n_block * self.cfg.tile_n, masked)
+        col_base = n_block * self.cfg.tile_n if const_expr(masked) else None
+        mask.apply_scores(acc_s, frags.s_coords, row_base, col_base, masked)
         softmax.update(acc_s, frags.row_scale)
         # ptxas keeps an mbarrier arrive ahead of a later wgmma wait but hoists both as far as
         # their operands allow. Released here, tied to the softmax's result, K_n's arrive holds
