@@ -11,6 +11,7 @@ import torch
 
 from . import dispatch, ops
 from .backends import FORWARD, UnsupportedError, check_backend_name, runner_for, select, unsupported_reasons
+from .options import parse_cached, with_public_options
 from .problem import AttentionProblem
 from .validation import kernel_options, validate
 
@@ -29,96 +30,76 @@ def _needs_autograd(q, k, v, sinks=None) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, sinks))
 
 
-def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqlen_k,
-         return_lse, out, lse, out_dtype, backend, persistent, tile_mn, deterministic, **mask_and_scales):
+def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqlen_k, sinks, return_lse, out, lse,
+         out_dtype, backend, persistent, tile_mn, deterministic, options):
+    options = parse_cached(**options)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-    if _needs_autograd(q, k, v, mask_and_scales.get("sinks")):
+    if _needs_autograd(q, k, v, sinks):
         if out is not None or lse is not None:
             raise ValueError("out= and lse= are not differentiable; leave them out when an input requires "
                              "grad (or call under torch.no_grad())")
-        o, l = ops.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=varlen, max_seqlen_q=max_seqlen_q,
-                                     max_seqlen_k=max_seqlen_k, out_dtype=out_dtype, backend=backend,
-                                     persistent=persistent, tile_mn=tile_mn, deterministic=deterministic,
-                                     **mask_and_scales)
+        o, l = ops.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, options=options, sinks=sinks,
+                                     varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                     out_dtype=out_dtype, backend=backend, persistent=persistent, tile_mn=tile_mn,
+                                     deterministic=deterministic)
         return (o, l) if return_lse else o
-    return dispatch.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=varlen, max_seqlen_q=max_seqlen_q,
-                    max_seqlen_k=max_seqlen_k, return_lse=return_lse, out=out, lse=lse, out_dtype=out_dtype,
-                    backend=backend, persistent=persistent, tile_mn=tile_mn, **mask_and_scales)
+    return dispatch.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, options=options, sinks=sinks, varlen=varlen,
+                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse, out=out,
+                            lse=lse, out_dtype=out_dtype, backend=backend, persistent=persistent, tile_mn=tile_mn)
 
 
-def attention(
-    q, k, v, *,
-    causal=False, window_size=(None, None), mask_align="top_left", compressed_causal=False,
-    softmax_scale=None, softcap=0.0, sinks=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
-    return_lse=False, out=None, lse=None, out_dtype=None,
-    backend="auto", persistent=None, tile_mn=None, deterministic=False,
-):
+@with_public_options
+def attention(q, k, v, *, sinks=None, return_lse=False, out=None, lse=None, out_dtype=None, backend="auto",
+              persistent=None, tile_mn=None, deterministic=False, **options):
     """Attention forward on BSHD tensors: q (B, S_q, H_q, D), k/v (B, S_k, H_k, D); a BHSD tensor
-    is accepted as ``x.transpose(1, 2)``. Returns O (B, S_q, H_q, D) in ``out_dtype`` (default:
+    is accepted as ``x.transpose(1, 2)``. Returns O (B, S_q, H_q, D_v) in ``out_dtype`` (default:
     the input dtype, bf16 for fp8), or ``(O, LSE)`` with LSE (B, H_q, S_q) fp32 when
     ``return_lse``. ``out``/``lse`` preallocated are written in place (``lse`` is filled even
-    without ``return_lse``). Semantics: docs/semantics.md; ``window_size`` sides are ints or None
-    (unbounded) and may be negative (a band offset: ``(None, -5)`` keeps keys at least five
-    positions back); ``causal=True`` with a window clips its right side to 0. ``softcap`` > 0 caps
-    the scaled scores at ``softcap * tanh(s / softcap)``; ``sinks`` (H_q,) adds one logit per query
-    head to every row's softmax denominator (gpt-oss). With inputs that require grad (``sinks``
-    too), autograd records the call; ``deterministic=True`` makes its backward bitwise-repeatable
-    (the forward always is).
+    without ``return_lse``). ``sinks`` (H_q,) adds one logit per query head to every row's
+    softmax denominator (gpt-oss). The mask, score and scale options (``causal``,
+    ``window_size``, ``mask_align``, ``compressed_causal``, ``softmax_scale``, ``softcap``,
+    ``scale_q/k/v``, ``inv_scale_o``) are defined once in ``fmha.options.parse``; semantics:
+    docs/semantics.md. With inputs that require grad (``sinks`` too), autograd records the call;
+    ``deterministic=True`` makes its backward bitwise-repeatable (the forward always is).
     """
-    return _run(
-        q, k, v, None, None, varlen=False, max_seqlen_q=None, max_seqlen_k=None,
-        causal=causal, window_size=window_size, mask_align=mask_align,
-        compressed_causal=compressed_causal, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks,
-        scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o, return_lse=return_lse,
-        out=out, lse=lse, out_dtype=out_dtype, backend=backend, persistent=persistent,
-        tile_mn=tile_mn, deterministic=deterministic,
-    )
+    return _run(q, k, v, None, None, varlen=False, max_seqlen_q=None, max_seqlen_k=None, sinks=sinks,
+                return_lse=return_lse, out=out, lse=lse, out_dtype=out_dtype, backend=backend,
+                persistent=persistent, tile_mn=tile_mn, deterministic=deterministic, options=options)
 
 
-def attention_varlen(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
-    causal=False, window_size=(None, None), mask_align="top_left", compressed_causal=False,
-    softmax_scale=None, softcap=0.0, sinks=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
-    return_lse=False, out=None, lse=None, out_dtype=None,
-    backend="auto", persistent=None, tile_mn=None, deterministic=False,
-):
+@with_public_options
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, sinks=None,
+                     return_lse=False, out=None, lse=None, out_dtype=None, backend="auto", persistent=None,
+                     tile_mn=None, deterministic=False, **options):
     """Attention forward on packed THD tensors: q (T_q, H_q, D), k/v (T_k, H_k, D); sequence b is
     rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32, length B + 1, on q's device). Masks apply per
     sequence. ``max_seqlen_*`` may be None (read from cu_seqlens). LSE is (H_q, T_q).
     Otherwise as :func:`attention`. cu_seqlens are checked on the host: one sync per cu_seqlens
     tensor and version, not per call (``fmha.validation``).
     """
-    return _run(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=True, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        causal=causal, window_size=window_size, mask_align=mask_align,
-        compressed_causal=compressed_causal, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks,
-        scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o, return_lse=return_lse,
-        out=out, lse=lse, out_dtype=out_dtype, backend=backend, persistent=persistent,
-        tile_mn=tile_mn, deterministic=deterministic,
-    )
+    return _run(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=True, max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k, sinks=sinks, return_lse=return_lse, out=out, lse=lse,
+                out_dtype=out_dtype, backend=backend, persistent=persistent, tile_mn=tile_mn,
+                deterministic=deterministic, options=options)
 
 
-def attention_backward(
-    dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, *,
-    dlse=None, causal=False, window_size=(None, None), mask_align="top_left", compressed_causal=False,
-    softmax_scale=None, softcap=0.0, sinks=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
-    deterministic=False, dq=None, dk=None, dv=None, dsinks=None, backend="auto",
-):
+@with_public_options
+def attention_backward(dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                       max_seqlen_k=None, *, dlse=None, sinks=None, deterministic=False, dq=None, dk=None, dv=None,
+                       dsinks=None, backend="auto", **options):
     """Gradients of attention with respect to q, k and v: ``(dq, dk, dv)`` in the dtypes and
     shapes of q, k, v (written into ``dq``/``dk``/``dv`` when given). ``out`` and ``lse`` are
     the forward's (``return_lse=True``), ``dout`` the gradient of ``out``, ``dlse`` (optional)
     that of ``lse``. Dense (BSHD) or, with ``cu_seqlens_q/k``, packed (THD) as in the forward,
-    with the forward's keywords; ``deterministic=True`` asks for bitwise-repeatable gradients.
+    with the forward's options; ``deterministic=True`` asks for bitwise-repeatable gradients.
     With ``sinks``, returns ``(dq, dk, dv, dsinks)`` (written into ``dsinks`` when given).
     For frameworks that drive the backward themselves (ring attention); ``attention(...)`` with
     inputs that require grad records autograd on its own."""
     return dispatch.backward(
-        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=dlse, causal=causal,
-        window_size=window_size, mask_align=mask_align, compressed_causal=compressed_causal,
-        softmax_scale=softmax_scale, softcap=softcap, sinks=sinks, scale_q=scale_q, scale_k=scale_k, scale_v=scale_v,
-        inv_scale_o=inv_scale_o, deterministic=deterministic, dq=dq, dk=dk, dv=dv, dsinks=dsinks, backend=backend)
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        options=parse_cached(**options), dlse=dlse, sinks=sinks, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
+        dsinks=dsinks, backend=backend)
 
 
 class FusedAttention:
@@ -136,20 +117,15 @@ class FusedAttention:
         fa.execute(q, k, v, o)
     """
 
+    @with_public_options
     def __init__(
         self, sample_q, sample_k, sample_v, sample_o, sample_lse=None, *,
-        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-        causal=False, window_size=(None, None), mask_align="top_left", compressed_causal=False,
-        softmax_scale=None, softcap=0.0, sinks=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
-        backend="auto", persistent=None, tile_mn=None,
+        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, sinks=None,
+        backend="auto", persistent=None, tile_mn=None, **options,
     ):
         check_backend_name(backend)
         self._varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-        self._kwargs = dict(
-            causal=causal, window_size=window_size, mask_align=mask_align,
-            compressed_causal=compressed_causal, softmax_scale=softmax_scale, softcap=softcap, scale_q=scale_q,
-            scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o,
-        )
+        self._options = parse_cached(**options)
         self._sinks = sinks
         self.problem = self._validate(sample_q, sample_k, sample_v, sample_o, sample_lse,
                                       cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks)
@@ -166,7 +142,7 @@ class FusedAttention:
             raise TypeError("o must be a preallocated torch.Tensor")
         return validate(
             q, k, v, varlen=self._varlen, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-            max_seqlen_q=max_q, max_seqlen_k=max_k, out=o, lse=lse, sinks=sinks, **self._kwargs,
+            max_seqlen_q=max_q, max_seqlen_k=max_k, out=o, lse=lse, sinks=sinks, options=self._options,
         )
 
     @property

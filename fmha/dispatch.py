@@ -13,6 +13,7 @@ import torch
 
 from . import device_errors
 from .backends import BACKWARD, FORWARD, check_backend_name, recall_dispatch, remember_dispatch, runner_for, select
+from .options import AttentionOptions
 from .problem import AttentionProblem, accumulate_dtype
 from .validation import (ALIGN_BYTES, kernel_options, lse_shape, offsets_read_record, out_shape, validate,
                          validate_backward)
@@ -27,7 +28,7 @@ def _allocate(q: torch.Tensor, problem: AttentionProblem, out, lse):
     return out, lse
 
 
-_PLAIN = (int, float, bool, str, type(None), torch.dtype)
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, AttentionOptions)
 
 
 def memo_key(tensors, args):
@@ -88,14 +89,12 @@ def pointers_aligned(tensors) -> bool:
     return all(t is None or t.data_ptr() % ALIGN_BYTES == 0 for t in tensors)
 
 
-def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqlen_k,
-             return_lse, out, lse, out_dtype, backend, persistent, tile_mn, **mask_and_scales):
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, options: AttentionOptions, sinks, varlen, max_seqlen_q,
+            max_seqlen_k, return_lse, out, lse, out_dtype, backend, persistent, tile_mn):
     """Validate, dispatch and run one forward call (no autograd)."""
     cu_seqlens = (cu_seqlens_q, cu_seqlens_k) if varlen else ()
-    sinks = mask_and_scales.get("sinks")
-    plain = tuple(v for n, v in mask_and_scales.items() if n != "sinks")
-    key, hit = _recall((q, k, v, out, lse, sinks), (return_lse, out_dtype, backend, persistent, tile_mn, varlen,
-                                                    max_seqlen_q, max_seqlen_k) + plain, cu_seqlens)
+    key, hit = _recall((q, k, v, out, lse, sinks), (options, return_lse, out_dtype, backend, persistent, tile_mn,
+                                                    varlen, max_seqlen_q, max_seqlen_k), cu_seqlens)
     if hit is not None and pointers_aligned((q, k, v, out)):
         problem, runner = hit
         out, lse = _allocate(q, problem, out, lse)
@@ -106,12 +105,12 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_se
     problem = validate(
         q, k, v, varlen=varlen, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse,
-        out=out, lse=lse, out_dtype=out_dtype, **mask_and_scales,
+        out=out, lse=lse, out_dtype=out_dtype, options=options, sinks=sinks,
     )
-    options = kernel_options(persistent, tile_mn)
+    kernel = kernel_options(persistent, tile_mn)
     out, lse = _allocate(q, problem, out, lse)
-    chosen = select(FORWARD, backend, problem, options)
-    runner = runner_for(FORWARD, chosen, problem, options)
+    chosen = select(FORWARD, backend, problem, kernel)
+    runner = runner_for(FORWARD, chosen, problem, kernel)
     _remember(key, problem, runner, cu_seqlens)
     with offsets_checked_on_device(problem):
         runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks)
@@ -130,17 +129,15 @@ def offsets_checked_on_device(problem):
 
 
 def backward(dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, *,
-             dlse=None, causal=False, window_size=(None, None), mask_align="top_left", compressed_causal=False,
-             softmax_scale=None, softcap=0.0, sinks=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
-             deterministic=False, dq=None, dk=None, dv=None, dsinks=None, backend="auto"):
+             options: AttentionOptions, dlse=None, sinks=None, deterministic=False, dq=None, dk=None, dv=None,
+             dsinks=None, backend="auto"):
     """Validate, dispatch and run one backward call (``fmha.attention_backward``'s arguments)."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     tensors = (dout, q, k, v, out, lse, dlse, dq, dk, dv, sinks, dsinks)
     cu_seqlens = (cu_seqlens_q, cu_seqlens_k) if varlen else ()
     # a training loop repeats its calls: validation and dispatch are reused as the forward's are
-    key, hit = _recall(tensors, ("backward", causal, window_size, mask_align, compressed_causal, softmax_scale,
-                                 softcap, scale_q, scale_k, scale_v, inv_scale_o, deterministic, backend, varlen,
-                                 max_seqlen_q, max_seqlen_k), cu_seqlens)
+    key, hit = _recall(tensors, ("backward", options, deterministic, backend, varlen, max_seqlen_q, max_seqlen_k),
+                       cu_seqlens)
     if hit is not None and pointers_aligned((dout, q, k, v, out, dq, dk, dv)):
         problem, runner = hit
     else:
@@ -148,15 +145,13 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, max_
         problem = validate_backward(
             dout, q, k, v, out, lse, dlse=dlse, dq=dq, dk=dk, dv=dv, dsinks=dsinks, varlen=varlen,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, causal=causal, window_size=window_size, mask_align=mask_align,
-            compressed_causal=compressed_causal, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks,
-            scale_q=scale_q, scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o,
+            max_seqlen_k=max_seqlen_k, options=options, sinks=sinks,
         )
         if not isinstance(deterministic, bool):
             raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-        options = dataclasses.replace(kernel_options(), deterministic=deterministic)
-        chosen = select(BACKWARD, backend, problem, options)
-        runner = runner_for(BACKWARD, chosen, problem, options)
+        kernel = dataclasses.replace(kernel_options(), deterministic=deterministic)
+        chosen = select(BACKWARD, backend, problem, kernel)
+        runner = runner_for(BACKWARD, chosen, problem, kernel)
         _remember(key, problem, runner, cu_seqlens)
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk

@@ -27,7 +27,8 @@ import torch
 from . import device_errors
 from .masking import MaskSpec
 from .problem import INPUT_DTYPES, ScoreScaling, default_out_dtype, accumulate_dtype, output_dtypes_for
-from .validation import _check_layout, _dtype_name, _require_tensor, _scale, check_sinks, check_softcap
+from .options import check_scale, check_softcap
+from .validation import _check_layout, _dtype_name, _require_tensor, check_sinks
 
 #: page sizes a paged cache may have (the kernels' TMA boxes are 16-row multiples)
 PAGE_SIZES = tuple(range(16, 257, 16))
@@ -197,9 +198,9 @@ def decode_problem(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_ne
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     mask = MaskSpec.from_args(causal, window_size, "bottom_right", False)
-    scales = dict(softmax_scale=_scale("softmax_scale", softmax_scale, allow_none=True),
-                  scale_q=_scale("scale_q", scale_q), scale_k=_scale("scale_k", scale_k),
-                  scale_v=_scale("scale_v", scale_v), inv_scale_o=_scale("inv_scale_o", inv_scale_o),
+    scales = dict(softmax_scale=check_scale("softmax_scale", softmax_scale, allow_none=True),
+                  scale_q=check_scale("scale_q", scale_q), scale_k=check_scale("scale_k", scale_k),
+                  scale_v=check_scale("scale_v", scale_v), inv_scale_o=check_scale("inv_scale_o", inv_scale_o),
                   softcap=check_softcap(softcap))
     check_sinks(sinks, q.shape[2], q.device)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)

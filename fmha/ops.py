@@ -12,8 +12,7 @@ need no autograd go straight to ``dispatch.forward``.
 
 from __future__ import annotations
 
-import math
-from typing import List, Optional, Tuple
+from typing import Tuple
 
 import torch
 from torch import Tensor
@@ -21,92 +20,76 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.flop_counter import register_flop_formula
 
 from . import dispatch
-from .masking import MaskSpec
+from .options import OP_FIELDS, OP_SCHEMA, from_op_args, op_args, parse_cached
 from .problem import default_out_dtype, accumulate_dtype
-from .validation import _scale, check_softcap, kernel_options, lse_shape, out_shape
+from .validation import kernel_options, lse_shape, out_shape
+
+#: the forward op's arguments after q, k, v and sinks; the options' part follows ``fmha.options``
+_CALL_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "varlen", "max_seqlen_q", "max_seqlen_k")
+_KERNEL_ARGS = ("out_dtype", "backend", "persistent", "tile_mn", "deterministic")
+_FORWARD_ARGS = _CALL_ARGS + tuple(name for name, _ in OP_FIELDS) + _KERNEL_ARGS
+_NUM_OPTIONS = len(OP_FIELDS)
+_FORWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+                   f"bool varlen, int? max_seqlen_q, int? max_seqlen_k, {OP_SCHEMA}, ScalarType? out_dtype, "
+                   "str backend, bool? persistent, int[]? tile_mn, bool deterministic) -> (Tensor, Tensor)")
+_BACKWARD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, Tensor? sinks, "
+                    "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int? max_seqlen_q, int? max_seqlen_k, "
+                    f"{OP_SCHEMA}, bool deterministic, str backend) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
-def _forward_kwargs(causal, window_left, window_right, mask_align, compressed_causal, softmax_scale, softcap,
-                    scale_q, scale_k, scale_v, inv_scale_o) -> dict:
-    return dict(causal=causal, window_size=(window_left, window_right), mask_align=mask_align,
-                compressed_causal=compressed_causal, softmax_scale=softmax_scale, softcap=softcap, scale_q=scale_q,
-                scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o)
+def _split_forward_args(args):
+    """(cu_q, cu_k, varlen, max_q, max_k), the options, (out_dtype, backend, persistent, tile_mn,
+    deterministic) of the forward op's arguments after q, k, v and sinks."""
+    call, rest = args[:len(_CALL_ARGS)], args[len(_CALL_ARGS):]
+    return call, from_op_args(rest[:_NUM_OPTIONS]), rest[_NUM_OPTIONS:]
 
 
-def _forward_impl(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal,
-                  window_left, window_right, mask_align, compressed_causal, softmax_scale, softcap, scale_q, scale_k,
-                  scale_v, inv_scale_o, out_dtype, backend, persistent, tile_mn, deterministic):
-    return dispatch.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=varlen, max_seqlen_q=max_seqlen_q,
-                    max_seqlen_k=max_seqlen_k, return_lse=True, out=None, lse=None, out_dtype=out_dtype,
-                    backend=backend, persistent=persistent, tile_mn=None if tile_mn is None else tuple(tile_mn),
-                    sinks=sinks,
-                    **_forward_kwargs(causal, window_left, window_right, mask_align, compressed_causal,
-                                      softmax_scale, softcap, scale_q, scale_k, scale_v, inv_scale_o))
+def _forward_impl(q, k, v, sinks, *args):
+    (cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k), options, kernel = _split_forward_args(args)
+    out_dtype, backend, persistent, tile_mn, _ = kernel
+    return dispatch.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, options=options, sinks=sinks, varlen=varlen,
+                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=True, out=None,
+                            lse=None, out_dtype=out_dtype, backend=backend, persistent=persistent,
+                            tile_mn=None if tile_mn is None else tuple(tile_mn))
 
 
-@torch.library.custom_op("fmha::attention_forward", mutates_args=())
-def _forward_op(q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
-                cu_seqlens_k: Optional[Tensor], varlen: bool, max_seqlen_q: Optional[int],
-                max_seqlen_k: Optional[int], causal: bool, window_left: Optional[int], window_right: Optional[int],
-                mask_align: str, compressed_causal: bool, softmax_scale: float, softcap: float, scale_q: float,
-                scale_k: float, scale_v: float, inv_scale_o: float, out_dtype: Optional[torch.dtype], backend: str,
-                persistent: Optional[bool], tile_mn: Optional[List[int]],
-                deterministic: bool) -> Tuple[Tensor, Tensor]:
-    return _forward_impl(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal,
-                         window_left, window_right, mask_align, compressed_causal, softmax_scale, softcap, scale_q,
-                         scale_k, scale_v, inv_scale_o, out_dtype, backend, persistent, tile_mn, deterministic)
-
-
-@_forward_op.register_fake
-def _forward_fake(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal,
-                  window_left, window_right, mask_align, compressed_causal, softmax_scale, softcap, scale_q, scale_k,
-                  scale_v, inv_scale_o, out_dtype, backend, persistent, tile_mn, deterministic):
+def _forward_fake(q, k, v, sinks, *args):
+    out_dtype = args[len(_CALL_ARGS) + _NUM_OPTIONS]
+    varlen = args[_CALL_ARGS.index("varlen")]
     out = q.new_empty(out_shape(q, v.shape[-1]), dtype=out_dtype or default_out_dtype(q.dtype))
     return out, q.new_empty(lse_shape(q, varlen), dtype=accumulate_dtype(q.dtype))
 
 
+_forward_op = torch.library.custom_op("fmha::attention_forward", _forward_impl, mutates_args=(),
+                                      schema=_FORWARD_SCHEMA)
+_forward_op.register_fake(_forward_fake)
+
+
 def _backward_impl(dout, q, k, v, out, lse, dlse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   causal, window_left, window_right, mask_align, compressed_causal, softmax_scale, softcap, scale_q,
-                   scale_k, scale_v, inv_scale_o, deterministic, backend):
+                   *args):
     """(dq, dk, dv, dsinks); dsinks is an empty tensor without sinks (an op returns tensors only)."""
+    options, (deterministic, backend) = from_op_args(args[:_NUM_OPTIONS]), args[_NUM_OPTIONS:]
     grads = dispatch.backward(
-        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=dlse,
-        deterministic=deterministic, backend=backend, sinks=sinks,
-        **_forward_kwargs(causal, window_left, window_right, mask_align, compressed_causal, softmax_scale,
-                          softcap, scale_q, scale_k, scale_v, inv_scale_o))
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options=options,
+        dlse=dlse, sinks=sinks, deterministic=deterministic, backend=backend)
     return grads if sinks is not None else grads + (q.new_empty(0, dtype=torch.float32),)
 
 
-@torch.library.custom_op("fmha::attention_backward", mutates_args=())
-def _backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
-                 sinks: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                 max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], causal: bool, window_left: Optional[int],
-                 window_right: Optional[int], mask_align: str, compressed_causal: bool, softmax_scale: float,
-                 softcap: float, scale_q: float, scale_k: float, scale_v: float, inv_scale_o: float,
-                 deterministic: bool, backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _backward_impl(dout, q, k, v, out, lse, dlse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, causal, window_left, window_right, mask_align, compressed_causal,
-                          softmax_scale, softcap, scale_q, scale_k, scale_v, inv_scale_o, deterministic, backend)
-
-
-@_backward_op.register_fake
-def _backward_fake(dout, q, k, v, out, lse, dlse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   causal, window_left, window_right, mask_align, compressed_causal, softmax_scale, softcap, scale_q,
-                   scale_k, scale_v, inv_scale_o, deterministic, backend):
+def _backward_fake(dout, q, k, v, out, lse, dlse, sinks, *args):
     dsinks = torch.empty_like(sinks) if sinks is not None else q.new_empty(0, dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
-# Positions of the forward op's arguments that the backward reads again (after q, k, v, sinks).
-_FORWARD_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "varlen", "max_seqlen_q", "max_seqlen_k", "causal", "window_left",
-                 "window_right", "mask_align", "compressed_causal", "softmax_scale", "softcap", "scale_q", "scale_k",
-                 "scale_v", "inv_scale_o", "out_dtype", "backend", "persistent", "tile_mn", "deterministic")
+_backward_op = torch.library.custom_op("fmha::attention_backward", _backward_impl, mutates_args=(),
+                                       schema=_BACKWARD_SCHEMA)
+_backward_op.register_fake(_backward_fake)
 
 
 def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused LSE's gradient stays None: no zero tensor to read
     q, k, v, sinks = inputs[:4]
     ctx.args = dict(zip(_FORWARD_ARGS, inputs[4:]))
+    ctx.option_values = tuple(inputs[4 + len(_CALL_ARGS):4 + len(_CALL_ARGS) + _NUM_OPTIONS])
     out, lse = output
     ctx.save_for_backward(q, k, v, sinks, out, lse, ctx.args["cu_seqlens_q"], ctx.args["cu_seqlens_k"])
 
@@ -117,10 +100,8 @@ def _backward(ctx, grad_out, grad_lse, backward=None):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv, dsinks = (backward or torch.ops.fmha.attention_backward)(
-        grad_out.contiguous(), q, k, v, out, lse, grad_lse, sinks,
-        cu_q, cu_k, a["max_seqlen_q"], a["max_seqlen_k"], a["causal"], a["window_left"], a["window_right"],
-        a["mask_align"], a["compressed_causal"], a["softmax_scale"], a["softcap"], a["scale_q"], a["scale_k"],
-        a["scale_v"], a["inv_scale_o"], a["deterministic"], a["backend"])
+        grad_out.contiguous(), q, k, v, out, lse, grad_lse, sinks, cu_q, cu_k, a["max_seqlen_q"], a["max_seqlen_k"],
+        *ctx.option_values, a["deterministic"], a["backend"])
     return (dq, dk, dv, dsinks if sinks is not None else None) + (None,) * len(_FORWARD_ARGS)
 
 
@@ -196,22 +177,13 @@ def plain_eager_call(q, k, v, sinks) -> bool:
             and q.device.type != "meta" and _get_current_dispatch_mode() is None)
 
 
-def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqlen_k, causal=False,
-                      window_size=(None, None), mask_align="top_left", compressed_causal=False, softmax_scale=None,
-                      softcap=0.0, sinks=None, scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0,
-                      out_dtype=None, backend="auto", persistent=None, tile_mn=None,
+def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, options, sinks=None, varlen, max_seqlen_q,
+                      max_seqlen_k, out_dtype=None, backend="auto", persistent=None, tile_mn=None,
                       deterministic=False) -> Tuple[Tensor, Tensor]:
-    """(O, LSE) through the custom op, with autograd: the public API's differentiable path. The
-    scalar arguments are checked here (plain Python, so torch.compile traces it) for the same
-    errors validation gives; the tensors are checked when the op runs."""
-    MaskSpec.from_args(causal, window_size, mask_align, compressed_causal)
-    window_left, window_right = (None, None) if window_size is None else window_size
-    scale_q, scale_k, scale_v, inv_scale_o = (_scale(n, x) for n, x in (
-        ("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v), ("inv_scale_o", inv_scale_o)))
-    softmax_scale = _scale("softmax_scale", softmax_scale, allow_none=True)
-    softcap = check_softcap(softcap)
-    if softmax_scale is None and isinstance(q, Tensor):
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    """(O, LSE) through the custom op, with autograd: the public API's differentiable path.
+    ``options`` (``fmha.options.AttentionOptions``) are checked already; the other scalars are
+    checked here (plain Python, so torch.compile traces it) for the same errors validation gives;
+    the tensors are checked when the op runs."""
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
         raise TypeError(f"out_dtype must be a torch.dtype, got {type(out_dtype).__name__}")
     kernel_options(persistent, tile_mn)
@@ -219,6 +191,5 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     forward = _EagerAttention.apply if plain_eager_call(q, k, v, sinks) else torch.ops.fmha.attention_forward
     return forward(
-        q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, causal, window_left,
-        window_right, mask_align, compressed_causal, softmax_scale, softcap, scale_q, scale_k, scale_v, inv_scale_o,
+        q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, *op_args(options),
         out_dtype, backend, persistent, None if tile_mn is None else list(tile_mn), deterministic)

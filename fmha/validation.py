@@ -27,6 +27,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .masking import MaskKind, MaskSpec
+from .options import AttentionOptions, check_scale, check_softcap, parse_cached
 from .problem import INPUT_DTYPES, AttentionProblem, KernelOptions, default_out_dtype, accumulate_dtype, output_dtypes_for
 
 __all__ = ["validate", "validate_backward", "kernel_options", "lse_shape", "out_shape"]
@@ -215,6 +216,11 @@ def _resolve_max_seqlen(name: str, given, lens: Sequence[int]) -> int:
     return int(given)
 
 
+def _needs_lengths(mask: MaskSpec) -> bool:
+    """Compressed causal without a geometry derives it from each pair of lengths: read on the host."""
+    return mask.kind == MaskKind.COMPRESSED_CAUSAL and mask.compression is None
+
+
 def _check_compressed_causal(lens_q: Sequence[int], lens_k: Sequence[int]) -> None:
     for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
         if sq > 0 and (sk == 0 or sk > sq):
@@ -222,27 +228,6 @@ def _check_compressed_causal(lens_q: Sequence[int], lens_k: Sequence[int]) -> No
                 f"compressed_causal needs 1 <= S_k <= S_q, got S_q={sq}, S_k={sk} "
                 f"(sequence {b}); the compression ratio S_q // S_k must be at least 1"
             )
-
-
-def _scale(name: str, value, allow_none: bool = False) -> Optional[float]:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{name} must be a Python float, got {type(value).__name__}"
-            + (" (use .item() on the host)" if isinstance(value, torch.Tensor) else "")
-        )
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return float(value)
-
-
-def check_softcap(softcap) -> float:
-    """``softcap``: 0 (none) or a positive finite number."""
-    softcap = _scale("softcap", softcap)
-    if softcap < 0:
-        raise ValueError(f"softcap must be >= 0 (0 turns it off), got {softcap}")
-    return softcap
 
 
 #: dtypes of a sinks tensor
@@ -308,27 +293,24 @@ def validate(
     cu_seqlens_k=None,
     max_seqlen_q=None,
     max_seqlen_k=None,
-    causal: bool = False,
-    window_size=(None, None),
-    mask_align: str = "top_left",
-    compressed_causal: bool = False,
-    softmax_scale=None,
-    scale_q=1.0,
-    scale_k=1.0,
-    scale_v=1.0,
-    inv_scale_o=1.0,
-    softcap=0.0,
+    options: Optional[AttentionOptions] = None,
     sinks=None,
     return_lse: bool = False,
     out=None,
     lse=None,
     out_dtype=None,
+    **public_options,
 ) -> AttentionProblem:
     """Check a call's arguments and describe it; raise TypeError/ValueError saying what to fix.
 
-    ``lse`` given implies ``return_lse``. For varlen, ``max_seqlen_*`` may be None (then taken
-    from cu_seqlens); cu_seqlens are read on the host.
+    The mask, score and scale options come as ``options`` (``fmha.options.parse``'s) or as the
+    public keywords. ``lse`` given implies ``return_lse``. For varlen, ``max_seqlen_*`` may be
+    None (then taken from cu_seqlens); cu_seqlens are read on the host.
     """
+    if options is None:
+        options = parse_cached(**public_options)
+    elif public_options:
+        raise TypeError(f"pass the options either as options= or as keywords, not both: {sorted(public_options)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         _require_tensor(name, t)
     _check_dtypes(q, k, v)
@@ -349,7 +331,7 @@ def validate(
             )
         # Given both max lengths, the offsets stay on the device (no sync): the kernels check
         # them there (fmha.device_errors). compressed_causal needs each pair of lengths here.
-        lens_read = (max_seqlen_q is None or max_seqlen_k is None or bool(compressed_causal)
+        lens_read = (max_seqlen_q is None or max_seqlen_k is None or _needs_lengths(options.mask)
                      or q.device.type != "cuda")
         if lens_read:
             lens_q = _seqlens_from_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
@@ -367,17 +349,12 @@ def validate(
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         lens_q, lens_k = [seqlen_q] * batch, [seqlen_k] * batch
 
-    mask = MaskSpec.from_args(causal, window_size, mask_align, compressed_causal)
-    if mask.kind == MaskKind.COMPRESSED_CAUSAL and mask.compression is None:
+    mask = options.mask
+    if _needs_lengths(mask):
         _check_compressed_causal(lens_q, lens_k)
-
-    scales = {n: _scale(n, s) for n, s in
-              (("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v),
-               ("inv_scale_o", inv_scale_o))}
-    softmax_scale = _scale("softmax_scale", softmax_scale, allow_none=True)
+    softmax_scale = options.softmax_scale
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    softcap = check_softcap(softcap)
     check_sinks(sinks, q.shape[-2], q.device)
 
     out_dtype = _resolve_out_dtype(out_dtype, out, q.dtype)
@@ -405,10 +382,13 @@ def validate(
         total_q=q.shape[0] if varlen else batch * seqlen_q,
         total_k=k.shape[0] if varlen else batch * seqlen_k,
         softmax_scale=softmax_scale,
-        softcap=softcap,
+        softcap=options.softcap,
         has_sinks=sinks is not None,
         device=q.device,
-        **scales,
+        scale_q=options.scale_q,
+        scale_k=options.scale_k,
+        scale_v=options.scale_v,
+        inv_scale_o=options.inv_scale_o,
         seqlens_q=tuple(lens_q) if varlen and lens_read else None,
         seqlens_k=tuple(lens_k) if varlen and lens_read else None,
     )

@@ -10,6 +10,7 @@ import torch
 
 import fmha
 from fmha.masking import MaskSpec
+from fmha.options import op_args, parse
 from fmha.reference import attention_backward_reference, attention_reference
 
 from naive import naive_attention, naive_mask
@@ -133,14 +134,14 @@ def test_attention_autograd_with_variants(dtype, varlen):
         _close(a.grad, b.grad, 4 * tol)
     # the same through the custom ops (what torch.compile traces)
     leaves2 = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+    options = op_args(parse(causal=True, window_size=(8, -1), mask_align="bottom_right",
+                            softmax_scale=1 / math.sqrt(d), softcap=4.0))
     if varlen:
         o2, lse2 = torch.ops.fmha.attention_forward(
-            *leaves2, cu[0], cu[1], True, None, None, True, 8, -1, "bottom_right", False, 1 / math.sqrt(d), 4.0, 1.0,
-            1.0, 1.0, 1.0, None, "auto", None, None, False)
+            *leaves2, cu[0], cu[1], True, None, None, *options, None, "auto", None, None, False)
     else:
         o2, lse2 = torch.ops.fmha.attention_forward(
-            *leaves2, None, None, False, None, None, True, 8, -1, "bottom_right", False, 1 / math.sqrt(d), 4.0, 1.0,
-            1.0, 1.0, 1.0, None, "auto", None, None, False)
+            *leaves2, None, None, False, None, None, *options, None, "auto", None, None, False)
     assert torch.equal(o2, o.detach())
     o2.backward(dout)
     for a, b in zip(leaves2, leaves):
