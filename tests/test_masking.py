@@ -123,8 +123,8 @@ def test_tile_schedule_matches_brute_force(seed):
                     # a tile is marked unmasked iff every row keeps all of it
                     assert unmasked == all_kept, ctx
                     assert sched.needs_mask(k) == (not all_kept), ctx
-            # the segments, in order, are the walk's steps with their classes
-            classes = [masked for count, masked in sched.segments for _ in range(count)]
+            # the three segments, in order, are the walk's steps with their classes
+            classes = [True] * sched.leading_masked + [False] * sched.unmasked + [True] * sched.trailing_masked
             assert classes == [bool(sched.needs_mask(k)) for k in range(sched.total)]
 
 

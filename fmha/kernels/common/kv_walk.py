@@ -7,9 +7,10 @@ The walk is plain integer arithmetic over the row bands of ``fmha.masking`` (``r
 ``first_row_past``): it runs on Python ints and, with ``imin``/``imax`` = ``cutlass.min``/``max``,
 on the DSL's dynamic ``Int32`` values. The masks served today keep one contiguous band of keys per
 row, so a walk is a run of consecutive tiles in three segments (masked, whole, masked). A kernel
-reads a walk only through ``total``, ``block(step)`` and ``segments`` (or ``needs_mask``), so a
-walk over a list of tile indices (selected NSA blocks, block-sparse masks) can take its place:
-its ``block`` reads the list, its segments are its fully kept tiles and its partial ones.
+reads a walk only through ``total``, ``block(step)``, the three segment counts and
+``needs_mask``, so a walk over a list of tile indices (selected NSA blocks, block-sparse masks)
+can take its place: its ``block`` reads the list, and its fully kept tiles then its partial ones
+are the unmasked and trailing segments (no leading one).
 """
 
 from __future__ import annotations
@@ -44,12 +45,6 @@ class KvWalk(NamedTuple):
     def block(self, step):
         """The K/V tile index of step ``step`` (0-based)."""
         return self.start + step
-
-    @property
-    def segments(self) -> Tuple[Tuple[Any, bool], ...]:
-        """(count, masked) runs in walk order; ``masked`` is static, so each run compiles to its
-        own loop."""
-        return ((self.leading_masked, True), (self.unmasked, False), (self.trailing_masked, True))
 
     def needs_mask(self, step):
         """Whether step ``step`` needs the element-wise mask (works on Python and DSL ints)."""

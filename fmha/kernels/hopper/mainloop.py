@@ -55,30 +55,29 @@ class ConsumerMainloop:
         if kv_tiles.total > 0:
             kv_consumer = self.first_tile(kv_tiles, row_base, mask, softmax, frags, kv_consumer)
             # Step 0 came out of the first non-empty segment of the walk.
-            segments = kv_tiles.segments
-            untaken = 1
+            first_leading = cutlass.min(kv_tiles.leading_masked, 1)
+            first_unmasked = cutlass.min(kv_tiles.unmasked, 1 - first_leading)
+            leading = kv_tiles.leading_masked - first_leading
+            unmasked = kv_tiles.unmasked - first_unmasked
+            trailing = kv_tiles.trailing_masked - (1 - first_leading - first_unmasked)
             step = Int32(1)
-            for s, (count, masked) in enumerate(segments):
-                if const_expr(s < len(segments) - 1):
-                    taken = cutlass.min(count, untaken)
-                    remaining = count - taken
-                    untaken = untaken - taken
-                else:
-                    remaining = count - untaken
-                # Counted down: with ``range(count)`` ptxas re-derived the bound from the constant
-                # bank in every iteration.
-                if const_expr(masked):
-                    while remaining > 0:
-                        kv_consumer = self.step(True, kv_tiles.block(step), row_base, mask, softmax, frags,
-                                                kv_consumer, wg)
-                        step += 1
-                        remaining -= 1
-                else:
-                    # an unmasked step needs no tile index
-                    step += remaining
-                    while remaining > 0:
-                        kv_consumer = self.step(False, None, row_base, mask, softmax, frags, kv_consumer, wg)
-                        remaining -= 1
+            # Counted down: with ``range(count)`` ptxas re-derived the bound from the constant bank
+            # in every iteration.
+            remaining = leading
+            while remaining > 0:
+                kv_consumer = self.step(True, kv_tiles.block(step), row_base, mask, softmax, frags, kv_consumer, wg)
+                step += 1
+                remaining -= 1
+            remaining = unmasked
+            while remaining > 0:  # an unmasked step needs no tile index
+                kv_consumer = self.step(False, None, row_base, mask, softmax, frags, kv_consumer, wg)
+                remaining -= 1
+            step += unmasked
+            remaining = trailing
+            while remaining > 0:
+                kv_consumer = self.step(True, kv_tiles.block(step), row_base, mask, softmax, frags, kv_consumer, wg)
+                step += 1
+                remaining -= 1
             # The last P.V.
             v_handle = kv_consumer.wait_and_advance()
             if const_expr(self.cfg.cache_lengths):
