@@ -245,7 +245,7 @@ def _paged(k, v, page_size: int, gen):
 
 
 def run_kvcache(args) -> int:
-    from .kvcache import attention_with_kvcache
+    from .kvcache import attention_with_kvcache, decode_backend, decode_problem
     from .masking import MaskSpec
 
     if args.varlen_q or args.varlen_k or args.compressed_causal:
@@ -258,25 +258,39 @@ def run_kvcache(args) -> int:
     if args.page_size:
         k_cache, v_cache, table = _paged(k, v, args.page_size, gen)
     window = (None, None) if args.window_size is None else tuple(None if w == -1 else w for w in args.window_size)
+    sinks = None
+    if args.sinks:
+        sinks = torch.randn(q.shape[-2], generator=torch.Generator().manual_seed(args.seed + 2)).to(device)
     kwargs = dict(causal=args.is_causal, window_size=window, softmax_scale=args.scale_softmax, scale_q=args.scale_q,
-                  scale_k=args.scale_k, scale_v=args.scale_v, inv_scale_o=args.inv_scale_o,
-                  out_dtype=DTYPES[args.out_dtype] if args.out_dtype else None, backend=args.backend)
+                  scale_k=args.scale_k, scale_v=args.scale_v, inv_scale_o=args.inv_scale_o, softcap=args.softcap,
+                  sinks=sinks, out_dtype=DTYPES[args.out_dtype] if args.out_dtype else None)
     kind = f"paged ({args.page_size} rows a page)" if table is not None else "dense"
     print(f"fmha: KV cache, q {tuple(q.shape)}, {kind} cache of {k.shape[1]} keys x {k.shape[2]} heads per sequence")
+    problem, _ = decode_problem(q, k_cache, v_cache, lens, block_table=table, return_lse=args.lse, **kwargs)
+    name, reasons = decode_backend(args.backend, problem)
+    if device.type == "cpu":
+        print("no CUDA GPU: running the PyTorch reference on the CPU")
+    print(f"backend: {name}")
+    if reasons and args.backend != "reference":
+        print("kernel not used:\n" + "\n".join(f"  - {r}" for r in reasons))
 
     def call():
-        return attention_with_kvcache(q, k_cache, v_cache, lens, block_table=table, return_lse=True, **kwargs)
+        return attention_with_kvcache(q, k_cache, v_cache, lens, block_table=table, return_lse=args.lse,
+                                      backend=args.backend, **kwargs)
 
-    o, lse = call()
+    result = call()
+    o, lse = result if args.lse else (result, None)
     seconds, clock = _time_per_call(call, args.warmup_iterations, args.iterations, device)
-    print(f"time: {seconds * 1e3:.3f} ms per call ({clock}; the PyTorch reference serves KV caches for now)")
+    flops = problem.flops(lens.tolist())
+    print(f"time: {seconds * 1e3:.3f} ms per call ({clock}, {args.iterations} iterations after "
+          f"{args.warmup_iterations} warmup), {flops / seconds / 1e12:.3f} TFLOP/s")
     if args.skip_ref_check:
         print("reference check skipped")
         return 0
     mask = MaskSpec.from_args(args.is_causal, window, "bottom_right", False)
     ref_o, ref_lse = attention_reference(q, k, v, mask=mask, softmax_scale=args.scale_softmax, scale_q=args.scale_q,
                                          scale_k=args.scale_k, scale_v=args.scale_v, inv_scale_o=args.inv_scale_o,
-                                         compute_dtype=torch.float64)
+                                         softcap=args.softcap, sinks=sinks, compute_dtype=torch.float64)
     tolerance = args.tolerance if args.tolerance is not None else TOLERANCE[o.dtype]
     passed, summary = check(o, lse, ref_o, ref_lse, tolerance)
     print(f"check vs fp64 reference over the dense keys: {summary}")

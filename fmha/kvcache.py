@@ -132,6 +132,20 @@ class DecodeProblem(ScoreScaling):
     has_sinks: bool = False
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
+    def flops(self, cache_lengths) -> float:
+        """Matmul FLOPs the bottom-right mask keeps (4 * kept (i, j) pairs * D per head, D and
+        D_v apart), over each sequence's keys (its cache length plus the new keys)."""
+        from .masking import row_key_bounds
+
+        kept = 0
+        for length in cache_lengths:
+            keys = int(length) + self.seqlen_new
+            for i in range(self.seqlen_q):
+                lo, hi = row_key_bounds(i, self.seqlen_q, keys, self.mask.kind, self.mask.window_left,
+                                        self.mask.window_right, self.mask.bottom_right)
+                kept += max(0, min(hi, keys) - max(lo, 0))
+        return 2.0 * kept * self.heads_q * (self.head_dim + self.head_dim_v)
+
 
 def _append_on_device(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, page_size, capacity) -> None:
     """Write k_new/v_new at positions ``cache_seqlens[b] ..`` without reading anything back.
@@ -159,6 +173,18 @@ def _append_on_device(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table
         new = new.flatten(0, 1)
         stand_in = torch.where(valid[first], new[first], cache[rows[first], cols[first]])
         cache[rows, cols] = torch.where(valid[:, None, None], new, stand_in)
+
+
+def decode_backend(backend: str, problem: DecodeProblem) -> tuple:
+    """(name of what serves ``problem`` under ``backend``, the reasons no kernel does, if any)."""
+    from . import backends
+    from .problem import KernelOptions
+
+    backends.check_backend_name(backend)
+    if backend == "reference":
+        return "reference", []
+    chosen, reasons = backends.unsupported_reasons(problem, KernelOptions(), kind=backends.DECODE)
+    return ("reference" if chosen is None else chosen.name), reasons
 
 
 def _decode_runner(backend: str, problem: DecodeProblem):

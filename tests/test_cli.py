@@ -98,5 +98,11 @@ def test_kvcache_paged_and_dense_verify():
                      "--in_dtype", "bfloat16", "--iterations", "1", *extra)
         assert r.returncode == 0 and "verified" in r.stdout, r.stdout + r.stderr
         assert ("paged (32 rows a page)" in r.stdout) == bool(extra)
+        # what served it and how fast, as the plain path says; the LSE checked only with --lse
+        assert "backend: reference" in r.stdout and "TFLOP/s" in r.stdout, r.stdout
+        assert "LSE max abs err" not in r.stdout
+    r = fmha_cli("--q_shape", "2,3,4,64", "--k_shape", "2,200,2,64", "--kvcache", "--lse", "--softcap", "5",
+                 "--sinks", "--iterations", "1")
+    assert r.returncode == 0 and "verified" in r.stdout and "LSE max abs err" in r.stdout, r.stdout + r.stderr
     assert fmha_cli("--q_shape", "2,3,4,64", "--page_size", "32").returncode == 2
     assert fmha_cli("--q_shape", "2,3,4,64", "--kvcache", "--page_size", "24").returncode == 2
