@@ -3,7 +3,8 @@
 fallback), against the fp64 reference: every mask kind, dense and varlen (empty and length-1
 sequences), GQA, with softcap and sinks too; the backward at the new head dims it serves
 (multiples of 32: 96, 160, 192, 224, and V's unlike Q's: 192/128, 128/64, ...), deterministic
-too, and through autograd. Outputs and gradients are poisoned with
+too, and through autograd; decode over dense and paged caches at the new head dims. Outputs and
+gradients are poisoned with
 NaN first, so unwritten elements show. Marked ``gpu``; skipped without a Hopper GPU."""
 
 import math
@@ -66,6 +67,45 @@ def test_forward(dtype, d, dv, mask, layout, variant):
                                            softcap=softcap, sinks=sinks, compute_dtype=torch.float64)
     assert rel_l2(out, want_o) < 1e-2
     assert lse_max_err(lse, want_lse) < 5e-3
+
+
+#: (D, D_v, page size (0: dense cache), splits, S_q): decode over a KV cache at the new head dims
+DECODE = [(d, dv, page, splits, s_q) for d, dv in ((96, 96), (192, 128), (128, 64), (80, 80), (192, 192))
+          for page, splits in ((0, 1), (64, 3), (32, 1)) for s_q in (1, 5)]
+
+
+@_needs_hopper
+@pytest.mark.parametrize("d,dv,page,splits,s_q", DECODE,
+                         ids=[f"D{a}-Dv{b}-page{c}-splits{e}-sq{f}" for a, b, c, e, f in DECODE])
+def test_decode(d, dv, page, splits, s_q):
+    """attention_with_kvcache (bottom-right causal, GQA packed) at head dims the decode tile was
+    not first built for, dense and paged in shuffled pages, with and without split-KV."""
+    gen = torch.Generator(device="cuda").manual_seed(d + dv + page + splits + s_q)
+    b, hq, hk, cap = 3, 8, 2, 640
+    q = torch.randn(b, s_q, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+    k = torch.randn(b, cap, hk, d, generator=gen, device="cuda").to(torch.bfloat16)
+    v = torch.randn(b, cap, hk, dv, generator=gen, device="cuda").to(torch.bfloat16)
+    lengths = torch.tensor([0, 130, 617], dtype=torch.int32, device="cuda")
+    table, k_cache, v_cache = None, k, v
+    if page:
+        n = cap // page
+        perm = torch.randperm(b * n, generator=torch.Generator().manual_seed(1)).to("cuda")
+        table = perm.view(b, n).to(torch.int32)
+        k_cache = torch.empty(b * n, page, hk, d, dtype=k.dtype, device="cuda")
+        v_cache = torch.empty(b * n, page, hk, dv, dtype=v.dtype, device="cuda")
+        k_cache[perm] = k.view(b * n, page, hk, d)
+        v_cache[perm] = v.view(b * n, page, hk, dv)
+    out = torch.full((b, s_q, hq, dv), math.nan, dtype=q.dtype, device="cuda")
+    lse = torch.full((b, hq, s_q), math.nan, device="cuda")
+    fmha.attention_with_kvcache(q, k_cache, v_cache, lengths, block_table=table, out=out, lse=lse,
+                                backend="kernel", num_splits=splits, causal=True)
+    mspec = MaskSpec.from_args(causal=True, mask_align="bottom_right")
+    for i in range(b):
+        n = int(lengths[i])
+        wo, wl = attention_reference(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], mask=mspec,
+                                     compute_dtype=torch.float64)
+        assert rel_l2(out[i:i + 1], wo) < 1e-2
+        assert lse_max_err(lse[i:i + 1], wl) < 5e-3
 
 
 BACKWARD = [(torch.bfloat16, d, d, m, layout, "plain", False) for d in (96, 160, 192, 224) for m in MASKS

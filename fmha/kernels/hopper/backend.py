@@ -193,7 +193,7 @@ class HopperDecodeRunner:
     the GPU, and merges the splits (``fmha.split_kv``)."""
 
     def __init__(self, problem):
-        self.tile_m, self.tile_n = decode_tile(problem.dtype, problem.head_dim)
+        self.tile_m, self.tile_n = decode_tile(problem.dtype, problem.head_dim, problem.head_dim_v)
         self._compiled = {}
         self._plans = {}  # a decode loop repeats its problem: plan it once
 
@@ -217,13 +217,15 @@ class HopperDecodeRunner:
             m = MaskSpec(MaskKind.NONE)  # one bottom-right row sees every key up to the last
         cfg = decode_config(problem.dtype, problem.out_dtype, problem.head_dim, m.kind, m.window_left is not None,
                             m.window_right is not None, m.bottom_right, problem.return_lse, group if packed else 1,
-                            splits > 1, problem.page_size, problem.capacity, problem.softcap > 0, problem.has_sinks)
+                            splits > 1, problem.page_size, problem.capacity, problem.softcap > 0, problem.has_sinks,
+                            problem.head_dim_v)
         return DecodePlan(cfg, packed, rows, heads, splits, m)
 
     def __call__(self, problem, q, k_cache, v_cache, lengths, block_table, out, lse, sinks=None):
         from fmha import split_kv
 
-        b, s_q, h_q, d = q.shape
+        b, s_q, h_q, _ = q.shape
+        d = v_cache.shape[-1]  # O's head dim
         if b == 0 or s_q == 0 or h_q == 0 or problem.capacity == 0 or problem.num_pages == 0:
             out.zero_()
             if lse is not None:
@@ -287,7 +289,7 @@ def served_as_decode(problem: AttentionProblem, options: KernelOptions) -> bool:
             or problem.mask.kind not in (MaskKind.NONE, MaskKind.WINDOW) or problem.seqlen_k == 0):
         return False
     if why_unsupported_decode(dense_decode_problem(problem, problem.return_lse)) \
-            or problem.seqlen_q >= decode_tile(problem.dtype, problem.head_dim)[0]:
+            or problem.seqlen_q >= decode_tile(problem.dtype, problem.head_dim, problem.head_dim_v)[0]:
         return False
     group = problem.num_heads_q // problem.num_heads_k
     tiles = problem.batch * (problem.num_heads_k if group > 1 else problem.num_heads_q)

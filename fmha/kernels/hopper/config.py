@@ -318,9 +318,9 @@ class HopperForwardConfig:
         return self.page_run or self.tile_n
 
 
-def decode_tile(dtype: torch.dtype, head_dim: int) -> tuple:
+def decode_tile(dtype: torch.dtype, head_dim: int, head_dim_v: int = None) -> tuple:
     """Decode's (tile_m, tile_n): the fewest query rows the kernel is built for."""
-    return min(allowed_tiles(dtype, head_dim))
+    return min(allowed_tiles(dtype, head_dim, head_dim_v))
 
 
 def why_unsupported_decode(problem) -> list:
@@ -328,9 +328,9 @@ def why_unsupported_decode(problem) -> list:
     reasons = []
     if problem.dtype not in (torch.float16, torch.bfloat16):
         reasons.append(f"the Hopper decode kernel takes float16/bfloat16 caches, not {problem.dtype}")
-    if problem.head_dim not in SUPPORTED_HEAD_DIMS or problem.head_dim_v != problem.head_dim:
-        reasons.append(f"the Hopper decode kernel supports head dims {SUPPORTED_HEAD_DIMS} with V's equal to "
-                       f"Q's, got {problem.head_dim} and {problem.head_dim_v}")
+    if not head_dims_served(problem.dtype, problem.head_dim, problem.head_dim_v):
+        reasons.append(f"the Hopper decode kernel takes head dims (of q/k and of v) that are multiples of "
+                       f"{HEAD_DIM_STEP} up to {MAX_HEAD_DIM}, got {problem.head_dim} and {problem.head_dim_v}")
     elif problem.page_size and problem.page_size % decode_tile(problem.dtype, problem.head_dim)[1] \
             and problem.head_dim == 256:
         # runs shorter than the 80-key tile are not verified on hardware at D=256
@@ -345,21 +345,22 @@ def why_unsupported_decode(problem) -> list:
 def decode_config(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, mask_kind: MaskKind,
                   window_left_bounded: bool, window_right_bounded: bool, bottom_right: bool, has_lse: bool,
                   rows_per_query: int, split_kv: bool, page_size: int, capacity: int, softcap: bool = False,
-                  has_sinks: bool = False) -> HopperForwardConfig:
+                  has_sinks: bool = False, head_dim_v: int = None) -> HopperForwardConfig:
     """The forward kernel's configuration for decode (``attention_with_kvcache``, whose masks are
     bottom-right, and dense calls with few query rows): the smallest tile, a persistent walk (the
     next tile's Q and K/V load under the current one), fp32 partials with their LSE under
     split-KV."""
-    tile_m, tile_n = decode_tile(dtype, head_dim)
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    tile_m, tile_n = decode_tile(dtype, head_dim, head_dim_v)
     q_stages = q_stages_for(Schedule.PERSISTENT, head_dim, capacity)
     out_dtype = torch.float32 if split_kv else out_dtype
     return HopperForwardConfig(
-        dtype=dtype, out_dtype=out_dtype, head_dim=head_dim, head_dim_v=head_dim, mask_kind=mask_kind,
+        dtype=dtype, out_dtype=out_dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask_kind=mask_kind,
         window_left_bounded=window_left_bounded, window_right_bounded=window_right_bounded,
         bottom_right=bottom_right and mask_kind == MaskKind.WINDOW, varlen=False, has_lse=has_lse or split_kv,
         tile_m=tile_m, tile_n=tile_n, schedule=Schedule.PERSISTENT, q_stages=q_stages,
         o_store=o_store_for(dtype, out_dtype, head_dim, False, mask_kind == MaskKind.NONE, capacity, tile_m, tile_n,
-                            q_stages),
+                            q_stages, head_dim_v),
         rows_per_query=rows_per_query, split_kv=split_kv, cache_lengths=True,
         page_run=math.gcd(page_size, tile_n) if page_size else 0, softcap=softcap, has_sinks=has_sinks,
     )
