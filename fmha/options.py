@@ -117,7 +117,10 @@ def _parse_key(key) -> AttentionOptions:
 
 def parse_cached(**options) -> AttentionOptions:
     """``parse``, remembered for hashable keywords: a loop that repeats its call pays for the
-    checks once."""
+    checks once. Under torch.compile the plain ``parse`` runs (traced once; some torch versions'
+    Dynamo cannot trace ``hash``)."""
+    if torch.compiler.is_compiling():
+        return parse(**options)
     try:
         key = tuple((name, (value, _typed(value))) for name, value in sorted(options.items()))
         hash(key)
