@@ -150,10 +150,12 @@ def query_walk(
     imin: Callable = _py_min,
     imax: Callable = _py_max,
     compression: Optional[Tuple[int, int]] = None,
+    select: Callable = lambda cond, a, b: a if cond else b,
 ) -> QueryWalk:
     """The query tiles K/V tile ``n_block`` (with keys: ``n_block * tile_n < seqlen_k``) visits:
     from the first row whose band end is past the tile's first key to the first row whose band
-    start is past its last key (closed forms, ``fmha.masking.first_row_past``)."""
+    start is past its last key (closed forms, ``fmha.masking.first_row_past``). ``select(cond,
+    a, b)``: ``cutlass.select_`` on the device."""
     num_m = (seqlen_q + tile_m - 1) // tile_m
     if kind == MaskKind.NONE:
         return QueryWalk(0 * n_block, num_m)
@@ -168,5 +170,5 @@ def query_walk(
     m_start = first // tile_m
     m_end = imax((end + tile_m - 1) // tile_m, m_start)
     # rows past the tile's first key start after the rows past its last key begin: no row keeps it
-    nonempty = imin(imax(end - first, 0), 1)
-    return QueryWalk(m_start, nonempty * (m_end - m_start))
+    m_end = select(first >= end, m_start, m_end)
+    return QueryWalk(m_start, m_end - m_start)

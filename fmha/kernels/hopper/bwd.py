@@ -358,7 +358,7 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
         cfg = self.cfg
         walk = query_walk(n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, cfg.mask_kind, window_left,
                           window_right, cfg.bottom_right, imin=cutlass.min, imax=cutlass.max,
-                          compression=cfg.compression)
+                          compression=cfg.compression, select=cutlass.select_)
         return walk.start, walk.end
 
     def query_tile_at(self, i, m_start, m_end):
