@@ -679,3 +679,80 @@ def test_bad_learnable_sink():
         flash_attn_func(q, k, v, learnable_sink=torch.zeros(3))
     with pytest.raises(TypeError, match="q must be a torch.Tensor"):
         flash_attn_func(None, k, v)
+
+
+# ---------------------------------------------------------------------------------------------
+# lab/fa_tests/fa_plugin.py: the harness that runs FlashAttention's tests against fmha.flash_attn
+
+pytest_plugins = ["pytester"]
+
+FAKE_FLASH_ATTN = '''
+def flash_attn_func(*args, **kwargs):
+    raise AssertionError("FlashAttention itself was called: the harness did not swap it")
+'''
+
+FAKE_TESTS = '''
+import pytest
+import torch
+from flash_attn.cute import flash_attn_func
+
+@pytest.mark.parametrize("s", range(10))
+@pytest.mark.parametrize("causal", [False, True])
+def test_grid(s, causal):
+    q = torch.randn(1, 3, 1, 16)
+    out, lse = flash_attn_func(q, q, q, causal=causal)
+    assert out.shape == q.shape and lse is None
+
+def test_refused():
+    q = torch.randn(1, 3, 1, 16)
+    flash_attn_func(q, q, q, score_mod=lambda *args: None)
+
+def test_skips_itself():
+    pytest.skip("not on this GPU")
+
+def test_fails():
+    assert False, "boom"
+
+@pytest.mark.parametrize("x", [1, 2])
+def test_xfails(x):
+    pytest.xfail("known")
+
+def test_flash_attn_invalid_head_dim():
+    raise AssertionError("not applicable: never runs")
+'''
+
+
+# in-process runs re-import their plugins each time: keep to the harness (hypothesis's alone costs seconds)
+QUIET = ("--assert=plain", "-p", "no:hypothesispytest", "-p", "no:benchmark", "-p", "no:cacheprovider")
+
+
+def test_harness_swaps_samples_and_reports(pytester):
+    import json
+
+    pytester.makepyfile(**{"flash_attn/__init__": "", "flash_attn/cute/__init__": FAKE_FLASH_ATTN,
+                           "test_fake": FAKE_TESTS})
+    pytester.syspathinsert()
+    report = pytester.path / "report"
+    result = pytester.runpytest(*QUIET, "-p", "lab.fa_tests.fa_plugin", "--fa-sample", "8", "--fa-seed", "3",
+                                "--fa-report", str(report), "test_fake.py")
+    result.assert_outcomes(passed=3, failed=1, skipped=2, xfailed=2, deselected=6)
+    summary = json.loads((report / "fa_report.json").read_text())
+    rows = {fid.rsplit("::", 1)[-1]: r for fid, r in summary["per_function"].items()}
+    assert {n: (r["collected"], r["sampled"]) for n, r in rows.items()} == {
+        "test_grid": (20, 3), "test_refused": (1, 1), "test_skips_itself": (1, 1), "test_fails": (1, 1),
+        "test_xfails": (2, 2)}
+    assert rows["test_grid"]["passed"] == 3 and rows["test_refused"]["skipped_refused"] == 1
+    assert rows["test_skips_itself"]["skipped_by_test"] == 1 and rows["test_fails"]["failed"] == 1
+    assert summary["collected"] == 26 and summary["sampled"] == 8
+    assert list(summary["not_applicable"]) == ["test_fake.py::test_flash_attn_invalid_head_dim"]
+    assert summary["patched"] == ["test_fake.flash_attn_func"]
+    assert any(r.startswith("fmha refuses: fmha.flash_attn does not support score_mod") for r in summary["skip_reasons"])
+    assert "| test_grid | 20 | 3 | 3 | 0 |" in (report / "fa_report.md").read_text()
+
+    def drawn(seed):
+        run = pytester.runpytest(*QUIET, "-p", "lab.fa_tests.fa_plugin", "--fa-sample", "8", "--fa-seed", str(seed),
+                                 "--collect-only", "-q", "test_fake.py")
+        return sorted(line for line in run.outlines if "test_grid[" in line)
+
+    assert drawn(3) == drawn(3) != drawn(4)  # a seed draws the same cases every time
+    assert len(drawn(3)) == 3
