@@ -756,3 +756,8 @@ def test_harness_swaps_samples_and_reports(pytester):
 
     assert drawn(3) == drawn(3) != drawn(4)  # a seed draws the same cases every time
     assert len(drawn(3)) == 3
+    # past the deadline nothing more starts, and the report still comes
+    late = pytester.runpytest(*QUIET, "-p", "lab.fa_tests.fa_plugin", "--fa-sample", "8", "--fa-deadline", "1e-9",
+                              "--fa-report", str(report), "test_fake.py")
+    late.assert_outcomes(skipped=8, deselected=6)
+    assert json.loads((report / "fa_report.json").read_text())["totals"]["not_run"] == 8

@@ -15,6 +15,8 @@ Options:
   --fa-seed S        the sample's seed (default 0); the same seed picks the same cases
   --fa-report DIR    write DIR/fa_report.json and DIR/fa_report.md: counts per test function
                      (collected, sampled, passed, failed, errors, skipped by reason, xfailed)
+  --fa-deadline SEC  cases not started SEC seconds into the session are skipped as "not run"
+                     (the session then ends, and writes its report, within a time limit)
   --fa-stub-collect  with --collect-only on a machine without a GPU or without
                      flash-attn-4: stand-ins for torch.cuda's capability query (an SM90 GPU) and
                      for modules that do not import, so that collection and sampling can be
@@ -34,6 +36,7 @@ import math
 import os
 import random
 import sys
+import time
 import types
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -63,6 +66,7 @@ NOT_APPLICABLE = {
 }
 
 REFUSED = "fmha refuses: "
+DEADLINE = "fmha harness: not run, the --fa-deadline had passed"
 
 
 def pytest_addoption(parser):
@@ -72,6 +76,9 @@ def pytest_addoption(parser):
     group.addoption("--fa-seed", type=int, default=0, metavar="S", help="seed of the sample (default 0)")
     group.addoption("--fa-report", default="", metavar="DIR",
                     help="write fa_report.json and fa_report.md (counts per test function) into DIR")
+    group.addoption("--fa-deadline", type=float, default=0, metavar="SECONDS",
+                    help="skip the cases not started SECONDS after the session began (each xdist worker "
+                         "counts from its own start), so that the session ends and writes its report")
     group.addoption("--fa-stub-collect", action="store_true",
                     help="collection only: stand in for the GPU and for modules that do not import")
 
@@ -257,7 +264,7 @@ def _failure_line(report) -> str:
     return text.splitlines()[-1][:300] if text else ""
 
 
-OUTCOMES = ("passed", "failed", "error", "skipped_refused", "skipped_by_test", "xfailed", "xpassed")
+OUTCOMES = ("passed", "failed", "error", "skipped_refused", "skipped_by_test", "xfailed", "xpassed", "not_run")
 
 
 class FlashAttentionHarness:
@@ -269,6 +276,12 @@ class FlashAttentionHarness:
         self.collected = {}  # function id -> parametrizations collected
         self.selection = None  # what the sample kept (on an xdist controller: from a worker)
         self.outcomes = {}  # nodeid -> {"outcome", "duration", "reason" or "message"}
+        self.started = time.monotonic()
+
+    def pytest_runtest_setup(self, item):
+        deadline = self.config.getoption("--fa-deadline")
+        if deadline and time.monotonic() - self.started > deadline:
+            pytest.skip(DEADLINE)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_generate_tests(self, metafunc):
@@ -345,7 +358,8 @@ class FlashAttentionHarness:
                 record["message"] = _failure_line(report)
         elif report.skipped:
             reason = _skip_reason(report)
-            record["outcome"] = "skipped_refused" if reason.startswith(REFUSED) else "skipped_by_test"
+            record["outcome"] = ("not_run" if reason == DEADLINE else
+                                 "skipped_refused" if reason.startswith(REFUSED) else "skipped_by_test")
             record["reason"] = reason
         elif report.when == "call" and record["outcome"] is None:
             record["outcome"] = "passed"
@@ -425,12 +439,12 @@ def markdown(summary: dict) -> str:
              f"sample: {summary['sample'] or 'all'}, seed {summary['seed']}.", "",
              f"Collected {summary['collected']}, sampled {summary['sampled']}: {totals}.", "",
              "| test function | collected | sampled | passed | failed | error | skipped: fmha refuses "
-             "| skipped by the test | xfailed | xpassed | seconds |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| skipped by the test | xfailed | xpassed | not run (deadline) | seconds |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for fid, r in summary["per_function"].items():
         lines.append(f"| {fid.rsplit('::', 1)[-1]} | {r['collected']} | {r['sampled']} | {r['passed']} | "
                      f"{r['failed']} | {r['error']} | {r['skipped_refused']} | {r['skipped_by_test']} | "
-                     f"{r['xfailed']} | {r['xpassed']} | {r['seconds']:.0f} |")
+                     f"{r['xfailed']} | {r['xpassed']} | {r['not_run']} | {r['seconds']:.0f} |")
     if summary["not_applicable"]:
         lines += ["", "Not applicable (deselected):", ""]
         lines += [f"- {f.rsplit('::', 1)[-1]}: {why}" for f, why in summary["not_applicable"].items()]
