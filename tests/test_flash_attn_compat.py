@@ -569,6 +569,13 @@ def test_kvcache_errors():
         flash_attn_with_kvcache(q, kd, vd, k=kn)
     with pytest.raises(ValueError, match="does not fit"):
         flash_attn_with_kvcache(q, kd, vd, k=kn, v=kn, cache_seqlens=30)
+    with pytest.raises(ValueError, match="one row per sequence"):
+        flash_attn_with_kvcache(q[:2], kd, vd)
+    with pytest.raises(TypeError, match="caches' dtype"):  # on the path that appends itself
+        flash_attn_with_kvcache(q[:, :1].reshape(3, 4, 16), kd, vd, k=kn.double().reshape(12, 2, 16),
+                                v=kn.double().reshape(12, 2, 16), cache_seqlens=1,
+                                cu_seqlens_q=torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+                                cu_seqlens_k_new=torch.tensor([0, 4, 8, 12], dtype=torch.int32))
     kc, table = _paged_cache(kd, 4, seed=5)
     with pytest.raises(ValueError, match="does not fit"):
         flash_attn_with_kvcache(q, kc, kc, k=kn, v=kn, cache_seqlens=30, page_table=table[:, :-1].contiguous())
@@ -660,7 +667,8 @@ def test_bad_varlen_arguments():
     with pytest.raises(ValueError, match="without cu_seqlens_q, q must be"):
         flash_attn_varlen_func(q, k, v, cu_seqlens_k=cu)
     with pytest.raises(ValueError, match=r"seqused_k\[0\] = 5 but sequence 0 has 4 keys"):
-        flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_k=torch.tensor([5], dtype=torch.int32))
+        flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                               seqused_k=torch.tensor([5], dtype=torch.int32))
     with pytest.raises(ValueError, match="page_table cannot be combined with cu_seqlens_k"):
         flash_attn_varlen_func(q, k[None], v[None], cu_seqlens_q=cu, cu_seqlens_k=cu,
                                page_table=torch.zeros(1, 1, dtype=torch.int32))
@@ -746,7 +754,8 @@ def test_harness_swaps_samples_and_reports(pytester):
     assert summary["collected"] == 26 and summary["sampled"] == 8
     assert list(summary["not_applicable"]) == ["test_fake.py::test_flash_attn_invalid_head_dim"]
     assert summary["patched"] == ["test_fake.flash_attn_func"]
-    assert any(r.startswith("fmha refuses: fmha.flash_attn does not support score_mod") for r in summary["skip_reasons"])
+    assert any(r.startswith("fmha refuses: fmha.flash_attn does not support score_mod")
+               for r in summary["skip_reasons"])
     assert "| test_grid | 20 | 3 | 3 | 0 |" in (report / "fa_report.md").read_text()
 
     def drawn(seed):

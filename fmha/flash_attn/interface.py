@@ -77,8 +77,10 @@ def _splits_hint(num_splits):
     return None
 
 
-def _unpack(result, want_lse: bool):
-    return result if want_lse else (result, None)
+def _fa4_result(result, want_lse: bool, return_lse: bool):
+    """An fmha result (O, or (O, LSE) when ``want_lse``) as FlashAttention-4's pair."""
+    out, lse = result if want_lse else (result, None)
+    return out, lse_for_caller(lse, return_lse)
 
 
 def flash_attn_func(
@@ -105,8 +107,7 @@ def flash_attn_func(
         q, k, v, window_size=window_fa4(causal, window_size), mask_align="bottom_right",
         softmax_scale=softmax_scale, softcap=_softcap(softcap), sinks=learnable_sink, return_lse=want_lse,
         deterministic=bool(deterministic))
-    out, lse = _unpack(result, want_lse)
-    return out, lse_for_caller(lse, return_lse)
+    return _fa4_result(result, want_lse, return_lse)
 
 
 def _check_varlen_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table) -> int:
@@ -156,7 +157,7 @@ def _check_varlen_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused
     return batch
 
 
-def _serves_as_cache(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, page_table, grad: bool) -> bool:
+def _serves_as_cache(k, cu_seqlens_q, cu_seqlens_k, seqused_q, page_table, grad: bool) -> bool:
     """Whether fmha.attention_with_kvcache computes the call as it is: dense queries, nothing to
     differentiate, and a dense cache or one whose page size its paged cache takes."""
     if cu_seqlens_q is not None or seqused_q is not None or cu_seqlens_k is not None or grad:
@@ -199,26 +200,23 @@ def flash_attn_varlen_func(
     deterministic = bool(deterministic)
     plain = seqused_q is None and seqused_k is None and page_table is None
     if plain and cu_seqlens_q is None and cu_seqlens_k is None:
-        out, lse = _unpack(fmha.attention(q, k, v, mask_align="bottom_right", return_lse=want_lse,
-                                          deterministic=deterministic, **common), want_lse)
-        return out, lse_for_caller(lse, return_lse)
+        result = fmha.attention(q, k, v, mask_align="bottom_right", return_lse=want_lse,
+                                deterministic=deterministic, **common)
+        return _fa4_result(result, want_lse, return_lse)
     max_q, max_k = _host_int(max_seqlen_q), _host_int(max_seqlen_k)
     if (plain and cu_seqlens_q is not None and cu_seqlens_k is not None and max_q is not None
             and max_k is not None and q.device.type == "cuda"):
         # both bounds given: fmha checks the offsets on the device, without a sync
-        out, lse = _unpack(fmha.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
-                                                 mask_align="bottom_right", return_lse=want_lse,
-                                                 deterministic=deterministic, **common), want_lse)
-        return out, lse_for_caller(lse, return_lse)
-    if _serves_as_cache(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, page_table,
-                        needs_grad(q, k, v, learnable_sink)):
+        result = fmha.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, mask_align="bottom_right",
+                                       return_lse=want_lse, deterministic=deterministic, **common)
+        return _fa4_result(result, want_lse, return_lse)
+    if _serves_as_cache(k, cu_seqlens_q, cu_seqlens_k, seqused_q, page_table, needs_grad(q, k, v, learnable_sink)):
         lengths = seqused_k
         if lengths is None:  # a paged cache without seqused_k: every page of the table is used
             lengths = torch.full((batch,), page_table.shape[1] * k.shape[1], dtype=torch.int32, device=q.device)
-        out, lse = _unpack(fmha.attention_with_kvcache(
-            q, k, v, lengths, block_table=page_table, causal=False, return_lse=want_lse,
-            num_splits=_splits_hint(num_splits), **common), want_lse)
-        return out, lse_for_caller(lse, return_lse)
+        result = fmha.attention_with_kvcache(q, k, v, lengths, block_table=page_table, causal=False,
+                                             return_lse=want_lse, num_splits=_splits_hint(num_splits), **common)
+        return _fa4_result(result, want_lse, return_lse)
     out, lse = packing.attend_gathered(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
         page_table=page_table, batch=batch, want_lse=want_lse, mask_align="bottom_right",
@@ -261,6 +259,9 @@ def _append_new_keys(k_cache, v_cache, k_new, v_new, lengths, page_table, cu_seq
             or v_new.shape[-1] != v_cache.shape[-1]:
         raise ValueError(f"k {tuple(k_new.shape)} and v {tuple(v_new.shape)} must match the caches' heads and "
                          f"head dims ({tuple(k_cache.shape[-2:])}, {v_cache.shape[-1]})")
+    if k_new.dtype != k_cache.dtype or v_new.dtype != v_cache.dtype:
+        raise TypeError(f"k and v must have the caches' dtype ({str(k_cache.dtype)[6:]}), got "
+                        f"{str(k_new.dtype)[6:]} and {str(v_new.dtype)[6:]}")
     old = lengths.tolist()  # host sync, as for the new keys' offsets
     page_size = k_cache.shape[1]
     capacity = page_table.shape[1] * page_size if page_table is not None else k_cache.shape[1]
@@ -322,12 +323,19 @@ def flash_attn_with_kvcache(
         batch = cu_seqlens_q.numel() - 1
     else:
         batch = q.shape[0]
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be (B, S_cache, H_k, D), or (num_pages, page_size, H_k, D) with "
+                             f"page_table, got shape {tuple(t.shape)}")
     if page_table is not None:
         check_index_tensor("page_table", page_table, 2, q.device)
         if page_table.shape[0] != batch:
             raise ValueError(f"page_table has {page_table.shape[0]} rows for a batch of {batch}")
         capacity = page_table.shape[1] * k_cache.shape[1]
     else:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"a dense cache has one row per sequence: k_cache has {k_cache.shape[0]} for a "
+                             f"batch of {batch} (cache_batch_idx, which would map them, is not supported)")
         capacity = k_cache.shape[1]
     lengths = _cache_lengths(cache_seqlens, batch, capacity, q.device)
     window = window_fa3(causal, window_size)
@@ -335,13 +343,12 @@ def flash_attn_with_kvcache(
     if k is None:  # the caches are only read: copy them as FlashAttention would if unaligned
         k_cache, v_cache = kernel_layout(k_cache), kernel_layout(v_cache)
     q = kernel_layout(q)
-    if (cu_seqlens_q is None and cu_seqlens_k_new is None and _serves_as_cache(
-            q, k_cache, None, None, None, page_table, grad=False)):
-        result = fmha.attention_with_kvcache(
-            q, k_cache, v_cache, lengths, block_table=page_table, k_new=k, v_new=v, causal=False,
-            return_lse=bool(return_softmax_lse), num_splits=num_splits if num_splits and num_splits > 0 else None,
-            **common)
-        return result
+    if cu_seqlens_k_new is None and _serves_as_cache(k_cache, cu_seqlens_q, None, None, page_table, grad=False):
+        # FlashAttention-3's num_splits: 0 lets it choose (fmha's None), n >= 1 asks for n
+        splits = num_splits if isinstance(num_splits, int) and num_splits > 0 else None
+        return fmha.attention_with_kvcache(q, k_cache, v_cache, lengths, block_table=page_table, k_new=k, v_new=v,
+                                           causal=False, return_lse=bool(return_softmax_lse), num_splits=splits,
+                                           **common)
     if k is not None:
         lengths = _append_new_keys(k_cache, v_cache, kernel_layout(k), kernel_layout(v), lengths, page_table,
                                    cu_seqlens_k_new, batch)
