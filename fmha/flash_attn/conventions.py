@@ -1,0 +1,149 @@
+"""FlashAttention's argument conventions, turned into fmha's.
+
+FlashAttention-4 (``flash_attn.cute``, checked against the 4.0.0b36 wheel) and
+FlashAttention-3 (``hopper/flash_attn_interface.py``) differ from fmha in a few conventions:
+masks are always aligned to the bottom right, a window side is spelled differently, inputs with
+unaligned strides are copied instead of refused, and the LSE comes back in more cases. This
+module holds those rules, and the list of FlashAttention features fmha does not have, which
+are refused with ``NotImplementedError`` before anything runs.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Iterable, Optional, Tuple
+
+import torch
+
+#: the byte alignment FlashAttention (and fmha's kernels) assume for pointers and strides
+ALIGN_BYTES = 16
+
+#: dtypes FlashAttention-4 takes for ``learnable_sink``
+SINK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+Window = Tuple[Optional[int], Optional[int]]
+
+
+def refuse_unsupported(features: Iterable[Tuple[str, bool, str]]) -> None:
+    """Raise ``NotImplementedError`` for the first feature used: ``(argument, used, what it is)``."""
+    for name, used, what in features:
+        if used:
+            raise NotImplementedError(
+                f"fmha.flash_attn does not support {name} ({what}); leave {name} at its default, "
+                "or call FlashAttention itself for this feature"
+            )
+
+
+def _window_side(name: str, side) -> Optional[int]:
+    if side is None:
+        return None
+    if isinstance(side, bool):
+        raise ValueError(f"window_size {name} must be an int or None, got {side!r}")
+    try:
+        return operator.index(side)
+    except TypeError:
+        raise ValueError(f"window_size {name} must be an int or None, got {side!r}") from None
+
+
+def _window_pair(window_size) -> Window:
+    if window_size is None:
+        return None, None
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
+    return _window_side("left", left), _window_side("right", right)
+
+
+def window_fa4(causal, window_size) -> Window:
+    """FlashAttention-4's window, as fmha's ``window_size`` with ``causal=False`` and bottom-right
+    alignment. None is unbounded and a negative side is a band offset, as in fmha; only a pair
+    whose sides are both negative means "no window" (FlashAttention-2's ``(-1, -1)``); ``causal``
+    then sets the right side to 0 (it replaces the window's right side, it does not clip it)."""
+    left, right = _window_pair(window_size)
+    if left is not None and right is not None and left < 0 and right < 0:
+        left, right = None, None
+    if causal:
+        right = 0
+    return left, right
+
+
+def window_fa3(causal, window_size) -> Window:
+    """FlashAttention-3's window (``flash_attn_with_kvcache``): a negative side (its default
+    ``(-1, -1)``) or None is unbounded on that side; ``causal`` sets the right side to 0."""
+    left, right = _window_pair(window_size)
+    left = None if left is None or left < 0 else left
+    right = None if right is None or right < 0 else right
+    if causal:
+        right = 0
+    return left, right
+
+
+def _aligned_pointer(t: torch.Tensor) -> bool:
+    return t.data_ptr() % ALIGN_BYTES == 0
+
+
+def _aligned_layout(t: torch.Tensor) -> bool:
+    if t.stride(-1) != 1 or not _aligned_pointer(t):
+        return False
+    per_row = max(1, ALIGN_BYTES // t.element_size())
+    return all(s == 0 or s % per_row == 0 for s in t.stride()[:-1])
+
+
+def kernel_layout(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``t`` itself when its pointer and strides are 16-byte aligned with a contiguous last dim,
+    else a contiguous copy (differentiable): FlashAttention copies such inputs, fmha refuses
+    them, so the compatibility layer makes the copy FlashAttention would make."""
+    if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return t
+    if t.is_contiguous():
+        # a contiguous view at an odd offset: contiguous() would return it unchanged
+        return t if _aligned_pointer(t) else t.clone(memory_format=torch.contiguous_format)
+    if not _aligned_pointer(t):
+        return t.clone(memory_format=torch.contiguous_format)
+    return t if _aligned_layout(t) else t.contiguous()
+
+
+def check_learnable_sink(sink, num_heads_q: int) -> None:
+    """FlashAttention-4's rule for ``learnable_sink``: (H_q,) in fp16, bf16 or fp32."""
+    if sink is None:
+        return
+    if not isinstance(sink, torch.Tensor):
+        raise TypeError(f"learnable_sink must be a torch.Tensor, got {type(sink).__name__}")
+    if sink.dtype not in SINK_DTYPES:
+        raise TypeError(f"learnable_sink must be float16, bfloat16 or float32, got {str(sink.dtype)[6:]}")
+    if tuple(sink.shape) != (num_heads_q,):
+        raise ValueError(f"learnable_sink must have one logit per query head, shape ({num_heads_q},), "
+                         f"got {tuple(sink.shape)}")
+
+
+def check_index_tensor(name: str, t, dim: int, device: torch.device) -> None:
+    """cu_seqlens, seqused and page tables: int32, on q's device, ``dim``-D, unit stride last."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {str(t.dtype)[6:]}; use .to(torch.int32)")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}; move it with .to(q.device)")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous along its last dim; call .contiguous() on {name}")
+
+
+def needs_grad(*tensors) -> bool:
+    """Whether autograd will record the call (FlashAttention then also returns the LSE)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def wants_lse(return_lse: bool, *inputs) -> bool:
+    """FlashAttention-4 computes the LSE when asked, and whenever an input requires grad."""
+    return bool(return_lse) or any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+
+
+def lse_for_caller(lse: Optional[torch.Tensor], return_lse: bool) -> Optional[torch.Tensor]:
+    """The LSE as FlashAttention-4 hands it back: differentiable only when ``return_lse`` (it
+    ignores the LSE's gradient otherwise)."""
+    if lse is None or return_lse:
+        return lse
+    return lse.detach()
