@@ -25,50 +25,53 @@ SEQ = 11
 WINDOW = 5  # shorter than SEQ: the sliding layers drop keys
 
 
-def model_configs():
+def model_configs(sizes=SMALL, window=WINDOW):
     """name -> config; each exercises what its family adds to Llama's attention."""
     t = transformers
     configs = {
-        "llama": t.LlamaConfig(**SMALL),
-        "qwen2": t.Qwen2Config(**SMALL),
-        "qwen3": t.Qwen3Config(**SMALL),  # q/k norms
-        "mistral": t.MistralConfig(**SMALL, sliding_window=WINDOW),  # every layer sliding
+        "llama": t.LlamaConfig(**sizes),
+        "qwen2": t.Qwen2Config(**sizes),
+        "qwen3": t.Qwen3Config(**sizes),  # q/k norms
+        "mistral": t.MistralConfig(**sizes, sliding_window=window),  # every layer sliding
         # layers alternate sliding and full; scores capped at 2 tanh(s / 2) (so the cap matters)
-        "gemma2": t.Gemma2Config(**SMALL, sliding_window=WINDOW, attn_logit_softcapping=2.0,
-                                 final_logit_softcapping=30.0, query_pre_attn_scalar=16),
+        "gemma2": t.Gemma2Config(**sizes, sliding_window=window, attn_logit_softcapping=2.0,
+                                 final_logit_softcapping=30.0, query_pre_attn_scalar=sizes["head_dim"]),
     }
     if hasattr(t, "GptOssConfig"):  # sinks, alternating sliding layers, MoE
-        configs["gpt_oss"] = t.GptOssConfig(**{**SMALL, "intermediate_size": 64}, sliding_window=WINDOW,
-                                            num_local_experts=4, num_experts_per_tok=2)
+        configs["gpt_oss"] = t.GptOssConfig(**{**sizes, "intermediate_size": sizes["hidden_size"]},
+                                            sliding_window=window, num_local_experts=4,
+                                            num_experts_per_tok=4)  # every expert: no routing flips in bf16
     return configs
 
 
 CONFIGS = model_configs()
 
 
-def model_pair(name, dtype=torch.float32, device="cpu"):
-    """(eager model, fmha model) of config ``name`` with the same random weights, in eval mode.
-    Each gets its own copy of the config: transformers records the implementation in it."""
+def model_pair(name, dtype=torch.float32, device="cpu", configs=CONFIGS, reference="eager", **from_config):
+    """(``reference`` model, fmha model) of config ``name`` with the same random weights, in eval
+    mode. Each gets its own copy of the config: transformers records the implementation in it."""
     torch.manual_seed(0)
-    eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(CONFIGS[name]), attn_implementation="eager")
-    for module in eager.modules():
+    theirs = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(configs[name]),
+                                                           attn_implementation=reference, **from_config)
+    for module in theirs.modules():
         if hasattr(module, "sinks"):  # gpt-oss initializes them near 0; make them matter
             torch.nn.init.normal_(module.sinks, std=1.0)
-    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(CONFIGS[name]), attn_implementation="fmha")
-    ours.load_state_dict(eager.state_dict())
-    return eager.to(device, dtype).eval(), ours.to(device, dtype).eval()
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(configs[name]), attn_implementation="fmha",
+                                                         **from_config)
+    ours.load_state_dict(theirs.state_dict())
+    return theirs.to(device, dtype).eval(), ours.to(device, dtype).eval()
 
 
-def batch(device="cpu", pad_left=True):
-    """Token ids (2, SEQ) and a padding mask: row 1 has 4 pad tokens, on the left (generation)
-    or on the right (training)."""
+def batch(device="cpu", pad_left=True, seq=SEQ, pad=4, vocab=SMALL["vocab_size"]):
+    """Token ids (2, seq) and a padding mask: row 1 has ``pad`` pad tokens, on the left
+    (generation) or on the right (training)."""
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, SMALL["vocab_size"], (2, SEQ), generator=g)
-    mask = torch.ones(2, SEQ, dtype=torch.long)
+    ids = torch.randint(0, vocab, (2, seq), generator=g)
+    mask = torch.ones(2, seq, dtype=torch.long)
     if pad_left:
-        mask[1, :4] = 0
+        mask[1, :pad] = 0
     else:
-        mask[1, -4:] = 0
+        mask[1, -pad:] = 0
     return ids.to(device), mask.to(device)
 
 

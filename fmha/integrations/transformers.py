@@ -318,11 +318,11 @@ _UNPADDINGS_LIMIT = 8
 
 
 def _unpadding(valid: torch.Tensor, q_length: int, causal: bool) -> _Unpadding:
+    if torch.compiler.is_compiling():  # traced: no Python-side memo
+        return _make_unpadding(valid, q_length, causal)
     try:
         version = valid._version
     except RuntimeError:  # an inference tensor has no version counter: not kept
-        return _make_unpadding(valid, q_length, causal)
-    if torch.compiler.is_compiling():
         return _make_unpadding(valid, q_length, causal)
     seen = _UNPADDINGS.get(id(valid))
     if seen is not None and seen[0]() is valid and seen[1:4] == (version, q_length, causal):
