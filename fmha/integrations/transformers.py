@@ -16,10 +16,11 @@ sliding, static). It returns
 
 * None: no padding; the layer runs one dense fmha call (causal masks bottom-right aligned: the
   queries are the last positions of the keys);
-* a (B, L) bool tensor: which of the first L keys are real tokens (False: padding, or a static
-  cache's unused slots); the layer unpads queries and keys to packed sequences (``cu_seqlens``),
-  as transformers' FlashAttention integration does, and pads the output back (padded query rows
-  are 0);
+* a (B, N) bool tensor: which positions 0 .. N - 1 are real tokens (False: padding, or a static
+  cache's unused slots), N the end of the layer's keys; each layer takes the columns of its own
+  keys (the last ones, for a sliding-window cache), unpads queries and keys to packed sequences
+  (``cu_seqlens``), as transformers' FlashAttention integration does, and pads the output back
+  (padded query rows are 0);
 * a 1-D int32 tensor: the ``cu_seqlens`` of a packed batch, its rows flattened;
 * anything else (chunked attention, image-token or other custom mask functions, a sliding window
   over padding that is not all on one side of the real tokens, a 4-D mask the caller made): the
@@ -166,7 +167,12 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
 
 
 def _key_validity(pattern: _Pattern, batch_size, q_length, kv_length, q_offset, kv_offset, padding, device):
-    """None, or (B, L) bool: which of the layer's first L keys are real; or _INEXPRESSIBLE."""
+    """None, or (B, N) bool: which of the positions 0 .. N - 1 are real tokens, N the end of the
+    layer's keys; or _INEXPRESSIBLE.
+
+    Positions are absolute, as in transformers' own 2-D masks, so that a model which builds its
+    masks again from this one (generate() passes a static cache's masks back in) gets it again.
+    A layer's keys are the positions kv_offset .. kv_offset + S_k - 1 (``_layer_columns``)."""
     q_offset, kv_offset = int(q_offset), int(kv_offset)  # a static cache's q_offset is a tensor: one read here
     if pattern.causal:
         # a causal row never sees keys past the last query: those (a static cache's unused
@@ -174,26 +180,39 @@ def _key_validity(pattern: _Pattern, batch_size, q_length, kv_length, q_offset, 
         end = q_offset + q_length
         if q_offset < kv_offset or end > kv_offset + kv_length:
             return _INEXPRESSIBLE
-        length = end - kv_offset
     else:
-        length = kv_length
+        end = kv_offset + kv_length
     if padding is None:
-        return None if length == kv_length else torch.ones(batch_size, length, dtype=torch.bool, device=device)
+        if end == kv_offset + kv_length:
+            return None
+        return torch.ones(batch_size, end, dtype=torch.bool, device=device)
     if padding.dim() != 2:
         return _INEXPRESSIBLE
     padding = padding.to(device=device, dtype=torch.bool)
     if padding.shape[0] != batch_size:
         padding = padding.expand(batch_size, -1)
-    if padding.shape[1] < kv_offset + length:  # positions past the 2-D mask are not tokens (static caches)
-        padding = F.pad(padding, (0, kv_offset + length - padding.shape[1]), value=False)
-    valid = padding[:, kv_offset:kv_offset + length]
+    if padding.shape[1] < end:  # positions past the 2-D mask are not tokens (a static cache's tail)
+        padding = F.pad(padding, (0, end - padding.shape[1]), value=False)
+    valid = padding[:, :end]
+    keys = valid[:, kv_offset:]
     # unpadding shifts the keys left past padding between real tokens; a window counted in
     # positions then is not one counted in keys
-    if pattern.window is not None and not _one_run_per_row(valid):
+    if pattern.window is not None and not _one_run_per_row(keys):
         return _INEXPRESSIBLE
-    if length == kv_length and bool(valid.all()):
+    if end == kv_offset + kv_length and bool(keys.all()):
         return None
     return valid
+
+
+def _layer_columns(valid: torch.Tensor, num_keys: int):
+    """(the columns of an absolute (B, N) validity mask that are the layer's keys, how many of
+    the layer's keys they cover). A layer holding fewer than N keys holds the last ones (a sliding
+    window's cache); one holding more holds positions 0 .. N - 1 first (a static cache, whose
+    slots past N are unused)."""
+    n = valid.shape[1]
+    if num_keys >= n:
+        return valid, n
+    return valid[:, n - num_keys:], num_keys
 
 
 def _one_run_per_row(valid: torch.Tensor) -> bool:
@@ -311,33 +330,35 @@ class _Unpadding:
     max_k: int = 0
 
 
-# id(mask) -> (weak reference, version, q_length, causal, _Unpadding): every layer of a forward
-# gets the same mask tensor, so its indices and offsets are computed (and read back) once
+# id(mask) -> (weak reference, version, (q_length, keys, causal), _Unpadding): every layer of a
+# forward gets the same mask tensor, so its indices and offsets are computed (and read back) once
 _UNPADDINGS: dict = {}
 _UNPADDINGS_LIMIT = 8
 
 
-def _unpadding(valid: torch.Tensor, q_length: int, causal: bool) -> _Unpadding:
+def _unpadding(valid: torch.Tensor, q_length: int, num_keys: int, causal: bool) -> _Unpadding:
     if torch.compiler.is_compiling():  # traced: no Python-side memo
-        return _make_unpadding(valid, q_length, causal)
+        return _make_unpadding(valid, q_length, num_keys, causal)
     try:
         version = valid._version
     except RuntimeError:  # an inference tensor has no version counter: not kept
-        return _make_unpadding(valid, q_length, causal)
+        return _make_unpadding(valid, q_length, num_keys, causal)
+    use = (q_length, num_keys, causal)
     seen = _UNPADDINGS.get(id(valid))
-    if seen is not None and seen[0]() is valid and seen[1:4] == (version, q_length, causal):
-        return seen[4]
-    plan = _make_unpadding(valid, q_length, causal)
+    if seen is not None and seen[0]() is valid and seen[1] == version and seen[2] == use:
+        return seen[3]
+    plan = _make_unpadding(valid, q_length, num_keys, causal)
     if len(_UNPADDINGS) >= _UNPADDINGS_LIMIT:
         _UNPADDINGS.clear()
-    _UNPADDINGS[id(valid)] = (weakref.ref(valid), version, q_length, causal, plan)
+    _UNPADDINGS[id(valid)] = (weakref.ref(valid), version, use, plan)
     return plan
 
 
-def _make_unpadding(valid: torch.Tensor, q_length: int, causal: bool) -> _Unpadding:
+def _make_unpadding(valid: torch.Tensor, q_length: int, num_keys: int, causal: bool) -> _Unpadding:
     if valid.dtype != torch.bool:
         valid = valid != 0
-    batch, length = valid.shape
+    valid, length = _layer_columns(valid, num_keys)
+    batch = valid.shape[0]
     k_counts = valid.sum(1, dtype=torch.int32)
     # a causal layer's queries are the last q_length keys (FlashAttention's reading of a 2-D
     # mask), so padded query rows drop out; a bidirectional layer keeps every query row
@@ -357,15 +378,15 @@ def _make_unpadding(valid: torch.Tensor, q_length: int, causal: bool) -> _Unpadd
 
 
 def _unpadded(q, k, v, valid, is_causal, options):
-    """A batch with padding (2-D mask of the first L keys): unpad, one varlen fmha call, pad back."""
+    """A batch with padding (2-D mask of positions 0 .. N - 1): unpad, one varlen fmha call, pad
+    back."""
     batch, s_q, heads = q.shape[:3]
-    length = valid.shape[1]
-    if valid.shape[0] != batch or length > k.shape[1] or s_q > length:
+    if valid.shape[0] != batch or s_q > min(valid.shape[1], k.shape[1]):
         raise ValueError(f"a 2-D attention mask of shape {tuple(valid.shape)} does not fit queries of shape "
                          f"{tuple(q.shape)} and keys of shape {tuple(k.shape)} (B, S, H, D): it must be "
-                         "(B, L) with S_q <= L <= S_k")
-    plan = _unpadding(valid, s_q, is_causal)
-    k, v = k[:, :length], v[:, :length]
+                         "(B, N) with N >= S_q, the last S_q positions the queries'")
+    plan = _unpadding(valid, s_q, k.shape[1], is_causal)
+    k, v = k[:, :plan.length], v[:, :plan.length]
     if plan.all_valid:
         _PATHS["dense"] += 1
         return fmha.attention(q, k, v, causal=is_causal, mask_align="bottom_right", **options)
