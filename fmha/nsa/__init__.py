@@ -7,7 +7,7 @@ kernel plugs into (``compression_attention``, ``select_blocks``, ``selection_att
 the fp64 oracle. This package imports fmha's public modules; fmha's core never imports it.
 """
 
-from .compression import compression_attention, compression_path
+from .compression import compression_attention
 from .functional import nsa_attention, window_attention
 from .layout import NSABranches, compressed_cu_seqlens, num_compressed_blocks, num_selection_blocks
 from .module import NativeSparseAttention, apply_rotary
@@ -30,7 +30,6 @@ __all__ = [
     "apply_rotary",
     "nsa_reference",
     "compressed_cu_seqlens",
-    "compression_path",
     "num_compressed_blocks",
     "num_selection_blocks",
 ]

@@ -10,7 +10,6 @@ Layouts: packed q (T, H_q, D), k (T, H_k, D), v (T, H_k, D_v) with ``cu_seqlens`
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ..backends import UnsupportedError, check_backend_name
+from ..problem import accumulate_dtype
 from .checks import check_int, check_qkv, check_scale, check_selected, read_seqlens
 from .layout import token_positions
 
@@ -29,9 +30,6 @@ __all__ = ["selection_attention"]
 #: budget of one chunk of gathered keys, values and scores
 CHUNK_BYTES = 256 << 20
 
-
-def _accumulate_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _chunk(q, k, v, selected, select_block) -> int:
@@ -54,7 +52,7 @@ def _gather(k, v, selected, where, a, z, select_block, cdt):
 
 
 def _selection_forward_torch(q, k, v, selected, cu, select_block, scale):
-    cdt = _accumulate_dtype(q.dtype)
+    cdt = accumulate_dtype(q.dtype)
     total, heads_q = q.shape[0], q.shape[1]
     heads_k = k.shape[1]
     group = heads_q // heads_k
@@ -81,7 +79,7 @@ def _selection_forward_torch(q, k, v, selected, cu, select_block, scale):
 
 
 def _selection_backward_torch(dout, q, k, v, out, lse, dlse, selected, cu, select_block, scale):
-    cdt = _accumulate_dtype(q.dtype)
+    cdt = accumulate_dtype(q.dtype)
     total, heads_q = q.shape[0], q.shape[1]
     heads_k = k.shape[1]
     group = heads_q // heads_k
@@ -120,7 +118,7 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, selected: Tensor, cu_seqlens: T
 @_forward_op.register_fake
 def _forward_fake(q, k, v, selected, cu_seqlens, select_block, softmax_scale, backend):
     o = q.new_empty(q.shape[:-1] + (v.shape[-1],))
-    return o, q.new_empty((q.shape[1], q.shape[0]), dtype=_accumulate_dtype(q.dtype))
+    return o, q.new_empty((q.shape[1], q.shape[0]), dtype=accumulate_dtype(q.dtype))
 
 
 @torch.library.custom_op("fmha_nsa::selection_backward", mutates_args=())

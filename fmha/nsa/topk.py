@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ..backends import UnsupportedError, check_backend_name
+from ..problem import accumulate_dtype
 from .checks import check_compressed_offsets, check_geometry, check_like_q, check_qkv, check_scale
 from .layout import num_selection_blocks
 
@@ -58,7 +59,7 @@ def _rank(scores: Tensor, positions: Tensor, select_block: int, select_count: in
 
 
 def _select_blocks_torch(q, k_cmp, lse_cmp, cu, cu_cmp, block, stride, select_block, select_count, scale):
-    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cdt = accumulate_dtype(q.dtype)
     heads_k = k_cmp.shape[1]
     group = q.shape[1] // heads_k
     out = torch.full((q.shape[0], heads_k, select_count), -1, dtype=torch.int32, device=q.device)
