@@ -16,12 +16,14 @@ from test_nsa_naive import (cu_of, naive_compression, naive_nsa, naive_pool, nai
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 LENS = [0, 1, 7, 33, 50]
-# (block l, stride d, select_block l', select_count n, window w)
+# (block l, stride d, select_block l', select_count n, window w); n exceeds the three forced
+# blocks and the longest sequence has more blocks than n, so the scores decide some slots
 GEOMETRIES = {
-    "l8_d4": (8, 4, 16, 3, 16),
-    "l=d": (8, 8, 16, 3, 16),
-    "l'_not_multiple_of_d": (8, 4, 10, 3, 9),
-    "l=d=l'": (4, 4, 4, 2, 5),
+    "paper_ratios": (4, 2, 8, 4, 16),  # l = 2d, l' = 2l as the paper's 32/16/64
+    "l=d": (8, 8, 8, 5, 16),
+    "l'_not_multiple_of_d": (8, 4, 6, 5, 9),
+    "l=d=l'": (4, 4, 4, 6, 5),
+    "l>l'": (8, 2, 3, 6, 7),  # a compressed block spans more than the two forced local blocks
 }
 GQA = [(2, 2), (4, 2), (4, 1), (16, 1)]
 
@@ -94,6 +96,8 @@ def test_select_blocks(geometry, hq, hk):
     assert got.dtype == torch.int32 and got.shape == (q.shape[0], hk, n)
     assert torch.equal(got, want)
     assert torch.equal(ref.select_blocks_reference(q, k_cmp, cu, cu_cmp, l, d, lsel, n), want)
+    # the scores matter: ignoring them (all equal, so the lowest blocks win) picks otherwise
+    assert not torch.equal(got, naive_topk(q * 0, k_cmp, LENS, l, d, lsel, n, 1.0))
 
 
 def test_select_blocks_breaks_ties_toward_the_lower_block():
@@ -209,7 +213,7 @@ def test_nsa_attention_packed(geometry, hq, hk):
 
 
 def test_nsa_attention_dense_equals_packed_per_sequence():
-    l, d, lsel, n, w = GEOMETRIES["l8_d4"]
+    l, d, lsel, n, w = GEOMETRIES["paper_ratios"]
     kw = dict(block=l, stride=d, select_block=lsel, select_count=n, window=w)
     q, k, v, _ = inputs([37] * 2, 4, 2, seed=7)
     qd, kd, vd = (t.view(2, 37, *t.shape[1:]) for t in (q, k, v))
@@ -225,7 +229,7 @@ def test_nsa_attention_dense_equals_packed_per_sequence():
 
 
 def test_nsa_attention_with_given_selection_and_compressed_kv():
-    l, d, lsel, n, w = GEOMETRIES["l8_d4"]
+    l, d, lsel, n, w = GEOMETRIES["paper_ratios"]
     q, k, v, cu = inputs(LENS, 4, 2, seed=8)
     gs = gates(q.shape[0], 4, seed=1)
     sel = random_selection(LENS, 2, 4, lsel, seed=1)
@@ -246,7 +250,7 @@ def test_nsa_attention_with_given_selection_and_compressed_kv():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nsa_attention_in_lower_precision_is_close_to_the_fp64_reference(dtype):
-    l, d, lsel, n, w = GEOMETRIES["l8_d4"]
+    l, d, lsel, n, w = GEOMETRIES["paper_ratios"]
     kw = dict(block=l, stride=d, select_block=lsel, select_count=n, window=w)
     q, k, v, cu = inputs(LENS, 4, 2, seed=9, dtype=dtype)
     gs = tuple(g.to(dtype) for g in gates(q.shape[0], 4))
