@@ -192,8 +192,7 @@ def gates(total, hq, seed=0, batch=None):
     return tuple(torch.rand(shape, generator=g, dtype=torch.float64) for _ in range(3))
 
 
-@pytest.mark.parametrize("geometry", GEOMETRIES)
-@pytest.mark.parametrize("hq,hk", [(4, 2), (16, 1)])
+@pytest.mark.parametrize("geometry,hq,hk", [(g, 4, 2) for g in GEOMETRIES] + [("paper_ratios", 16, 1), ("l>l'", 16, 1)])
 def test_nsa_attention_packed(geometry, hq, hk):
     l, d, lsel, n, w = GEOMETRIES[geometry]
     q, k, v, cu = inputs(LENS, hq, hk, seed=6)

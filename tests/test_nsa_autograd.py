@@ -35,7 +35,8 @@ def test_gradcheck_compression_branch(hq, hk):
         o, lse = nsa.compression_attention(q, kc, vc, cu, cu_cmp, 4, 2)
         return o, finite(lse)
 
-    assert torch.autograd.gradcheck(f, args)
+    # the whole Jacobian for one GQA case; a random direction for the other (fast mode)
+    assert torch.autograd.gradcheck(f, args, fast_mode=hq != hk)
 
 
 @pytest.mark.parametrize("hq,hk", [(2, 2), (4, 1)])
@@ -52,7 +53,9 @@ def test_gradcheck_selection_attention(hq, hk):
 
 def test_gradcheck_window_branch():
     q, k, v, cu = inputs(LENS, 4, 2, d=4, dv=3, seed=2)
-    assert torch.autograd.gradcheck(lambda q, k, v: nsa.window_attention(q, k, v, cu, 3), leaves(q, k, v))
+    # fmha's own tests check its window backward in full; here the call as NSA makes it
+    assert torch.autograd.gradcheck(lambda q, k, v: nsa.window_attention(q, k, v, cu, 3), leaves(q, k, v),
+                                    fast_mode=True)
 
 
 def test_gradcheck_mean_and_mlp_pooling():
