@@ -18,6 +18,7 @@ from .. import api
 from ..backends import UnsupportedError, check_backend_name
 from .checks import (check_compressed_kv, check_geometry, check_int, check_like_q, check_qkv, check_scale,
                      check_selected, read_seqlens)
+from .compression import run_compression
 from .layout import NSABranches, compressed_cu_seqlens, dense_cu_seqlens, num_compressed_blocks, pack
 from .pooling import mean_pool
 
@@ -36,6 +37,11 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[Tenso
     if cu_seqlens is None:
         return api.attention(q, k, v, **kw)
     return api.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, **kw)
+
+
+def _flatten(o: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor]:
+    """A dense call's o (B, S, H, D) and lse (B, H, S) as packed ones: (B*S, H, D), (H, B*S)."""
+    return o.reshape((-1,) + tuple(o.shape[2:])), lse.transpose(0, 1).reshape(lse.shape[1], -1)
 
 
 def _compressed_kv(k, v, k_cmp, v_cmp, cu_seqlens, block, stride):
@@ -94,22 +100,20 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
     packed = pack((q, k, v) + gates + (selected,), cu_seqlens)
     qp, kp, vp, gc, gs, gw, sel = packed.tensors
     cu = packed.cu_seqlens
+    kc, vc = (t.reshape((-1,) + tuple(t.shape[-2:])) for t in (k_cmp, v_cmp))
     if packed.batch is None:
         cu_cmp = compressed_cu_seqlens(cu, block, stride)
-    else:
+        o_cmp, lse_cmp = run_compression(qp, kc, vc, cu, cu_cmp, block, stride, scale, backend)
+        o_win, lse_win = window_attention(qp, kp, vp, cu, window, softmax_scale=scale, backend=backend)
+    else:  # fmha's dense calls read no offsets on the host
         cu_cmp = dense_cu_seqlens(packed.batch, k_cmp.shape[1], q.device)
-    kc, vc = (t.reshape((-1,) + tuple(t.shape[-2:])) for t in (k_cmp, v_cmp))
-
-    o_cmp, lse_cmp = torch.ops.fmha_nsa.compression_forward(qp, kc, vc, cu, cu_cmp, block, stride, scale, backend)
+        o_cmp, lse_cmp = _flatten(*api.attention(q, k_cmp, v_cmp, compressed_causal=(block, stride),
+                                                 softmax_scale=scale, return_lse=True, backend=backend))
+        o_win, lse_win = _flatten(*window_attention(q, k, v, None, window, softmax_scale=scale, backend=backend))
     if sel is None:
         sel = torch.ops.fmha_nsa.select_blocks(qp.detach(), kc.detach(), lse_cmp.detach(), cu, cu_cmp, block, stride,
                                                select_block, select_count, scale, backend)
     o_slc, lse_slc = torch.ops.fmha_nsa.selection_forward(qp, kp, vp, sel, cu, select_block, scale, backend)
-    if packed.batch is None:
-        o_win, lse_win = window_attention(qp, kp, vp, cu, window, softmax_scale=scale, backend=backend)
-    else:  # dense: fmha reads no offsets
-        o_win, lse_win = window_attention(q, k, v, None, window, softmax_scale=scale, backend=backend)
-        o_win, lse_win = o_win.reshape(o_slc.shape), lse_win.transpose(0, 1).reshape(lse_slc.shape)
 
     acc = torch.promote_types(q.dtype, torch.float32)
     o = sum(g.to(acc)[..., None] * branch.to(acc) for g, branch in ((gc, o_cmp), (gs, o_slc), (gw, o_win)))
