@@ -1,0 +1,118 @@
+"""Top-k block selection (docs/nsa.md, "Selection"): for each query token and KV group, the
+selection blocks its selection attention reads.
+
+The scores are the compression branch's attention probabilities ``p = exp(q.k_cmp * scale -
+lse_cmp)``, summed over the group's query heads and, for each selection block, over the
+compressed blocks that overlap it. The current block, the one before it and block 0 are always
+taken (in that priority), then the highest scores, the lower block index winning a tie, among the
+blocks that start at or before the query. The list is returned in ascending block order, padded
+with -1 at the end.
+
+Runs as the custom op ``fmha_nsa::select_blocks`` (no autograd: indices), today in PyTorch
+(``_select_blocks_torch``, a bounded chunk of queries at a time); a kernel goes behind the same op.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..backends import UnsupportedError, check_backend_name
+from ..problem import accumulate_dtype
+from .checks import check_compressed_offsets, check_geometry, check_like_q, check_qkv, check_scale
+from .layout import num_selection_blocks
+
+__all__ = ["select_blocks", "overlap_matrix"]
+
+#: budget of one chunk of scores (C x H_q x T_c)
+CHUNK_BYTES = 128 << 20
+
+
+def overlap_matrix(n_cmp: int, n_slc: int, block: int, stride: int, select_block: int, dtype, device) -> Tensor:
+    """(n_cmp, n_slc) 0/1: compressed block i ([i*stride, i*stride + block)) overlaps selection
+    block j ([j*select_block, (j+1)*select_block))."""
+    i = torch.arange(n_cmp, device=device)[:, None]
+    j = torch.arange(n_slc, device=device)[None, :]
+    return ((i * stride < (j + 1) * select_block) & (i * stride + block > j * select_block)).to(dtype)
+
+
+def _rank(scores: Tensor, positions: Tensor, select_block: int, select_count: int, group: int) -> Tensor:
+    """int32 (C, H_k, select_count) from scores (C, H_k, N_s) of queries at ``positions`` (C,)."""
+    n_slc = scores.shape[-1]
+    j = torch.arange(n_slc, device=scores.device)[None, :]
+    current = (positions // select_block)[:, None]
+    # forced blocks outrank every score: a block's score is at most the group's head count
+    top = 2.0 * group + 2.0
+    tier = torch.where(j == current, 3, torch.where(j == current - 1, 2, torch.where(j == 0, 1, 0)))
+    key = torch.where((j <= current)[:, None, :], scores, torch.full_like(scores, -1.0))
+    key = torch.where(tier[:, None, :] > 0, (tier * top).to(scores.dtype)[:, None, :], key)
+    # a stable descending sort keeps the lower index first among equal keys
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :select_count]
+    chosen = torch.where(key.gather(-1, order) >= 0, order, torch.full_like(order, n_slc))
+    chosen = chosen.sort(dim=-1).values  # ascending; the n_slc sentinels of empty slots go last
+    chosen = torch.where(chosen == n_slc, torch.full_like(chosen, -1), chosen).to(torch.int32)
+    if chosen.shape[-1] < select_count:
+        chosen = torch.cat([chosen, chosen.new_full(chosen.shape[:-1] + (select_count - chosen.shape[-1],), -1)], -1)
+    return chosen
+
+
+def _select_blocks_torch(q, k_cmp, lse_cmp, cu, cu_cmp, block, stride, select_block, select_count, scale):
+    cdt = accumulate_dtype(q.dtype)
+    heads_k = k_cmp.shape[1]
+    group = q.shape[1] // heads_k
+    out = torch.full((q.shape[0], heads_k, select_count), -1, dtype=torch.int32, device=q.device)
+    offsets, offsets_cmp = cu.tolist(), cu_cmp.tolist()
+    for b in range(len(offsets) - 1):
+        r0, r1, c0, c1 = offsets[b], offsets[b + 1], offsets_cmp[b], offsets_cmp[b + 1]
+        n_slc = num_selection_blocks(r1 - r0, select_block)
+        overlap = overlap_matrix(c1 - c0, n_slc, block, stride, select_block, cdt, q.device)
+        kc = k_cmp[c0:c1].to(cdt)
+        step = max(1, CHUNK_BYTES // max(1, q.shape[1] * max(c1 - c0, n_slc) * 4 * 3))
+        for a in range(r0, r1, step):
+            z = min(a + step, r1)
+            positions = torch.arange(a - r0, z - r0, device=q.device)
+            qc = q[a:z].to(cdt).view(z - a, heads_k, group, -1)
+            s = torch.einsum("chgd,khd->chgk", qc, kc) * scale
+            lse = lse_cmp[:, a:z].to(cdt).T.reshape(z - a, heads_k, group, 1)
+            visible = torch.arange(c1 - c0, device=q.device)[None, :] * stride + block - 1 <= positions[:, None]
+            keep = visible[:, None, None, :] & torch.isfinite(lse)
+            p = torch.where(keep, (s - torch.where(keep, lse, torch.zeros_like(lse))).exp(), torch.zeros_like(s))
+            scores = p.sum(2) @ overlap  # (C, H_k, N_s)
+            out[a:z] = _rank(scores, positions, select_block, select_count, group)
+    return out
+
+
+@torch.library.custom_op("fmha_nsa::select_blocks", mutates_args=())
+def _select_blocks_op(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
+                      block: int, stride: int, select_block: int, select_count: int, softmax_scale: float,
+                      backend: str) -> Tensor:
+    return _select_blocks_torch(q, k_cmp, lse_cmp, cu_seqlens, cu_seqlens_cmp, block, stride, select_block,
+                                select_count, softmax_scale)
+
+
+@_select_blocks_op.register_fake
+def _select_blocks_fake(q, k_cmp, lse_cmp, cu_seqlens, cu_seqlens_cmp, block, stride, select_block, select_count,
+                        softmax_scale, backend):
+    return q.new_empty((q.shape[0], k_cmp.shape[1], select_count), dtype=torch.int32)
+
+
+def select_blocks(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
+                  block: int = 32, stride: int = 16, select_block: int = 64, select_count: int = 16, *,
+                  softmax_scale: Optional[float] = None, backend: str = "auto") -> Tensor:
+    """int32 (T, H_k, select_count): the selection blocks of each packed query (T, H_q, D) and KV
+    group, from the compressed keys k_cmp (T_c, H_k, D) and the compression branch's LSE
+    (H_q, T) (``compression_attention``'s). Module doc for the rule. ``backend``: "auto" and
+    "reference" run the PyTorch path; "kernel" raises until a top-k kernel exists."""
+    check_geometry(block, stride, select_block, select_count)
+    check_backend_name(backend)
+    if backend == "kernel":
+        raise UnsupportedError(["fmha.nsa has no top-k selection kernel yet; backend='auto' runs it in PyTorch"])
+    check_qkv(q, k_cmp, k_cmp, packed=True, names=("q", "k_cmp", "k_cmp"), same_tokens=False)
+    check_like_q("lse_cmp", lse_cmp, q, (q.shape[1], q.shape[0]), "(H_q, T), compression_attention's LSE")
+    scale = check_scale(softmax_scale, q.shape[-1])
+    check_compressed_offsets(cu_seqlens, cu_seqlens_cmp, q.shape[0], k_cmp.shape[0], block, stride, q.device)
+    return torch.ops.fmha_nsa.select_blocks(q.detach(), k_cmp.detach(), lse_cmp.detach(), cu_seqlens,
+                                            cu_seqlens_cmp, block, stride, select_block, select_count, scale,
+                                            backend)

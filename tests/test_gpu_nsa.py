@@ -1,0 +1,168 @@
+"""fmha.nsa on a CUDA GPU in bf16, at the paper's geometry (block 32, stride 16, selection
+blocks of 64, 16 of them, window 512) and moderate sizes (about 3.6k packed tokens, D = 128, GQA
+16/2 and 32/8), against the fp64 reference (``fmha.nsa.reference``) given the same bf16 inputs:
+each branch, the top-k (a choice that differs from the reference's must be a near-tie by the
+reference's own scores), the composition forward and backward, and a model's training losses.
+On an SM90 GPU the window and compression branches must run on fmha's kernels (``backend=
+"kernel"``). Marked ``gpu``; skipped without CUDA.
+
+    python -m pytest -m gpu tests/test_gpu_nsa.py
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fmha.nsa as nsa
+from fmha.nsa import reference as ref
+from gpu_checks import lse_max_err, rel_l2
+
+pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore"),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+PAPER = dict(block=32, stride=16, select_block=64, select_count=16, window=512)
+HEADS = [(16, 2), (32, 8)]
+LENS = [2048 + 77, 0, 1, 1531]
+
+
+def cu_of(lens, device):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+
+
+def bf16_inputs(lens, hq, hk, d, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    total = sum(lens)
+    q, k, v = (torch.randn(total, h, d, generator=g, device=device).to(torch.bfloat16) for h in (hq, hk, hk))
+    gates = tuple(torch.rand(total, hq, generator=g, device=device).to(torch.bfloat16) for _ in range(3))
+    return q, k, v, gates, cu_of(lens, device)
+
+
+def check_branches(device, lens, hq, hk, d, geometry, backend="auto"):
+    """Compression, window and selection branches against the reference on the same inputs."""
+    l, s, lsel, w = geometry["block"], geometry["stride"], geometry["select_block"], geometry["window"]
+    q, k, v, _, cu = bf16_inputs(lens, hq, hk, d, device)
+    k_cmp, cu_cmp = nsa.mean_pool(k, cu, l, s)
+    v_cmp, _ = nsa.mean_pool(v, cu, l, s)
+    o, lse_cmp = nsa.compression_attention(q, k_cmp, v_cmp, cu, cu_cmp, l, s, backend=backend)
+    want_o, want_lse = ref.compression_attention_reference(q, k_cmp, v_cmp, cu, cu_cmp, l, s)
+    assert o.dtype == torch.bfloat16 and rel_l2(o, want_o) < 1e-2 and lse_max_err(lse_cmp, want_lse) < 5e-3
+    o, lse = nsa.window_attention(q, k, v, cu, w, backend=backend)
+    want_o, want_lse = ref.window_attention_reference(q, k, v, cu, w)
+    assert rel_l2(o, want_o) < 1e-2 and lse_max_err(lse, want_lse) < 5e-3
+    sel = nsa.select_blocks(q, k_cmp, lse_cmp, cu, cu_cmp, l, s, lsel, geometry["select_count"])
+    o, lse = nsa.selection_attention(q, k, v, sel, cu, lsel)
+    want_o, want_lse = ref.selection_attention_reference(q, k, v, sel, cu, lsel)
+    assert rel_l2(o, want_o) < 1e-2 and lse_max_err(lse, want_lse) < 5e-3
+
+
+def reference_block_keys(q, k_cmp, cu, cu_cmp, l, s, lsel):
+    """fp64 (T, H_k, max blocks) ranking keys by the definition: the selection scores, forced
+    blocks (current, previous, first) above every score, -inf for blocks after the query."""
+    hk = k_cmp.shape[1]
+    group = q.shape[1] // hk
+    lens, lens_cmp = (c.diff().tolist() for c in (cu, cu_cmp))
+    n_max = max((n + lsel - 1) // lsel for n in lens)
+    keys = torch.full((q.shape[0], hk, n_max), -float("inf"), dtype=torch.float64, device=q.device)
+    r0 = c0 = 0
+    for n, nc in zip(lens, lens_cmp):
+        t = torch.arange(n, device=q.device)
+        i, j = torch.arange(nc, device=q.device), torch.arange((n + lsel - 1) // lsel, device=q.device)
+        s_ = torch.einsum("thd,chd->thc", q[r0:r0 + n].double(), k_cmp[c0:c0 + nc].double().repeat_interleave(group, 1))
+        s_ = (s_ * q.shape[-1] ** -0.5).masked_fill((i[None, None] * s + l - 1 > t[:, None, None]), -float("inf"))
+        p = torch.softmax(s_, -1).nan_to_num(0.0).view(n, hk, group, nc).sum(2)
+        overlap = ((i[:, None] * s < (j[None] + 1) * lsel) & (i[:, None] * s + l > j[None] * lsel)).double()
+        score = p @ overlap
+        cur = (t // lsel)[:, None]
+        forced = (j[None] == cur) | (j[None] == cur - 1) | (j[None] == 0)
+        score = torch.where(forced[:, None], torch.full_like(score, 2.0 * group + 2), score)
+        keys[r0:r0 + n, :, :len(j)] = torch.where((j[None] <= cur)[:, None], score, -float("inf"))
+        r0, c0 = r0 + n, c0 + nc
+    return keys
+
+
+def check_topk(device, lens, hq, hk, d, geometry):
+    """The bf16 top-k picks the reference's blocks, or blocks whose reference scores add up to
+    the best total within a near-tie margin."""
+    l, s, lsel, n = geometry["block"], geometry["stride"], geometry["select_block"], geometry["select_count"]
+    q, k, _, _, cu = bf16_inputs(lens, hq, hk, d, device, seed=1)
+    k_cmp, cu_cmp = nsa.mean_pool(k, cu, l, s)
+    _, lse = nsa.compression_attention(q, k_cmp, k_cmp, cu, cu_cmp, l, s)
+    got = nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, l, s, lsel, n)
+    want = ref.select_blocks_reference(q, k_cmp, cu, cu_cmp, l, s, lsel, n)
+    keys = reference_block_keys(q, k_cmp, cu, cu_cmp, l, s, lsel)
+
+    def total(sel):
+        return torch.where(sel >= 0, keys.gather(-1, sel.long().clamp(min=0)), torch.zeros_like(keys[..., :n])).sum(-1)
+
+    assert torch.equal((got >= 0).sum(-1), (want >= 0).sum(-1)), "the number of blocks taken differs"
+    same = (got == want).all(-1)
+    assert same.double().mean() > 0.9, f"only {same.double().mean():.3f} of the lists agree"
+    margin = (total(want) - total(got)).max().item()
+    assert margin < 1e-3 * (hq // hk), f"a differing choice is not a near-tie: its scores are {margin:.3g} short"
+
+
+def check_nsa_forward_backward(device, lens, hq, hk, d, geometry):
+    q, k, v, gates, cu = bf16_inputs(lens, hq, hk, d, device, seed=2)
+    fast = tuple(t.clone().requires_grad_() for t in (q, k, v) + gates)
+    o, br = nsa.nsa_attention(*fast, cu_seqlens=cu, return_branches=True, **geometry)
+    slow = tuple(t.double().requires_grad_() for t in (q, k, v) + gates)
+    want = ref.nsa_reference(*slow, cu_seqlens=cu, selected=br.selected, **geometry)
+    assert o.dtype == torch.bfloat16 and rel_l2(o, want) < 1e-2
+    dout = torch.randn_like(o)
+    o.backward(dout)
+    want.backward(dout.double())
+    for name, a, b in zip(("q", "k", "v", "g_cmp", "g_slc", "g_win"), fast, slow):
+        assert rel_l2(a.grad, b.grad) < 2e-2, f"d{name}: {rel_l2(a.grad, b.grad):.3g}"
+
+
+def training_losses(device, dtype, implementation, shape=(2, 1024), hidden=512, heads=(16, 2), steps=3):
+    torch.manual_seed(0)
+    attn = nsa.NativeSparseAttention(hidden, heads[0], heads[1], 128, implementation=implementation, **PAPER)
+    model = torch.nn.Sequential(torch.nn.Linear(64, hidden), attn, torch.nn.Linear(hidden, 64)).to(device, dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    g = torch.Generator(device=device).manual_seed(1)
+    x, y = (torch.randn(*shape, 64, generator=g, device=device).to(dtype) for _ in range(2))
+    losses = []
+    for _ in range(steps):
+        loss = F.mse_loss(model(x).float(), y.float())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("hq,hk", HEADS)
+def test_branches_in_bf16(hq, hk):
+    check_branches("cuda", LENS, hq, hk, 128, PAPER)
+
+
+@pytest.mark.skipif(not _HOPPER, reason="fmha's kernels need an SM90 GPU")
+def test_window_and_compression_run_on_fmha_kernels():
+    check_branches("cuda", LENS, 16, 2, 128, PAPER, backend="kernel")
+
+
+@pytest.mark.parametrize("hq,hk", HEADS)
+def test_topk_in_bf16(hq, hk):
+    check_topk("cuda", LENS, hq, hk, 128, PAPER)
+
+
+@pytest.mark.parametrize("hq,hk", HEADS)
+def test_nsa_forward_and_backward_in_bf16(hq, hk):
+    check_nsa_forward_backward("cuda", LENS, hq, hk, 128, PAPER)
+
+
+def test_dense_batch_in_bf16():
+    q, k, v, gates, _ = bf16_inputs([2048] * 2, 16, 2, 128, "cuda", seed=3)
+    dense = [t.view(2, 2048, *t.shape[1:]) for t in (q, k, v) + gates]
+    o, br = nsa.nsa_attention(*dense, return_branches=True, **PAPER)
+    want = ref.nsa_reference(*dense, selected=br.selected, **PAPER)
+    assert o.shape == (2, 2048, 16, 128) and rel_l2(o, want) < 1e-2
+
+
+def test_model_training_in_bf16_tracks_the_fp64_reference():
+    losses = training_losses("cuda", torch.bfloat16, "fmha")
+    want = training_losses("cuda", torch.float64, "reference")
+    assert losses == pytest.approx(want, rel=2e-2)
+    assert losses[-1] < losses[0]
