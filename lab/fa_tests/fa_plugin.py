@@ -10,8 +10,8 @@ refuses (``NotImplementedError``: a feature it does not have) makes the test ski
 
 Options:
   --fa-sample N      keep a random sample of N collected cases, stratified per test function
-                     (each function gets an equal share, or all its cases if it has fewer);
-                     the rest are deselected
+                     (each function gets an equal share, or all its cases if it has fewer),
+                     run in a seeded random order; the rest are deselected
   --fa-seed S        the sample's seed (default 0); the same seed picks the same cases
   --fa-report DIR    write DIR/fa_report.json and DIR/fa_report.md: counts per test function
                      (collected, sampled, passed, failed, errors, skipped by reason, xfailed)
@@ -330,6 +330,10 @@ class FlashAttentionHarness:
         if dropped:
             config.hook.pytest_deselected(items=dropped)
         items[:] = [it for it in items if it.nodeid in chosen]
+        if total:
+            # a seeded order (the same in every xdist worker): cases a --fa-deadline leaves unrun are
+            # then spread over the test functions instead of being the last functions' cases
+            random.Random(f"{config.getoption('--fa-seed')}:order").shuffle(items)
         self.selection = {
             "collected": dict(self.collected),
             "sampled": dict(Counter(_function_id(it.nodeid) for it in items)),
