@@ -30,14 +30,16 @@ class AttentionOptions:
     """What a call computes besides its tensors: the mask, the scores' scale and softcap, and the
     fp8 dequantization scales (docs/semantics.md)."""
 
-    mask: MaskSpec = MaskSpec()
+    # no defaults: ``parse`` holds them, and Dynamo (torch 2.11) cannot trace a dataclass whose
+    # field defaults to an instance
+    mask: MaskSpec
     #: None: 1 / sqrt(D), resolved against q's head dim by validation
-    softmax_scale: Optional[float] = None
-    softcap: float = 0.0
-    scale_q: float = 1.0
-    scale_k: float = 1.0
-    scale_v: float = 1.0
-    inv_scale_o: float = 1.0
+    softmax_scale: Optional[float]
+    softcap: float
+    scale_q: float
+    scale_k: float
+    scale_v: float
+    inv_scale_o: float
 
 
 def check_scale(name: str, value, allow_none: bool = False) -> Optional[float]:
