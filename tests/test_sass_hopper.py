@@ -10,7 +10,7 @@ They pin scheduling properties that PTX cannot show and that the H200 profiles t
 - masked K/V tiles test one bit per score, which ptxas turns into ``R2P`` (7 predicates per
   instruction), instead of two integer compares per score.
 
-And of the backward kernel, what its ncu profile traced (results/archive/profile/backward_s4k/):
+And of the backward kernel, what its ncu profile traced (results/archive.tar.xz: profile/backward_s4k/):
 no registers in local memory and no global loads of the LSE and delta on the consumers' path,
 and the exponentials overlapping the dP product.
 """
