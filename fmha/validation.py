@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .masking import MaskKind, MaskSpec
-from .options import AttentionOptions, check_scale, check_softcap, parse_cached
+from .options import AttentionOptions, parse_cached
 from .problem import INPUT_DTYPES, AttentionProblem, KernelOptions, default_out_dtype, accumulate_dtype, output_dtypes_for
 
 __all__ = ["validate", "validate_backward", "kernel_options", "lse_shape", "out_shape"]

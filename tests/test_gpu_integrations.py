@@ -45,11 +45,24 @@ def routed_delta(before):
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
+def settled_priority():
+    """SDPA's backend priority order as torch uses it. torch settles its default order once, at
+    its first CUDA backend choice (sdp_utils.cpp ``priority_order``: cuDNN first on H100/H200),
+    so an order read before any choice is not the one torch goes on to use; make a choice first."""
+    probe = torch.zeros(1, 1, 1, 16, dtype=torch.float16, device="cuda")
+    torch._fused_sdp_choice(probe, probe, probe)
+    return torch._C._get_sdp_priority_order()
+
+
 @pytest.fixture
 def fmha_active():
-    priority = torch._C._get_sdp_priority_order()
+    """fmha active; after restore, the priority order is the one torch would use had fmha never
+    been active (what activation guarantees: torch 2.11 and 2.13 alike)."""
+    priority = settled_priority()
     fmha_sdpa.register()
     torch.nn.attention.activate_flash_attention_impl("fmha")
+    flash = int(SDPBackend.FLASH_ATTENTION)
+    assert torch._C._get_sdp_priority_order() == [flash] + [b for b in priority if b != flash]
     yield
     torch.nn.attention.restore_flash_attention_impl()
     assert torch._C._get_sdp_priority_order() == priority

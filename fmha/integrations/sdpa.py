@@ -41,19 +41,20 @@ import torch
 
 import fmha
 
-__all__ = ["IMPL_NAME", "register", "routed_calls", "missing_torch_support"]
+__all__ = ["IMPL_NAME", "register", "routed_calls", "replaced_ops", "missing_torch_support"]
 
 #: the name fmha is registered under in torch's flash-attention impl registry
 IMPL_NAME = "fmha"
 
-#: the aten ops whose CUDA kernel activation replaces
-_OPS = (
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_backward",
-    "_flash_attention_forward",
-    "_flash_attention_forward_no_dropout_inplace",
-    "_flash_attention_backward",
-)
+#: the aten ops whose CUDA kernel activation replaces (those this torch has: ``replaced_ops``),
+#: and the ``_Route`` method that replaces each
+_OPS = {
+    "_scaled_dot_product_flash_attention": "sdpa_forward",
+    "_scaled_dot_product_flash_attention_backward": "sdpa_backward",
+    "_flash_attention_forward": "flash_forward",
+    "_flash_attention_forward_no_dropout_inplace": "flash_forward_into",  # not in torch 2.11
+    "_flash_attention_backward": "flash_backward",
+}
 
 _BACKENDS = ("kernel", "auto")
 
@@ -74,7 +75,45 @@ def missing_torch_support() -> Optional[str]:
     if not missing:
         return None
     return (f"torch {torch.__version__} lacks {', '.join(missing)}, which fmha's SDPA registration needs "
-            "(verified with torch 2.13); upgrade torch, or call fmha.attention directly")
+            "(verified with torch 2.11 and 2.13); upgrade torch, or call fmha.attention directly")
+
+
+def _schema(op: str):
+    """``op``'s schema in this torch, or None where this torch has no such op."""
+    try:
+        return torch._C._get_schema(f"aten::{op}", "")
+    except RuntimeError:
+        return None
+
+
+def replaced_ops() -> tuple:
+    """The aten ops whose CUDA kernel activation replaces in this torch (torch 2.11 has no
+    ``_flash_attention_forward_no_dropout_inplace``)."""
+    return tuple(op for op in _OPS if _schema(op) is not None)
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(op: str) -> tuple:
+    """(name, has a default, default) of each argument of ``op``'s schema in this torch."""
+    return tuple((a.name, a.has_default_value(), a.default_value if a.has_default_value() else None)
+                 for a in _schema(op).arguments)
+
+
+def _bind(op: str, args: tuple, kwargs: dict) -> Dict[str, object]:
+    """The arguments of one call of ``op`` by name, as this torch's schema has them (the
+    dispatcher leaves out trailing defaults), and None for any argument the handlers read that
+    this torch's schema does not have (``block_table`` and ``num_splits`` in torch 2.11)."""
+    bound = collections.defaultdict(lambda: None)
+    for i, (name, has_default, default) in enumerate(_parameters(op)):
+        if i < len(args):
+            bound[name] = args[i]
+        elif name in kwargs:
+            bound[name] = kwargs[name]
+        elif has_default:
+            bound[name] = default
+        else:
+            raise TypeError(f"aten::{op}: missing argument {name!r}")
+    return bound
 
 
 def register(*, backend: str = "kernel", prefer_flash: bool = True) -> None:
@@ -124,13 +163,11 @@ class _Activation:
 
 def _activate(*, backend: str, prefer_flash: bool) -> _Activation:
     """torch's registry calls this from ``activate_flash_attention_impl("fmha")``."""
-    route = _Route(backend, {op: _torch_kernel(op) for op in _OPS})  # before ours replace them
+    ops = replaced_ops()
+    route = _Route(backend, {op: _torch_kernel(op) for op in ops})  # before ours replace them
     library = torch.library.Library("aten", "IMPL", "CUDA")
-    library.impl("_scaled_dot_product_flash_attention", route.sdpa_forward, "CUDA", with_keyset=True)
-    library.impl("_scaled_dot_product_flash_attention_backward", route.sdpa_backward, "CUDA", with_keyset=True)
-    library.impl("_flash_attention_forward", route.flash_forward, "CUDA", with_keyset=True)
-    library.impl("_flash_attention_forward_no_dropout_inplace", route.flash_forward_into, "CUDA", with_keyset=True)
-    library.impl("_flash_attention_backward", route.flash_backward, "CUDA", with_keyset=True)
+    for op in ops:
+        library.impl(op, getattr(route, _OPS[op]), "CUDA", with_keyset=True)
     activation = _Activation(library)
     if prefer_flash and torch.cuda.is_available():
         activation.previous_priority, activation.our_priority = _put_flash_first()
@@ -253,36 +290,40 @@ class _Route:
             return fmha.attention_backward(dout, q, k, v, out, lse.contiguous(), deterministic=deterministic,
                                            backend="auto", **mask)
 
+    # Each replaced kernel takes the call as the dispatcher gives it (``keyset, *args, **kwargs``,
+    # this torch's schema), reads it by name (``_bind``), and hands a call fmha does not serve to
+    # torch's kernel exactly as it came: the ops' argument lists differ between torch versions.
+
     # -- the dense SDPA op: (B, H, S, D) tensors --------------------------------------------------
 
-    def sdpa_forward(self, keyset, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False,
-                     *, scale=None):
+    def sdpa_forward(self, keyset, *args, **kwargs):
         op = "_scaled_dot_product_flash_attention"
-        args = (query, key, value, dropout_p, is_causal, return_debug_mask)
-        if not self._sdpa_servable(query, key, value, dropout_p, is_causal) or return_debug_mask:
-            return self._torch(op, keyset, *args, scale=scale)
+        a = _bind(op, args, kwargs)
+        query, key, value, is_causal, scale = a["query"], a["key"], a["value"], a["is_causal"], a["scale"]
+        if not self._sdpa_servable(query, key, value, a["dropout_p"], is_causal) or a["return_debug_mask"]:
+            return self._torch(op, keyset, *args, **kwargs)
         out = torch.empty_like(query)  # the op's output has the query's strides (its meta function's)
         lse = self._forward(_sdpa_key(query, key, value, is_causal, scale), *_bshd(query, key, value, out),
                             causal=is_causal, softmax_scale=scale)
         if lse is None:
-            return self._torch(op, keyset, *args, scale=scale)
+            return self._torch(op, keyset, *args, **kwargs)
         _ROUTED[f"{op}: fmha"] += 1
         return (out, lse, None, None, query.size(2), key.size(2), *_no_dropout_state(query))
 
-    def sdpa_backward(self, keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
-                      dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+    def sdpa_backward(self, keyset, *args, **kwargs):
         op = "_scaled_dot_product_flash_attention_backward"
-        args = (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
-                is_causal, philox_seed, philox_offset)
+        a = _bind(op, args, kwargs)
+        query, key, value, out = a["query"], a["key"], a["value"], a["out"]
+        is_causal, scale = a["is_causal"], a["scale"]
         grads = None
-        if self._sdpa_servable(query, key, value, dropout_p, is_causal):
+        if self._sdpa_servable(query, key, value, a["dropout_p"], is_causal):
             q, k, v, o = _bshd(query, key, value, out)
             grads = self._backward(
                 _sdpa_key(query, key, value, is_causal, scale),
                 lambda *qkvo: fmha.FusedAttention(*qkvo, causal=is_causal, softmax_scale=scale, backend="kernel"),
-                grad_out.transpose(1, 2), q, k, v, o, logsumexp, causal=is_causal, softmax_scale=scale)
+                a["grad_out"].transpose(1, 2), q, k, v, o, a["logsumexp"], causal=is_causal, softmax_scale=scale)
         if grads is None:
-            return self._torch(op, keyset, *args, scale=scale)
+            return self._torch(op, keyset, *args, **kwargs)
         _ROUTED[f"{op}: fmha"] += 1
         return _bshd(*grads)
 
@@ -296,65 +337,44 @@ class _Route:
 
     # -- FlashAttention-2's own ops: (B, S, H, D) dense or (T, H, D) with cu_seqlens -------------
 
-    def flash_forward(self, keyset, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                      return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None,
-                      seqused_k=None, alibi_slopes=None, block_table=None, num_splits=None):
+    def flash_forward(self, keyset, *args, **kwargs):
         op = "_flash_attention_forward"
-        args = (query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask)
-        extras = dict(scale=scale, window_size_left=window_size_left, window_size_right=window_size_right,
-                      seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table,
-                      num_splits=num_splits)
+        a = _bind(op, args, kwargs)
         lse = None
-        if _flash_servable(query, value, cum_seq_q, cum_seq_k, dropout_p, return_debug_mask, seqused_k, alibi_slopes,
-                           block_table):
-            out = torch.empty_like(query)  # the op's output has the query's strides (its meta function's)
-            lse = self._flash_forward(query, key, value, out, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale,
-                                      window_size_left, window_size_right)
+        if _flash_servable(a):
+            out = torch.empty_like(a["query"])  # the op's output has the query's strides (its meta function's)
+            lse = self._flash_forward(a, out)
         if lse is None:
-            return self._torch(op, keyset, *args, **extras)
+            return self._torch(op, keyset, *args, **kwargs)
         _ROUTED[f"{op}: fmha"] += 1
-        return (out, lse, *_no_dropout_state(query))
+        return (out, lse, *_no_dropout_state(a["query"]))
 
-    def flash_forward_into(self, keyset, out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
-                           is_causal, return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None,
-                           seqused_k=None, alibi_slopes=None, block_table=None, num_splits=None):
+    def flash_forward_into(self, keyset, *args, **kwargs):
         op = "_flash_attention_forward_no_dropout_inplace"
-        args = (out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask)
-        extras = dict(scale=scale, window_size_left=window_size_left, window_size_right=window_size_right,
-                      seqused_k=seqused_k, alibi_slopes=alibi_slopes, block_table=block_table,
-                      num_splits=num_splits)
-        lse = None
-        if _flash_servable(query, value, cum_seq_q, cum_seq_k, dropout_p, return_debug_mask, seqused_k, alibi_slopes,
-                           block_table):
-            lse = self._flash_forward(query, key, value, out, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale,
-                                      window_size_left, window_size_right)
+        a = _bind(op, args, kwargs)
+        lse = self._flash_forward(a, a["out"]) if _flash_servable(a) else None
         if lse is None:
-            return self._torch(op, keyset, *args, **extras)
+            return self._torch(op, keyset, *args, **kwargs)
         _ROUTED[f"{op}: fmha"] += 1
         return lse
 
-    def _flash_forward(self, query, key, value, out, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale,
-                       window_left, window_right):
-        mask = _flash_mask(cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale, window_left, window_right)
-        return self._forward(_flash_key(query, key, value, cum_seq_q, cum_seq_k, mask), query, key, value, out,
-                             **mask)
+    def _flash_forward(self, a, out):
+        mask = _flash_mask(a)
+        key = _flash_key(a["query"], a["key"], a["value"], a["cum_seq_q"], a["cum_seq_k"], mask)
+        return self._forward(key, a["query"], a["key"], a["value"], out, **mask)
 
-    def flash_backward(self, keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
-                       dropout_p, is_causal, rng_state, unused, *, scale=None, window_size_left=None,
-                       window_size_right=None):
+    def flash_backward(self, keyset, *args, **kwargs):
         op = "_flash_attention_backward"
-        args = (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                rng_state, unused)
-        extras = dict(scale=scale, window_size_left=window_size_left, window_size_right=window_size_right)
+        a = _bind(op, args, kwargs)
         grads = None
-        if _flash_servable(query, value, cum_seq_q, cum_seq_k, dropout_p, False, None, None, None):
-            mask = _flash_mask(cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale, window_size_left,
-                               window_size_right)
-            key_ = _flash_key(query, key, value, cum_seq_q, cum_seq_k, mask)
+        if _flash_servable(a):
+            mask = _flash_mask(a)
+            key_ = _flash_key(a["query"], a["key"], a["value"], a["cum_seq_q"], a["cum_seq_k"], mask)
             grads = self._backward(key_, lambda *qkvo: fmha.FusedAttention(*qkvo, backend="kernel", **mask),
-                                   grad_out, query, key, value, out, logsumexp, **mask)
+                                   a["grad_out"], a["query"], a["key"], a["value"], a["out"], a["logsumexp"],
+                                   **mask)
         if grads is None:
-            return self._torch(op, keyset, *args, **extras)
+            return self._torch(op, keyset, *args, **kwargs)
         _ROUTED[f"{op}: fmha"] += 1
         return grads
 
@@ -368,20 +388,22 @@ def _flash_key(query, key, value, cum_seq_q, cum_seq_k, mask) -> tuple:
     return ("flash",) + _metadata(query, key, value, cum_seq_q, cum_seq_k) + plain
 
 
-def _flash_servable(query, value, cum_seq_q, cum_seq_k, dropout_p, return_debug_mask, seqused_k, alibi_slopes,
-                    block_table) -> bool:
-    """What fmha could serve of FlashAttention-2's ops at all (before asking for a kernel)."""
-    return (dropout_p == 0.0 and not return_debug_mask and seqused_k is None and alibi_slopes is None
-            and block_table is None and (cum_seq_q is None) == (cum_seq_k is None)
-            and value.size(-1) == query.size(-1))
+def _flash_servable(a) -> bool:
+    """What fmha could serve of a call of FlashAttention-2's ops at all (before asking for a
+    kernel); ``a``: its arguments by name (``_bind``; those the op lacks read None)."""
+    return (a["dropout_p"] == 0.0 and not a["return_debug_mask"] and a["seqused_k"] is None
+            and a["alibi_slopes"] is None and a["block_table"] is None
+            and (a["cum_seq_q"] is None) == (a["cum_seq_k"] is None) and a["value"].size(-1) == a["query"].size(-1))
 
 
-def _flash_mask(cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale, window_left, window_right) -> dict:
+def _flash_mask(a) -> dict:
     """fmha's keywords for FlashAttention-2's mask: bottom-right aligned, negative sides unbounded."""
-    mask = dict(causal=bool(is_causal), window_size=(_window_side(window_left), _window_side(window_right)),
-                mask_align="bottom_right", softmax_scale=scale)
-    if cum_seq_q is not None:
-        mask.update(cu_seqlens_q=cum_seq_q, cu_seqlens_k=cum_seq_k, max_seqlen_q=int(max_q), max_seqlen_k=int(max_k))
+    mask = dict(causal=bool(a["is_causal"]),
+                window_size=(_window_side(a["window_size_left"]), _window_side(a["window_size_right"])),
+                mask_align="bottom_right", softmax_scale=a["scale"])
+    if a["cum_seq_q"] is not None:
+        mask.update(cu_seqlens_q=a["cum_seq_q"], cu_seqlens_k=a["cum_seq_k"], max_seqlen_q=int(a["max_q"]),
+                    max_seqlen_k=int(a["max_k"]))
     return mask
 
 

@@ -62,7 +62,6 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from fmha.masking import MaskKind
 
 from ..common import sequence_descriptors as seq_desc
 from ..common.layouts import bshd_to_sdhb, mma_operand_smem_layout, rows_first
