@@ -260,9 +260,15 @@ def test_mask_patterns_of_transformers_are_recognised():
     assert fmha_hf._pattern(m.bidirectional_mask_function) == fmha_hf._Pattern(causal=False)
     assert fmha_hf._pattern(m.sliding_window_causal_mask_function(7)) == fmha_hf._Pattern(causal=True, window=7)
     ids = torch.tensor([[0, 0, 1, 1, 1]])
-    packed = m.and_masks(m.remap_positions_for_packed_sequence(m.causal_mask_function, torch.arange(5)[None]),
-                         m.packed_sequence_mask_function(ids))
-    assert fmha_hf._pattern(packed).packed_ids is ids
+    # a packed row: the base pattern on the row's positions (transformers 5.17) or remapped to
+    # each sequence's own (5.24, remap_positions_for_packed_sequence), then the same sequence only
+    bases = [m.causal_mask_function, m.sliding_window_causal_mask_function(3)]
+    if hasattr(m, "remap_positions_for_packed_sequence"):
+        bases += [m.remap_positions_for_packed_sequence(base, torch.tensor([[0, 1, 0, 1, 2]])) for base in bases]
+    for base, window in zip(bases, [None, 3, None, 3]):
+        packed = m.and_masks(base, m.packed_sequence_mask_function(ids))
+        assert fmha_hf._pattern(packed) == fmha_hf._Pattern(causal=True, window=window, packed_ids=ids)
+    assert fmha_hf._pattern(m.and_masks(m.bidirectional_mask_function, m.packed_sequence_mask_function(ids))) is None
     assert torch.equal(fmha_hf._packed_offsets(ids), torch.tensor([0, 2, 5], dtype=torch.int32))
     # not stated exactly by fmha: the exact 4-D mask is used for these
     assert fmha_hf._pattern(m.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))) is None

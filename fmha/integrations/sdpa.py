@@ -27,7 +27,14 @@ served runs fmha, on its reference where no backward kernel applies.
 
 torch prefers cuDNN over flash on H100/H200 (with cuDNN > 9.15); with ``prefer_flash=True``
 (the default) activation moves flash first in SDPA's backend priority order, so that the calls
-fmha can serve reach it, and restoring puts the previous order back.
+fmha can serve reach it, and restoring puts the previous order back: the order torch settles at
+its first CUDA backend choice, which activation makes happen first (an order read before any
+CUDA SDPA call is torch's unsettled default, not the one it goes on to use).
+
+The ops' argument lists differ between torch versions (torch 2.11 has no
+``_flash_attention_forward_no_dropout_inplace``, and no ``block_table`` / ``num_splits``): only
+the ops this torch has are replaced (``replaced_ops``), each call is read by the names of this
+torch's schema, and a call fmha does not serve goes to torch's kernel exactly as it came.
 """
 
 from __future__ import annotations

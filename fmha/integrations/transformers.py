@@ -77,16 +77,19 @@ def register() -> None:
         from transformers import masking_utils
     except ImportError as e:
         raise ImportError("fmha.integrations.transformers.register() needs Hugging Face transformers "
-                          "(verified with 5.24.0): pip install transformers") from e
+                          "(verified with 5.17.0 and 5.24.0): pip install transformers") from e
     _masking = masking_utils
     # the closures transformers builds its masks from, told apart by their code objects
     _FACTORY_CODE.update(
         and_masks=masking_utils.and_masks(masking_utils.causal_mask_function).__code__,
         sliding_window_overlay=masking_utils.sliding_window_overlay(1).__code__,
-        remap_positions=masking_utils.remap_positions_for_packed_sequence(
-            masking_utils.causal_mask_function, None).__code__,
         packed_sequence=masking_utils.packed_sequence_mask_function(None).__code__,
     )
+    # newer transformers (5.24) remap a packed row's positions to each sequence's own; older
+    # ones (5.17) have no such function and apply the base pattern to the row's positions
+    remap = getattr(masking_utils, "remap_positions_for_packed_sequence", None)
+    _FACTORY_CODE["remap_positions"] = (remap(masking_utils.causal_mask_function, None).__code__
+                                        if remap is not None else None)
     AttentionInterface.register(IMPL_NAME, attention_forward)
     masking_utils.AttentionMaskInterface.register(IMPL_NAME, build_mask)
 
@@ -136,10 +139,14 @@ def _pattern(mask_function) -> Optional[_Pattern]:
         if isinstance(window, int) and not isinstance(window, bool) and window > 0:
             return _Pattern(causal=True, window=window)
         return None
-    if first_code is _FACTORY_CODE["remap_positions"] and second_code is _FACTORY_CODE["packed_sequence"]:
-        # a packed row: the base pattern on positions that count up by one inside each sequence,
-        # and keys of the query's own sequence only; so, per sequence, the base pattern on indices
-        base = _pattern(_closure(first).get("mask_function"))
+    if second_code is _FACTORY_CODE["packed_sequence"]:
+        # a packed row: keys of the query's own sequence only, and the base pattern either on
+        # positions that count up by one inside each sequence (remapped: transformers 5.24) or
+        # on the row's own positions (transformers 5.17); a causal pattern, windowed or not,
+        # depends only on distances inside one sequence, so either is, per sequence, the base
+        # pattern on indices
+        remap = _FACTORY_CODE.get("remap_positions")
+        base = _pattern(_closure(first).get("mask_function") if remap is not None and first_code is remap else first)
         ids = _closure(second).get("packed_sequence_mask")
         if base is not None and base.causal and base.packed_ids is None and isinstance(ids, torch.Tensor):
             return _Pattern(causal=True, window=base.window, packed_ids=ids)
