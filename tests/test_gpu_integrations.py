@@ -287,10 +287,17 @@ def test_hf_models_greedy_generate_in_bf16(hf, name, cache):
     if cache == "static":
         kw["cache_implementation"] = "static"
     tokens = ours.generate(ids, **kw)
-    _assert_greedy_under_fp32(truth, tokens, mask, new)
+    _assert_greedy_under_fp32(truth, tokens, mask, new, NEAR_TIE.get(name, 0.1))
 
 
-def _assert_greedy_under_fp32(truth, tokens, mask, new):
+#: how far below the fp32 model's best logit (in its spread over the vocabulary) a bf16 model's
+#: greedy token may be: gpt-oss's random model has near-ties torch's own bf16 eager model already
+#: resolves 0.19 spreads below the best (H200, transformers 5.17), after which the two greedy
+#: sequences, and so their later near-ties, differ
+NEAR_TIE = {"gpt_oss": 0.5}
+
+
+def _assert_greedy_under_fp32(truth, tokens, mask, new, near_tie=0.1):
     full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], new)], 1)
     with torch.no_grad():
         logits = truth(tokens, attention_mask=full_mask).logits.float()
@@ -299,7 +306,7 @@ def _assert_greedy_under_fp32(truth, tokens, mask, new):
     chosen = step_logits.gather(-1, tokens[:, prompt:, None])[..., 0]
     best = step_logits.amax(-1)
     spread = step_logits.std(-1)
-    assert (chosen >= best - 0.1 * spread).all(), (chosen - best) / spread
+    assert (chosen >= best - near_tie * spread).all(), (chosen - best) / spread
 
 
 def test_hf_static_cache_generate_under_transformers_auto_compile(hf):
