@@ -28,23 +28,10 @@ from . import device_errors
 from .masking import MaskSpec
 from .problem import INPUT_DTYPES, ScoreScaling, default_out_dtype, accumulate_dtype, output_dtypes_for
 from .options import check_scale, check_softcap
-from .validation import _check_layout, _dtype_name, _require_tensor, check_sinks
+from .validation import _check_layout, _dtype_name, _require_tensor, check_index_tensor, check_sinks
 
 #: page sizes a paged cache may have (the kernels' TMA boxes are 16-row multiples)
 PAGE_SIZES = tuple(range(16, 257, 16))
-
-
-def _check_index_tensor(name: str, t, dim: int, device: torch.device) -> None:
-    _require_tensor(name, t)
-    if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {_dtype_name(t.dtype)}; use .to(torch.int32)")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but q is on {device}; move it with .to(q.device)")
-    if t.dim() != dim:
-        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
-    if t.numel() and t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous along its last dim (stride {tuple(t.stride())}); "
-                         f"call .contiguous() on {name}")
 
 
 def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out_dtype):
@@ -69,12 +56,12 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_n
     heads_k = k_cache.shape[2]
     if heads_k == 0 or heads_q % heads_k:
         raise ValueError(f"the query heads ({heads_q}) must be a multiple of the cache's K/V heads ({heads_k})")
-    _check_index_tensor("cache_seqlens", cache_seqlens, 1, q.device)
+    check_index_tensor("cache_seqlens", cache_seqlens, 1, q.device)
     if cache_seqlens.shape[0] != batch:
         raise ValueError(f"cache_seqlens has {cache_seqlens.shape[0]} entries for a batch of {batch}")
     paged = block_table is not None
     if paged:
-        _check_index_tensor("block_table", block_table, 2, q.device)
+        check_index_tensor("block_table", block_table, 2, q.device)
         if block_table.shape[0] != batch:
             raise ValueError(f"block_table has {block_table.shape[0]} rows for a batch of {batch}")
         page_size = k_cache.shape[1]

@@ -45,6 +45,20 @@ def _require_tensor(name: str, t) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
+def check_index_tensor(name: str, t, dim: int, device: torch.device) -> None:
+    """Offsets, lengths and block tables: int32, on q's device, ``dim``-D, unit stride last."""
+    _require_tensor(name, t)
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {_dtype_name(t.dtype)}; use .to(torch.int32)")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}; move it with .to(q.device)")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous along its last dim (stride {tuple(t.stride())}); "
+                         f"call .contiguous() on {name}")
+
+
 def _check_dtypes(q, k, v) -> None:
     if q.dtype not in INPUT_DTYPES:
         allowed = ", ".join(_dtype_name(d) for d in INPUT_DTYPES)

@@ -117,20 +117,6 @@ def check_learnable_sink(sink, num_heads_q: int) -> None:
                          f"got {tuple(sink.shape)}")
 
 
-def check_index_tensor(name: str, t, dim: int, device: torch.device) -> None:
-    """cu_seqlens, seqused and page tables: int32, on q's device, ``dim``-D, unit stride last."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {str(t.dtype)[6:]}; use .to(torch.int32)")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but q is on {device}; move it with .to(q.device)")
-    if t.dim() != dim:
-        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
-    if t.numel() and t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous along its last dim; call .contiguous() on {name}")
-
-
 def needs_grad(*tensors) -> bool:
     """Whether autograd will record the call (FlashAttention then also returns the LSE)."""
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
