@@ -26,7 +26,7 @@ import torch
 
 from . import device_errors
 from .masking import MaskSpec
-from .problem import INPUT_DTYPES, ScoreScaling, default_out_dtype, accumulate_dtype, output_dtypes_for
+from .problem import INPUT_DTYPES, ScoreScaling, kept_pairs, default_out_dtype, accumulate_dtype, output_dtypes_for
 from .options import check_scale, check_softcap
 from .validation import _check_layout, _dtype_name, _require_tensor, check_index_tensor, check_sinks
 
@@ -122,15 +122,7 @@ class DecodeProblem(ScoreScaling):
     def flops(self, cache_lengths) -> float:
         """Matmul FLOPs the bottom-right mask keeps (4 * kept (i, j) pairs * D per head, D and
         D_v apart), over each sequence's keys (its cache length plus the new keys)."""
-        from .masking import row_key_bounds
-
-        kept = 0
-        for length in cache_lengths:
-            keys = int(length) + self.seqlen_new
-            for i in range(self.seqlen_q):
-                lo, hi = row_key_bounds(i, self.seqlen_q, keys, self.mask.kind, self.mask.window_left,
-                                        self.mask.window_right, self.mask.bottom_right)
-                kept += max(0, min(hi, keys) - max(lo, 0))
+        kept = sum(kept_pairs(self.seqlen_q, int(length) + self.seqlen_new, self.mask) for length in cache_lengths)
         return 2.0 * kept * self.heads_q * (self.head_dim + self.head_dim_v)
 
 

@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .masking import MaskKind, MaskSpec
+from .masking import MaskKind, MaskSpec, row_key_bounds
 
 #: input dtypes the library accepts (docs/semantics.md, "Inputs"); fp32/fp64 run on the reference
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.float64)
@@ -58,6 +58,20 @@ class ScoreScaling:
     def softcap_factor(self) -> float:
         """What a kernel multiplies the raw q.k by before tanh (softcap only)."""
         return self.score_scale / self.softcap if self.softcap else 1.0
+
+
+def kept_pairs(seqlen_q: int, seqlen_k: int, mask: MaskSpec) -> int:
+    """The (row, key) pairs ``mask`` keeps in one sequence, counted from the row bands."""
+    if mask.kind == MaskKind.NONE:
+        return seqlen_q * seqlen_k
+    rows = torch.arange(seqlen_q, dtype=torch.int64)
+    lo, hi = row_key_bounds(
+        rows, seqlen_q, seqlen_k, mask.kind, mask.window_left, mask.window_right, mask.bottom_right,
+        imin=lambda a, b: torch.clamp(a, max=b) if torch.is_tensor(a) else min(a, b),
+        imax=lambda a, b: torch.clamp(a, min=b) if torch.is_tensor(a) else max(a, b),
+        compression=mask.compression,
+    )
+    return int(torch.clamp(hi - lo, min=0).sum())
 
 
 @dataclass(frozen=True)
@@ -128,25 +142,10 @@ class AttentionProblem(ScoreScaling):
     def flops(self, seqlens_q: Optional[list] = None, seqlens_k: Optional[list] = None) -> float:
         """Matmul FLOPs actually required by the mask (4 * kept (i, j) pairs * D per head),
         counted exactly from the row bands; pass the per-sequence lengths for varlen."""
-        from .masking import row_key_bounds
-
         if seqlens_q is None:
             seqlens_q = [self.seqlen_q] * self.batch
             seqlens_k = [self.seqlen_k] * self.batch
-        kept = 0
-        m = self.mask
-        for sq, sk in zip(seqlens_q, seqlens_k):
-            if m.kind == MaskKind.NONE:
-                kept += sq * sk
-                continue
-            rows = torch.arange(sq, dtype=torch.int64)
-            lo, hi = row_key_bounds(
-                rows, sq, sk, m.kind, m.window_left, m.window_right, m.bottom_right,
-                imin=lambda a, b: torch.clamp(a, max=b) if torch.is_tensor(a) else min(a, b),
-                imax=lambda a, b: torch.clamp(a, min=b) if torch.is_tensor(a) else max(a, b),
-                compression=m.compression,
-            )
-            kept += int(torch.clamp(hi - lo, min=0).sum())
+        kept = sum(kept_pairs(sq, sk, self.mask) for sq, sk in zip(seqlens_q, seqlens_k))
         return 2.0 * kept * self.num_heads_q * (self.head_dim + self.head_dim_v)
 
 

@@ -29,6 +29,7 @@ POINTS = {  # name: (B, S, H_q, H_k, options)
 
 
 def kept_pairs(s, options) -> int:
+    # fmha.problem.kept_pairs counts the same, but the tree before the walk (FMHA_PATH) lacks it
     from fmha.masking import MaskSpec, row_key_bounds
 
     m = MaskSpec.from_args(options.get("causal", False), options.get("window_size", (None, None)),
