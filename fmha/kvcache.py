@@ -27,7 +27,7 @@ import torch
 from . import device_errors
 from .masking import MaskSpec
 from .problem import INPUT_DTYPES, ScoreScaling, kept_pairs, default_out_dtype, accumulate_dtype, output_dtypes_for
-from .options import check_scale, check_softcap
+from .options import parse_cached
 from .validation import _check_layout, _dtype_name, _require_tensor, check_index_tensor, check_sinks
 
 #: page sizes a paged cache may have (the kernels' TMA boxes are 16-row multiples)
@@ -200,13 +200,13 @@ def decode_problem(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_ne
     ``DecodeProblem`` and the scales as the reference takes them."""
     paged, page_size, capacity, out_dtype = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
                                                              k_new, v_new, out_dtype)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
-    mask = MaskSpec.from_args(causal, window_size, "bottom_right", False)
-    scales = dict(softmax_scale=check_scale("softmax_scale", softmax_scale, allow_none=True),
-                  scale_q=check_scale("scale_q", scale_q), scale_k=check_scale("scale_k", scale_k),
-                  scale_v=check_scale("scale_v", scale_v), inv_scale_o=check_scale("inv_scale_o", inv_scale_o),
-                  softcap=check_softcap(softcap))
+    # the public options' one definition; a cache's masks are bottom-right
+    options = parse_cached(causal=causal, window_size=window_size, mask_align="bottom_right",
+                           softmax_scale=softmax_scale, softcap=softcap, scale_q=scale_q, scale_k=scale_k,
+                           scale_v=scale_v, inv_scale_o=inv_scale_o)
+    mask = options.mask
+    scales = dict(softmax_scale=options.softmax_scale, scale_q=options.scale_q, scale_k=options.scale_k,
+                  scale_v=options.scale_v, inv_scale_o=options.inv_scale_o, softcap=options.softcap)
     check_sinks(sinks, q.shape[2], q.device)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                    or num_splits < 1):
