@@ -1,7 +1,9 @@
 """fmha: fused multi-head attention kernels (CuTe DSL) with an exact PyTorch reference."""
 
 from .api import FusedAttention, attention, attention_backward, attention_varlen
+from . import mods
 from .backends import UnsupportedError
+from .block_mask import BlockMask, create_block_mask
 from .device_errors import check_device_errors
 from .kvcache import attention_with_kvcache
 from .masking import MaskKind, MaskSpec
@@ -20,4 +22,7 @@ __all__ = [
     "attention_reference",
     "MaskKind",
     "MaskSpec",
+    "BlockMask",
+    "create_block_mask",
+    "mods",
 ]

@@ -11,6 +11,7 @@ import torch
 
 from . import dispatch, ops
 from .backends import FORWARD, UnsupportedError, check_backend_name, runner_for, select, unsupported_reasons
+from .mods import call_mods
 from .options import parse_cached, with_public_options
 from .problem import AttentionProblem
 from .validation import kernel_options, validate
@@ -30,9 +31,22 @@ def _needs_autograd(q, k, v, sinks=None) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, sinks))
 
 
+def _with_mods(options, aux, block_mask):
+    """(options, ``CallMods`` or None) of a call; a block mask's own ``mask_mod`` joins the options
+    when the call gives none (so the custom ops, which name it there, see it too)."""
+    mods = call_mods(options, aux, block_mask)
+    if mods is not None and torch.compiler.is_compiling():
+        raise NotImplementedError("score_mod / mask_mod / block_mask inside torch.compile are not traced yet: run "
+                                  "the attention call eagerly (wrap it in a function decorated with "
+                                  "@torch.compiler.disable)")
+    if mods is not None and mods.mask_mod is not options.mask_mod:
+        options = dataclasses.replace(options, mask_mod=mods.mask_mod)
+    return options, mods
+
+
 def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqlen_k, sinks, return_lse, out, lse,
-         out_dtype, backend, persistent, tile_mn, deterministic, options):
-    options = parse_cached(**options)
+         out_dtype, backend, persistent, tile_mn, deterministic, options, aux=None, block_mask=None):
+    options, mods = _with_mods(parse_cached(**options), aux, block_mask)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     if _needs_autograd(q, k, v, sinks):
@@ -42,16 +56,17 @@ def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, *, varlen, max_seqlen_q, max_seqle
         o, l = ops.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, options=options, sinks=sinks,
                                      varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                      out_dtype=out_dtype, backend=backend, persistent=persistent, tile_mn=tile_mn,
-                                     deterministic=deterministic)
+                                     deterministic=deterministic, mods=mods)
         return (o, l) if return_lse else o
     return dispatch.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, options=options, sinks=sinks, varlen=varlen,
                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse, out=out,
-                            lse=lse, out_dtype=out_dtype, backend=backend, persistent=persistent, tile_mn=tile_mn)
+                            lse=lse, out_dtype=out_dtype, backend=backend, persistent=persistent, tile_mn=tile_mn,
+                            mods=mods)
 
 
 @with_public_options
 def attention(q, k, v, *, sinks=None, return_lse=False, out=None, lse=None, out_dtype=None, backend="auto",
-              persistent=None, tile_mn=None, deterministic=False, **options):
+              persistent=None, tile_mn=None, deterministic=False, aux=None, block_mask=None, **options):
     """Attention forward on BSHD tensors: q (B, S_q, H_q, D), k/v (B, S_k, H_k, D); a BHSD tensor
     is accepted as ``x.transpose(1, 2)``. Returns O (B, S_q, H_q, D_v) in ``out_dtype`` (default:
     the input dtype, bf16 for fp8), or ``(O, LSE)`` with LSE (B, H_q, S_q) fp32 when
@@ -62,32 +77,37 @@ def attention(q, k, v, *, sinks=None, return_lse=False, out=None, lse=None, out_
     ``scale_q/k/v``, ``inv_scale_o``) are defined once in ``fmha.options.parse``; semantics:
     docs/semantics.md. With inputs that require grad (``sinks`` too), autograd records the call;
     ``deterministic=True`` makes its backward bitwise-repeatable (the forward always is).
+    ``score_mod``/``mask_mod`` (``fmha.mods``) read the tensors ``aux`` (a tensor or a tuple);
+    ``block_mask`` (``fmha.create_block_mask``, or a FlexAttention BlockMask) lists the blocks to
+    compute.
     """
     return _run(q, k, v, None, None, varlen=False, max_seqlen_q=None, max_seqlen_k=None, sinks=sinks,
                 return_lse=return_lse, out=out, lse=lse, out_dtype=out_dtype, backend=backend,
-                persistent=persistent, tile_mn=tile_mn, deterministic=deterministic, options=options)
+                persistent=persistent, tile_mn=tile_mn, deterministic=deterministic, options=options, aux=aux,
+                block_mask=block_mask)
 
 
 @with_public_options
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, sinks=None,
                      return_lse=False, out=None, lse=None, out_dtype=None, backend="auto", persistent=None,
-                     tile_mn=None, deterministic=False, **options):
+                     tile_mn=None, deterministic=False, aux=None, **options):
     """Attention forward on packed THD tensors: q (T_q, H_q, D), k/v (T_k, H_k, D); sequence b is
     rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32, length B + 1, on q's device). Masks apply per
     sequence. ``max_seqlen_*`` may be None (read from cu_seqlens). LSE is (H_q, T_q).
     Otherwise as :func:`attention`. cu_seqlens are checked on the host: one sync per cu_seqlens
-    tensor and version, not per call (``fmha.validation``).
+    tensor and version, not per call (``fmha.validation``). Mods see each sequence's own
+    positions (``q_idx``, ``kv_idx`` from 0) and its index as ``b``.
     """
     return _run(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=True, max_seqlen_q=max_seqlen_q,
                 max_seqlen_k=max_seqlen_k, sinks=sinks, return_lse=return_lse, out=out, lse=lse,
                 out_dtype=out_dtype, backend=backend, persistent=persistent, tile_mn=tile_mn,
-                deterministic=deterministic, options=options)
+                deterministic=deterministic, options=options, aux=aux)
 
 
 @with_public_options
 def attention_backward(dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                        max_seqlen_k=None, *, dlse=None, sinks=None, deterministic=False, dq=None, dk=None, dv=None,
-                       dsinks=None, backend="auto", **options):
+                       dsinks=None, backend="auto", aux=None, block_mask=None, **options):
     """Gradients of attention with respect to q, k and v: ``(dq, dk, dv)`` in the dtypes and
     shapes of q, k, v (written into ``dq``/``dk``/``dv`` when given). ``out`` and ``lse`` are
     the forward's (``return_lse=True``), ``dout`` the gradient of ``out``, ``dlse`` (optional)
@@ -96,10 +116,11 @@ def attention_backward(dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=
     With ``sinks``, returns ``(dq, dk, dv, dsinks)`` (written into ``dsinks`` when given).
     For frameworks that drive the backward themselves (ring attention); ``attention(...)`` with
     inputs that require grad records autograd on its own."""
+    options, mods = _with_mods(parse_cached(**options), aux, block_mask)
     return dispatch.backward(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        options=parse_cached(**options), dlse=dlse, sinks=sinks, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
-        dsinks=dsinks, backend=backend)
+        options=options, dlse=dlse, sinks=sinks, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
+        dsinks=dsinks, backend=backend, mods=mods)
 
 
 class FusedAttention:

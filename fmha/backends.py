@@ -102,14 +102,14 @@ class ReferenceBackend:
         return self.run
 
     @staticmethod
-    def run(problem: AttentionProblem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks=None) -> None:
+    def run(problem: AttentionProblem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks=None, mods=None) -> None:
         with torch.no_grad():
             o, l = attention_reference(
                 q, k, v, cu_seqlens_q, cu_seqlens_k,
                 mask=problem.mask, softmax_scale=problem.softmax_scale,
                 scale_q=problem.scale_q, scale_k=problem.scale_k,
                 scale_v=problem.scale_v, inv_scale_o=problem.inv_scale_o,
-                softcap=problem.softcap, sinks=sinks, compute_dtype=accumulate_dtype(problem.dtype),
+                softcap=problem.softcap, sinks=sinks, compute_dtype=accumulate_dtype(problem.dtype), mods=mods,
             )
             out.copy_(cast_output(o, out.dtype))
             if lse is not None:
@@ -120,14 +120,14 @@ class ReferenceBackend:
 
     @staticmethod
     def run_backward(problem: AttentionProblem, dout, q, k, v, out, lse, dlse, dq, dk, dv,
-                     cu_seqlens_q, cu_seqlens_k, deterministic: bool, sinks=None, dsinks=None) -> None:
+                     cu_seqlens_q, cu_seqlens_k, deterministic: bool, sinks=None, dsinks=None, mods=None) -> None:
         with torch.no_grad():
             grads = attention_backward_reference(
                 dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                 mask=problem.mask, softmax_scale=problem.softmax_scale,
                 scale_q=problem.scale_q, scale_k=problem.scale_k,
                 scale_v=problem.scale_v, inv_scale_o=problem.inv_scale_o, dlse=dlse,
-                softcap=problem.softcap, sinks=sinks, compute_dtype=accumulate_dtype(problem.dtype),
+                softcap=problem.softcap, sinks=sinks, compute_dtype=accumulate_dtype(problem.dtype), mods=mods,
             )
             for dst, g in zip((dq, dk, dv, dsinks), grads):
                 if dst is not None:

@@ -89,23 +89,37 @@ def pointers_aligned(tensors) -> bool:
     return all(t is None or t.data_ptr() % ALIGN_BYTES == 0 for t in tensors)
 
 
+def _mod_tensors(mods) -> tuple:
+    """The tensors of a call's mods whose metadata the memo keys."""
+    if mods is None:
+        return ()
+    return mods.kernel_tensors() + (() if mods.block_mask is None else (mods.block_mask.states,))
+
+
+def _mod_kwargs(mods) -> dict:
+    """Runners that serve mods take them as ``mods=``; the others are never chosen for them."""
+    return {} if mods is None else {"mods": mods}
+
+
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, options: AttentionOptions, sinks, varlen, max_seqlen_q,
-            max_seqlen_k, return_lse, out, lse, out_dtype, backend, persistent, tile_mn):
-    """Validate, dispatch and run one forward call (no autograd)."""
+            max_seqlen_k, return_lse, out, lse, out_dtype, backend, persistent, tile_mn, mods=None):
+    """Validate, dispatch and run one forward call (no autograd). ``mods``: the call's
+    ``fmha.mods.CallMods`` (None: made from the options where they have mods)."""
     cu_seqlens = (cu_seqlens_q, cu_seqlens_k) if varlen else ()
-    key, hit = _recall((q, k, v, out, lse, sinks), (options, return_lse, out_dtype, backend, persistent, tile_mn,
+    mods = _call_mods(options, mods)
+    key, hit = _recall((q, k, v, out, lse, sinks) + _mod_tensors(mods), (options, return_lse, out_dtype, backend, persistent, tile_mn,
                                                     varlen, max_seqlen_q, max_seqlen_k), cu_seqlens)
     if hit is not None and pointers_aligned((q, k, v, out)):
         problem, runner = hit
         out, lse = _allocate(q, problem, out, lse)
         with offsets_checked_on_device(problem):
-            runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks)
+            runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, **_mod_kwargs(mods))
         return (out, lse) if return_lse else out
     check_backend_name(backend)
     problem = validate(
         q, k, v, varlen=varlen, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse,
-        out=out, lse=lse, out_dtype=out_dtype, options=options, sinks=sinks,
+        out=out, lse=lse, out_dtype=out_dtype, options=options, sinks=sinks, mods=mods,
     )
     kernel = kernel_options(persistent, tile_mn)
     out, lse = _allocate(q, problem, out, lse)
@@ -113,8 +127,16 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, options: AttentionOptions, s
     runner = runner_for(FORWARD, chosen, problem, kernel)
     _remember(key, problem, runner, cu_seqlens)
     with offsets_checked_on_device(problem):
-        runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks)
+        runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, **_mod_kwargs(mods))
     return (out, lse) if return_lse else out
+
+
+def _call_mods(options: AttentionOptions, mods):
+    if mods is None and (options.score_mod is not None or options.mask_mod is not None):
+        from .mods import call_mods
+
+        return call_mods(options)
+    return mods
 
 
 @contextlib.contextmanager
@@ -130,10 +152,11 @@ def offsets_checked_on_device(problem):
 
 def backward(dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, *,
              options: AttentionOptions, dlse=None, sinks=None, deterministic=False, dq=None, dk=None, dv=None,
-             dsinks=None, backend="auto"):
+             dsinks=None, backend="auto", mods=None):
     """Validate, dispatch and run one backward call (``fmha.attention_backward``'s arguments)."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    tensors = (dout, q, k, v, out, lse, dlse, dq, dk, dv, sinks, dsinks)
+    mods = _call_mods(options, mods)
+    tensors = (dout, q, k, v, out, lse, dlse, dq, dk, dv, sinks, dsinks) + _mod_tensors(mods)
     cu_seqlens = (cu_seqlens_q, cu_seqlens_k) if varlen else ()
     # a training loop repeats its calls: validation and dispatch are reused as the forward's are
     key, hit = _recall(tensors, ("backward", options, deterministic, backend, varlen, max_seqlen_q, max_seqlen_k),
@@ -145,7 +168,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, max_
         problem = validate_backward(
             dout, q, k, v, out, lse, dlse=dlse, dq=dq, dk=dk, dv=dv, dsinks=dsinks, varlen=varlen,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, options=options, sinks=sinks,
+            max_seqlen_k=max_seqlen_k, options=options, sinks=sinks, mods=mods,
         )
         if not isinstance(deterministic, bool):
             raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
@@ -160,5 +183,5 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, max_
         dsinks = torch.empty_like(sinks)
     with offsets_checked_on_device(problem):
         runner(problem, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, deterministic,
-               sinks, dsinks)
+               sinks, dsinks, **_mod_kwargs(mods))
     return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)

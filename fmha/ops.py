@@ -29,10 +29,12 @@ _CALL_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "varlen", "max_seqlen_q", "max_seq
 _KERNEL_ARGS = ("out_dtype", "backend", "persistent", "tile_mn", "deterministic")
 _FORWARD_ARGS = _CALL_ARGS + tuple(name for name, _ in OP_FIELDS) + _KERNEL_ARGS
 _NUM_OPTIONS = len(OP_FIELDS)
-_FORWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+_MODS_SCHEMA = "Tensor[] aux, Tensor? block_states, int[]? block_geometry"
+_FORWARD_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, Tensor? sinks, {_MODS_SCHEMA}, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
                    f"bool varlen, int? max_seqlen_q, int? max_seqlen_k, {OP_SCHEMA}, ScalarType? out_dtype, "
                    "str backend, bool? persistent, int[]? tile_mn, bool deterministic) -> (Tensor, Tensor)")
 _BACKWARD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, Tensor? sinks, "
+                    f"{_MODS_SCHEMA}, "
                     "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int? max_seqlen_q, int? max_seqlen_k, "
                     f"{OP_SCHEMA}, bool deterministic, str backend) -> (Tensor, Tensor, Tensor, Tensor)")
 
@@ -44,16 +46,37 @@ def _split_forward_args(args):
     return call, from_op_args(rest[:_NUM_OPTIONS]), rest[_NUM_OPTIONS:]
 
 
-def _forward_impl(q, k, v, sinks, *args):
+def mods_op_args(mods) -> tuple:
+    """(aux, block_states, block_geometry): a call's ``CallMods`` as the ops' schema holds it (the
+    functions travel in the options' part)."""
+    if mods is None:
+        return [], None, None
+    bm = mods.block_mask
+    return (list(mods.aux), None if bm is None else bm.states,
+            None if bm is None else list(bm.block_size + bm.seq_lengths))
+
+
+def _call_mods(options, aux, block_states, block_geometry):
+    if options.score_mod is None and options.mask_mod is None and block_states is None:
+        return None
+    from .block_mask import BlockMask
+    from .mods import CallMods
+
+    bm = None if block_states is None else BlockMask.of_states(block_states, block_geometry)
+    return CallMods(options.score_mod, options.mask_mod, tuple(aux), bm)
+
+
+def _forward_impl(q, k, v, sinks, aux, block_states, block_geometry, *args):
     (cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k), options, kernel = _split_forward_args(args)
     out_dtype, backend, persistent, tile_mn, _ = kernel
     return dispatch.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, options=options, sinks=sinks, varlen=varlen,
                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=True, out=None,
                             lse=None, out_dtype=out_dtype, backend=backend, persistent=persistent,
-                            tile_mn=None if tile_mn is None else tuple(tile_mn))
+                            tile_mn=None if tile_mn is None else tuple(tile_mn),
+                            mods=_call_mods(options, aux, block_states, block_geometry))
 
 
-def _forward_fake(q, k, v, sinks, *args):
+def _forward_fake(q, k, v, sinks, aux, block_states, block_geometry, *args):
     out_dtype = args[len(_CALL_ARGS) + _NUM_OPTIONS]
     varlen = args[_CALL_ARGS.index("varlen")]
     out = q.new_empty(out_shape(q, v.shape[-1]), dtype=out_dtype or default_out_dtype(q.dtype))
@@ -65,13 +88,14 @@ _forward_op = torch.library.custom_op("fmha::attention_forward", _forward_impl, 
 _forward_op.register_fake(_forward_fake)
 
 
-def _backward_impl(dout, q, k, v, out, lse, dlse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   *args):
+def _backward_impl(dout, q, k, v, out, lse, dlse, sinks, aux, block_states, block_geometry, cu_seqlens_q,
+                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args):
     """(dq, dk, dv, dsinks); dsinks is an empty tensor without sinks (an op returns tensors only)."""
     options, (deterministic, backend) = from_op_args(args[:_NUM_OPTIONS]), args[_NUM_OPTIONS:]
     grads = dispatch.backward(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options=options,
-        dlse=dlse, sinks=sinks, deterministic=deterministic, backend=backend)
+        dlse=dlse, sinks=sinks, deterministic=deterministic, backend=backend,
+        mods=_call_mods(options, aux, block_states, block_geometry))
     return grads if sinks is not None else grads + (q.new_empty(0, dtype=torch.float32),)
 
 
@@ -85,24 +109,33 @@ _backward_op = torch.library.custom_op("fmha::attention_backward", _backward_imp
 _backward_op.register_fake(_backward_fake)
 
 
+#: inputs before the forward's ``_FORWARD_ARGS``: q, k, v, sinks, aux, block_states, block_geometry
+_LEADING = 7
+
+
 def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused LSE's gradient stays None: no zero tensor to read
-    q, k, v, sinks = inputs[:4]
-    ctx.args = dict(zip(_FORWARD_ARGS, inputs[4:]))
-    ctx.option_values = tuple(inputs[4 + len(_CALL_ARGS):4 + len(_CALL_ARGS) + _NUM_OPTIONS])
+    q, k, v, sinks, aux, block_states, block_geometry = inputs[:_LEADING]
+    ctx.args = dict(zip(_FORWARD_ARGS, inputs[_LEADING:]))
+    ctx.option_values = tuple(inputs[_LEADING + len(_CALL_ARGS):_LEADING + len(_CALL_ARGS) + _NUM_OPTIONS])
+    ctx.block_geometry = block_geometry
+    ctx.num_aux = len(aux)
     out, lse = output
-    ctx.save_for_backward(q, k, v, sinks, out, lse, ctx.args["cu_seqlens_q"], ctx.args["cu_seqlens_k"])
+    ctx.save_for_backward(q, k, v, sinks, out, lse, ctx.args["cu_seqlens_q"], ctx.args["cu_seqlens_k"], block_states,
+                          *aux)
 
 
 def _backward(ctx, grad_out, grad_lse, backward=None):
-    q, k, v, sinks, out, lse, cu_q, cu_k = ctx.saved_tensors
+    q, k, v, sinks, out, lse, cu_q, cu_k, block_states, *aux = ctx.saved_tensors
     a = ctx.args
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv, dsinks = (backward or torch.ops.fmha.attention_backward)(
-        grad_out.contiguous(), q, k, v, out, lse, grad_lse, sinks, cu_q, cu_k, a["max_seqlen_q"], a["max_seqlen_k"],
-        *ctx.option_values, a["deterministic"], a["backend"])
-    return (dq, dk, dv, dsinks if sinks is not None else None) + (None,) * len(_FORWARD_ARGS)
+        grad_out.contiguous(), q, k, v, out, lse, grad_lse, sinks, list(aux), block_states, ctx.block_geometry,
+        cu_q, cu_k, a["max_seqlen_q"], a["max_seqlen_k"], *ctx.option_values, a["deterministic"], a["backend"])
+    # the op's Tensor[] input takes a list of gradients; the autograd function's list argument None
+    aux_grads = None if backward is not None else [None] * ctx.num_aux
+    return (dq, dk, dv, dsinks if sinks is not None else None, aux_grads) + (None,) * (_LEADING - 5 + len(_FORWARD_ARGS))
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -114,9 +147,9 @@ class _EagerAttention(torch.autograd.Function):
     training step, more than the kernels of a small step (docs/performance.md)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, *args):
-        out, lse = _forward_impl(q, k, v, sinks, *args)
-        _setup_context(ctx, (q, k, v, sinks) + args, (out, lse))
+    def forward(ctx, q, k, v, sinks, aux, block_states, block_geometry, *args):
+        out, lse = _forward_impl(q, k, v, sinks, aux, block_states, block_geometry, *args)
+        _setup_context(ctx, (q, k, v, sinks, aux, block_states, block_geometry) + args, (out, lse))
         return out, lse
 
     @staticmethod
@@ -142,8 +175,8 @@ class _NotDifferentiableAgain(torch.autograd.Function):
         raise RuntimeError("fmha.attention has no double backward: its gradients are not differentiable")
 
 
-def _forward_flops(q_shape, k_shape, v_shape, sinks_shape, cu_q_shape, cu_k_shape, varlen, max_seqlen_q,
-                   max_seqlen_k, *args, **kwargs) -> int:
+def _forward_flops(q_shape, k_shape, v_shape, sinks_shape, aux_shapes, block_states_shape, block_geometry,
+                   cu_q_shape, cu_k_shape, varlen, max_seqlen_q, max_seqlen_k, *args, **kwargs) -> int:
     """The forward's matmul FLOPs as PyTorch counts SDPA's (the whole score matrix, masks not
     discounted): 2 * H_q * rows * keys * (D + D_v); a packed batch counts each query row against
     the longest sequence's keys."""
@@ -155,10 +188,11 @@ def _forward_flops(q_shape, k_shape, v_shape, sinks_shape, cu_q_shape, cu_k_shap
 
 
 def _backward_flops(dout_shape, q_shape, k_shape, v_shape, out_shape_, lse_shape_, dlse_shape, sinks_shape,
-                    cu_q_shape, cu_k_shape, max_seqlen_q, max_seqlen_k, *args, **kwargs) -> int:
+                    aux_shapes, block_states_shape, block_geometry, cu_q_shape, cu_k_shape, max_seqlen_q, max_seqlen_k,
+                    *args, **kwargs) -> int:
     """Twice the forward's, as PyTorch counts SDPA's backward (dQ, dK, dV and dP)."""
-    return 2 * _forward_flops(q_shape, k_shape, v_shape, sinks_shape, cu_q_shape, cu_k_shape, cu_q_shape is not None,
-                              max_seqlen_q, max_seqlen_k)
+    return 2 * _forward_flops(q_shape, k_shape, v_shape, sinks_shape, aux_shapes, block_states_shape, block_geometry,
+                              cu_q_shape, cu_k_shape, cu_q_shape is not None, max_seqlen_q, max_seqlen_k)
 
 
 register_flop_formula(torch.ops.fmha.attention_forward)(_forward_flops)
@@ -179,7 +213,7 @@ def plain_eager_call(q, k, v, sinks) -> bool:
 
 def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, options, sinks=None, varlen, max_seqlen_q,
                       max_seqlen_k, out_dtype=None, backend="auto", persistent=None, tile_mn=None,
-                      deterministic=False) -> Tuple[Tensor, Tensor]:
+                      deterministic=False, mods=None) -> Tuple[Tensor, Tensor]:
     """(O, LSE) through the custom op, with autograd: the public API's differentiable path.
     ``options`` (``fmha.options.AttentionOptions``) are checked already; the other scalars are
     checked here (plain Python, so torch.compile traces it) for the same errors validation gives;
@@ -191,5 +225,5 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, options, sinks=Non
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     forward = _EagerAttention.apply if plain_eager_call(q, k, v, sinks) else torch.ops.fmha.attention_forward
     return forward(
-        q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, *op_args(options),
+        q, k, v, sinks, *mods_op_args(mods), cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, *op_args(options),
         out_dtype, backend, persistent, None if tile_mn is None else list(tile_mn), deterministic)

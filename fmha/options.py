@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from . import mods
 from .masking import MaskKind, MaskSpec
 
 __all__ = ["AttentionOptions", "parse", "parse_cached", "with_public_options", "OP_SCHEMA", "op_args",
@@ -40,6 +41,9 @@ class AttentionOptions:
     scale_k: float
     scale_v: float
     inv_scale_o: float
+    #: programmable attention (``fmha.mods``): the score's and the mask's functions, or None
+    score_mod: Optional[mods.ModFunction]
+    mask_mod: Optional[mods.ModFunction]
 
 
 def check_scale(name: str, value, allow_none: bool = False) -> Optional[float]:
@@ -75,6 +79,8 @@ def parse(
     scale_k=1.0,
     scale_v=1.0,
     inv_scale_o=1.0,
+    score_mod=None,
+    mask_mod=None,
 ) -> AttentionOptions:
     """The public keywords, checked; TypeError/ValueError say what to change.
 
@@ -85,19 +91,28 @@ def parse(
     compression branch, True (block = stride = S_q // S_k) or ``(block, stride)``.
     ``softmax_scale``: the scores' scale (default 1 / sqrt(D)). ``softcap`` > 0: scores become
     ``softcap * tanh(s / softcap)``. ``scale_q/k/v``, ``inv_scale_o``: fp8 dequantization and
-    output scales.
+    output scales. ``score_mod(score, b, h, q_idx, kv_idx[, aux])`` modifies each scaled score,
+    ``mask_mod(b, h, q_idx, kv_idx[, aux])`` keeps a key where it is true (``fmha.mods``).
     """
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     mask = MaskSpec.from_args(causal, window_size, mask_align, compressed_causal)
+    score_mod = mods.ModFunction.check(score_mod, mods.SCORE)
+    mask_mod = mods.ModFunction.check(mask_mod, mods.MASK)
+    softcap = check_softcap(softcap)
+    if score_mod is not None and softcap:
+        raise ValueError("softcap and score_mod together: write the cap in score_mod "
+                         "(cap * fmha.mods.tanh(score / cap)) and leave softcap at 0")
     return AttentionOptions(
         mask=mask,
         softmax_scale=check_scale("softmax_scale", softmax_scale, allow_none=True),
-        softcap=check_softcap(softcap),
+        softcap=softcap,
         scale_q=check_scale("scale_q", scale_q),
         scale_k=check_scale("scale_k", scale_k),
         scale_v=check_scale("scale_v", scale_v),
         inv_scale_o=check_scale("inv_scale_o", inv_scale_o),
+        score_mod=score_mod,
+        mask_mod=mask_mod,
     )
 
 
@@ -155,6 +170,7 @@ OP_FIELDS = (
     ("mask_kind", "int"), ("window_left", "int?"), ("window_right", "int?"), ("bottom_right", "bool"),
     ("compress_block", "int?"), ("compress_stride", "int?"), ("softmax_scale", "float?"), ("softcap", "float"),
     ("scale_q", "float"), ("scale_k", "float"), ("scale_v", "float"), ("inv_scale_o", "float"),
+    ("score_mod", "int?"), ("mask_mod", "int?"),
 )
 OP_SCHEMA = ", ".join(f"{kind} {name}" for name, kind in OP_FIELDS)
 
@@ -163,11 +179,13 @@ def op_args(options: AttentionOptions) -> tuple:
     m = options.mask
     block, stride = m.compression if m.compression is not None else (None, None)
     return (int(m.kind), m.window_left, m.window_right, m.bottom_right, block, stride, options.softmax_scale,
-            options.softcap, options.scale_q, options.scale_k, options.scale_v, options.inv_scale_o)
+            options.softcap, options.scale_q, options.scale_k, options.scale_v, options.inv_scale_o,
+            mods.register(options.score_mod), mods.register(options.mask_mod))
 
 
 def from_op_args(values) -> AttentionOptions:
     (kind, left, right, bottom_right, block, stride, softmax_scale, softcap, scale_q, scale_k, scale_v,
-     inv_scale_o) = values
+     inv_scale_o, score_mod, mask_mod) = values
     mask = MaskSpec(MaskKind(kind), left, right, bottom_right, None if block is None else (block, stride))
-    return AttentionOptions(mask, softmax_scale, softcap, scale_q, scale_k, scale_v, inv_scale_o)
+    return AttentionOptions(mask, softmax_scale, softcap, scale_q, scale_k, scale_v, inv_scale_o,
+                            mods.lookup(score_mod), mods.lookup(mask_mod))

@@ -115,6 +115,8 @@ class AttentionProblem(ScoreScaling):
     # use them to enumerate only the query tiles that exist, costliest first); None when dense
     seqlens_q: Optional[Tuple[int, ...]] = None
     seqlens_k: Optional[Tuple[int, ...]] = None
+    #: score_mod / mask_mod / block mask (``fmha.mods.ModsSignature``; the tensors are arguments)
+    mods: Optional[object] = None
 
     @property
     def is_fp8(self) -> bool:
@@ -137,6 +139,8 @@ class AttentionProblem(ScoreScaling):
             f"{str(self.dtype).replace('torch.', '')}->{str(self.out_dtype).replace('torch.', '')} "
             f"mask={self.mask.describe()} lse={self.return_lse}"
             + (f" softcap={self.softcap:g}" if self.softcap else "") + (" sinks" if self.has_sinks else "")
+            + ("".join(f" {m!r}" for m in (self.mods.score_mod, self.mods.mask_mod) if m is not None)
+               + (" block_mask" if self.mods.block_sparse else "") if self.mods is not None else "")
         )
 
     def flops(self, seqlens_q: Optional[list] = None, seqlens_k: Optional[list] = None) -> float:

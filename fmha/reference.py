@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from .masking import MaskSpec, row_key_bounds
+from .mods import CallMods, Dual, call_mask_mod, call_score_mod
 
 __all__ = ["attention_reference", "attention_backward_reference", "cast_output", "DEFAULT_CHUNK_BYTES", "FP8_MAX"]
 
@@ -84,10 +85,47 @@ def _scores(qc, kc, score_scale, softcap):
     return t * softcap, t
 
 
-def _attend_sequence(q, k, v, o, lse, mask, score_scale, out_scale, fp8_p, cdt, budget, softcap=0.0, sinks=None):
+def _apply_mods(mods: Optional[CallMods], s, keep, b: int, heads, rows, cols, slope: bool = False):
+    """``score_mod`` on the scaled scores ``s`` (heads, rows, keys) and ``mask_mod`` / the block
+    mask on ``keep`` (rows, keys), at sequence ``b``'s positions; returns (s, keep (heads, rows,
+    keys), the score_mod's derivative where ``slope``, else None)."""
+    if mods is None:
+        return s, keep, None
+    bi = torch.tensor(b, device=s.device)
+    h, q, kv = heads.view(-1, 1, 1), rows.view(1, -1, 1), cols.view(1, 1, -1)
+    derivative = None
+    if mods.score_mod is not None:
+        if slope:
+            # forward-mode through the mod (``fmha.mods.Dual``; the custom op's backward runs below
+            # autograd, where torch.autograd.grad cannot)
+            y = call_score_mod(mods.score_mod, mods.score_mod.fn, Dual(s, 1.0), bi, h, q, kv, mods.aux)
+            y = Dual.of(y)
+            derivative = torch.as_tensor(y.grad, dtype=s.dtype, device=s.device).expand(s.shape)
+            s = torch.as_tensor(y.value, dtype=s.dtype).expand(s.shape).clone()
+        else:
+            s = torch.as_tensor(call_score_mod(mods.score_mod, mods.score_mod.fn, s, bi, h, q, kv, mods.aux),
+                                dtype=s.dtype).expand(s.shape).clone()
+    keep = keep.expand(s.shape)
+    modded = None
+    if mods.mask_mod is not None:
+        modded = torch.as_tensor(call_mask_mod(mods.mask_mod, mods.mask_mod.fn, bi, h, q, kv, mods.aux),
+                                 device=s.device).to(torch.bool).expand(s.shape)
+    if mods.block_mask is not None:
+        from .block_mask import FULL, PARTIAL
+
+        state = mods.block_mask.element_keep(rows, cols, b, heads)
+        partial_keep = (state == PARTIAL) if modded is None else (state == PARTIAL) & modded
+        keep = keep & ((state == FULL) | partial_keep)
+    elif modded is not None:
+        keep = keep & modded
+    return s, keep, derivative
+
+
+def _attend_sequence(q, k, v, o, lse, mask, score_scale, out_scale, fp8_p, cdt, budget, softcap=0.0, sinks=None,
+                     mods=None, b=0):
     """One sequence: q (S_q, H_q, D), k (S_k, H_k, D), v (S_k, H_k, D_v) in any dtype and strides;
     writes o (S_q, H_q, D_v) and lse (H_q, S_q) of dtype ``cdt``. ``sinks``: (H_q,) logits in
-    ``cdt``, or None."""
+    ``cdt``, or None. ``mods``: the call's score/mask mods, at batch index ``b``."""
     sq, hq = q.shape[0], q.shape[1]
     sk, hk = k.shape[0], k.shape[1]
     if sq == 0:
@@ -112,6 +150,7 @@ def _attend_sequence(q, k, v, o, lse, mask, score_scale, out_scale, fp8_p, cdt, 
 
             qc = q[r0:r1, h0:h1].to(cdt)
             s, _ = _scores(qc, kc[k0:k1], score_scale, softcap)
+            s, keep, _ = _apply_mods(mods, s, keep, b, torch.arange(h0, h1, device=q.device), rows, cols)
             s.masked_fill_(~keep, -math.inf)
             m = s.amax(dim=-1, keepdim=True) if k1 > k0 else s.new_full(s.shape[:2] + (1,), -math.inf)
             if sinks is not None:
@@ -150,6 +189,7 @@ def attention_reference(
     sinks: Optional[torch.Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    mods: Optional[CallMods] = None,
 ):
     """Attention forward as docs/semantics.md defines it. Dense: q (B, S_q, H_q, D), k/v (B, S_k, H_k, D[_v]); varlen
     (cu_seqlens given): q (T_q, H_q, D), k/v (T_k, H_k, D[_v]). Any strides.
@@ -158,7 +198,9 @@ def attention_reference(
     (B, H_q, S_q) dense or (H_q, T_q) varlen (natural log; -inf for rows that keep no key, whose O
     is 0). fp8 inputs round the unnormalized P = exp(S - rowmax) to float8_e4m3fn before P.V.
     ``softcap`` > 0 caps the scaled scores at ``softcap * tanh(s / softcap)``; ``sinks`` (H_q,)
-    adds ``exp(sinks[h])`` to every row's denominator of head h (and to its LSE).
+    adds ``exp(sinks[h])`` to every row's denominator of head h (and to its LSE). ``mods``
+    (``fmha.mods.CallMods``): ``score_mod`` on the scaled (and capped) scores, ``mask_mod`` and the
+    block mask on top of ``mask``.
 
     Inputs are assumed valid (see fmha.validation); varlen reads cu_seqlens on the host.
     """
@@ -171,14 +213,14 @@ def attention_reference(
         lse_shape = (q.shape[0], q.shape[2], q.shape[1])
     lse = torch.full(lse_shape, -math.inf, dtype=compute_dtype, device=q.device)
     sinks_c = None if sinks is None else sinks.to(compute_dtype)
-    for iq, ik, il in _sequences(q.shape[0], cu_seqlens_q, cu_seqlens_k):
+    for b, (iq, ik, il) in enumerate(_sequences(q.shape[0], cu_seqlens_q, cu_seqlens_k)):
         _attend_sequence(q[iq], k[ik], v[ik], o[iq], lse[il], mask, score_scale, out_scale, fp8_p,
-                         compute_dtype, chunk_bytes, softcap, sinks_c)
+                         compute_dtype, chunk_bytes, softcap, sinks_c, mods, b)
     return o, lse
 
 
 def _grad_sequence(do, q, k, v, o, lse, dlse, dq, dk, dv, mask, score_scale, out_scale, cdt, budget, softcap=0.0,
-                   sinks=None, dsinks=None):
+                   sinks=None, dsinks=None, mods=None, b=0):
     """One sequence's gradients (docs/semantics.md, "Backward"): do/o (S_q, H_q, D_v), q (S_q,
     H_q, D), k/v (S_k, H_k, D), lse/dlse (H_q, S_q); accumulates into dq, dk, dv of dtype ``cdt``.
     P is recomputed from the saved LSE; dS = P * (dP - delta) with delta = rowsum(dO * O) - dlse;
@@ -219,12 +261,15 @@ def _grad_sequence(do, q, k, v, o, lse, dlse, dq, dk, dv, mask, score_scale, out
             qc = q[r0:r1, h0:h1].to(cdt)
             doc = do[r0:r1, h0:h1].to(cdt)
             s, t = _scores(qc, kc[k0:k1], score_scale, softcap)
+            s, keep, slope = _apply_mods(mods, s, keep, b, torch.arange(h0, h1, device=q.device), rows, cols, True)
             s.masked_fill_(~keep, -math.inf)
             p = (s - lse[h0:h1, r0:r1, None]).exp_()
             dp = torch.einsum("rhd,khd->hrk", doc, vc[k0:k1]) * out_scale
             ds = p * (dp - delta[h0:h1, r0:r1, None])
             if softcap:
                 ds = ds * (1 - t * t)
+            if slope is not None:  # through score_mod (0 where masked: its slope may be anything there)
+                ds = ds * torch.where(keep, slope, torch.zeros_like(slope))
             dq[r0:r1, h0:h1] += torch.einsum("hrk,khd->rhd", ds, kc[k0:k1]) * score_scale
             dkc[k0:k1] += torch.einsum("hrk,rhd->khd", ds, qc) * score_scale
             dvc[k0:k1] += torch.einsum("hrk,rhd->khd", p, doc) * out_scale
@@ -270,6 +315,7 @@ def attention_backward_reference(
     dlse: Optional[torch.Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    mods: Optional[CallMods] = None,
 ):
     """Gradients of ``attention_reference``'s O (and LSE, through ``dlse``) with respect to q, k
     and v, from the forward's ``out`` and ``lse``: ``(dq, dk, dv)`` in ``compute_dtype``, shaped
@@ -279,8 +325,8 @@ def attention_backward_reference(
     dq, dk, dv = (torch.zeros(t.shape, dtype=compute_dtype, device=q.device) for t in (q, k, v))
     sinks_c = None if sinks is None else sinks.to(compute_dtype)
     dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=compute_dtype, device=q.device)
-    for iq, ik, il in _sequences(q.shape[0], cu_seqlens_q, cu_seqlens_k):
+    for b, (iq, ik, il) in enumerate(_sequences(q.shape[0], cu_seqlens_q, cu_seqlens_k)):
         _grad_sequence(dout[iq], q[iq], k[ik], v[ik], out[iq], lse[il], None if dlse is None else dlse[il],
                        dq[iq], dk[ik], dv[ik], mask, score_scale, out_scale, compute_dtype, chunk_bytes, softcap,
-                       sinks_c, dsinks)
+                       sinks_c, dsinks, mods, b)
     return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)

@@ -27,6 +27,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .masking import MaskKind, MaskSpec
+from .mods import CallMods, call_mods
 from .options import AttentionOptions, parse_cached
 from .problem import INPUT_DTYPES, AttentionProblem, KernelOptions, default_out_dtype, accumulate_dtype, output_dtypes_for
 
@@ -297,6 +298,43 @@ def _check_output(name, t, shape, dtype, q_dev, like: str = "") -> None:
         )
 
 
+#: element types a mod's tensors may have (what the kernels load as a scalar)
+MOD_TENSOR_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.int8,
+                     torch.uint8)
+
+
+def check_mods(mods: Optional[CallMods], batch: int, num_heads_q: int, seqlen_q: int, seqlen_k: int, varlen: bool,
+               device: torch.device) -> None:
+    """A call's mod tensors (``aux`` and captured ones) and block mask, against the call."""
+    if mods is None:
+        return
+    for m in (mods.score_mod, mods.mask_mod):
+        if m is not None and m.takes_aux and not mods.aux:
+            raise ValueError(f"{m.role} {m.fn.__qualname__} takes an aux argument: pass aux=(tensors...)")
+    for i, t in enumerate(mods.kernel_tensors()):
+        name = f"aux[{i}]" if i < len(mods.aux) else f"a tensor captured by {mods.score_mod or mods.mask_mod}"
+        if t.dtype not in MOD_TENSOR_DTYPES:
+            raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)}; mods read "
+                            + ", ".join(_dtype_name(d) for d in MOD_TENSOR_DTYPES) + " (bool: use .to(torch.uint8))")
+        _check_device(name, t, device)
+        if t.dim() == 0:
+            raise ValueError(f"{name} is 0-dimensional; give it one dim (t.reshape(1))")
+    bm = mods.block_mask
+    if bm is None:
+        return
+    if varlen:
+        raise ValueError("block_mask= is for dense batches; with attention_varlen, write the mask as mask_mod "
+                         "(every tile then evaluates it), or pad the batch")
+    b, h = bm.states.shape[:2]
+    if b not in (1, batch) or h not in (1, num_heads_q):
+        raise ValueError(f"block_mask has B={b}, H={h}; the call has B={batch}, H_q={num_heads_q} (or use 1 for "
+                         "a mask shared by every batch entry or head)")
+    if bm.seq_lengths != (seqlen_q, seqlen_k):
+        raise ValueError(f"block_mask is for {bm.seq_lengths[0]} x {bm.seq_lengths[1]}; the call has S_q={seqlen_q}, "
+                         f"S_k={seqlen_k}: build it with those lengths")
+    _check_device("block_mask", bm.states, device)
+
+
 def validate(
     q,
     k,
@@ -313,13 +351,15 @@ def validate(
     out=None,
     lse=None,
     out_dtype=None,
+    mods: Optional[CallMods] = None,
     **public_options,
 ) -> AttentionProblem:
     """Check a call's arguments and describe it; raise TypeError/ValueError saying what to fix.
 
     The mask, score and scale options come as ``options`` (``fmha.options.parse``'s) or as the
     public keywords. ``lse`` given implies ``return_lse``. For varlen, ``max_seqlen_*`` may be
-    None (then taken from cu_seqlens); cu_seqlens are read on the host.
+    None (then taken from cu_seqlens); cu_seqlens are read on the host. ``mods``: the call's
+    ``fmha.mods.CallMods`` (made from the options when they have mods and it is not given).
     """
     if options is None:
         options = parse_cached(**public_options)
@@ -370,6 +410,9 @@ def validate(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     check_sinks(sinks, q.shape[-2], q.device)
+    if mods is None and (options.score_mod is not None or options.mask_mod is not None):
+        mods = call_mods(options)
+    check_mods(mods, batch, q.shape[-2], seqlen_q, seqlen_k, varlen, q.device)
 
     out_dtype = _resolve_out_dtype(out_dtype, out, q.dtype)
     if out is not None:
@@ -405,6 +448,7 @@ def validate(
         inv_scale_o=options.inv_scale_o,
         seqlens_q=tuple(lens_q) if varlen and lens_read else None,
         seqlens_k=tuple(lens_k) if varlen and lens_read else None,
+        mods=None if mods is None else mods.signature(),
     )
 
 

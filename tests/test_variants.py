@@ -138,10 +138,10 @@ def test_attention_autograd_with_variants(dtype, varlen):
                             softmax_scale=1 / math.sqrt(d), softcap=4.0))
     if varlen:
         o2, lse2 = torch.ops.fmha.attention_forward(
-            *leaves2, cu[0], cu[1], True, None, None, *options, None, "auto", None, None, False)
+            *leaves2, [], None, None, cu[0], cu[1], True, None, None, *options, None, "auto", None, None, False)
     else:
         o2, lse2 = torch.ops.fmha.attention_forward(
-            *leaves2, None, None, False, None, None, *options, None, "auto", None, None, False)
+            *leaves2, [], None, None, None, None, False, None, None, *options, None, "auto", None, None, False)
     assert torch.equal(o2, o.detach())
     o2.backward(dout)
     for a, b in zip(leaves2, leaves):
