@@ -366,18 +366,22 @@ class CallMods:
         return ModsSignature(self.score_mod, self.mask_mod,
                              tuple((t.dtype, t.dim()) for t in self.kernel_tensors()), self.block_mask is not None)
 
-    def bound(self, kernel_views) -> Tuple[Optional[Callable], Optional[Callable], tuple]:
-        """(score function, mask function, aux) over a kernel's views of ``kernel_tensors()``."""
-        n = len(self.aux)
-        aux, rest = tuple(kernel_views[:n]), kernel_views[n:]
-        fns = []
-        for m in (self.score_mod, self.mask_mod):
-            if m is None:
-                fns.append(None)
-                continue
-            fns.append(m.bound(rest[:len(m.captured)]))
-            rest = rest[len(m.captured):]
-        return fns[0], fns[1], aux
+
+def bind_signature(signature: ModsSignature, views) -> Tuple[Optional[Callable], Optional[Callable], tuple]:
+    """(score function, mask function, aux) of a kernel's views of the tensors ``signature``
+    lists (``CallMods.kernel_tensors``' order: aux, then each function's captured tensors)."""
+    views = tuple(views) if views is not None else ()
+    captured = [m for m in (signature.score_mod, signature.mask_mod) if m is not None]
+    n_aux = len(views) - sum(len(m.captured) for m in captured)
+    aux, rest = views[:n_aux], views[n_aux:]
+    fns = []
+    for m in (signature.score_mod, signature.mask_mod):
+        if m is None:
+            fns.append(None)
+            continue
+        fns.append(m.bound(rest[:len(m.captured)]))
+        rest = rest[len(m.captured):]
+    return fns[0], fns[1], aux
 
 
 def call_mods(options, aux=None, block_mask=None) -> Optional[CallMods]:

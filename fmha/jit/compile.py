@@ -21,8 +21,11 @@ def cutlass_dtype(dtype: torch.dtype):
         torch.bfloat16: cutlass.BFloat16,
         torch.float8_e4m3fn: cutlass.Float8E4M3FN,
         torch.float32: cutlass.Float32,
+        torch.float64: cutlass.Float64,
         torch.int32: cutlass.Int32,
         torch.int64: cutlass.Int64,
+        torch.int8: cutlass.Int8,
+        torch.uint8: cutlass.Uint8,
     }[dtype]
 
 

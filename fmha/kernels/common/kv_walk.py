@@ -8,9 +8,9 @@ The walk is plain integer arithmetic over the row bands of ``fmha.masking`` (``r
 on the DSL's dynamic ``Int32`` values. The masks served today keep one contiguous band of keys per
 row, so a walk is a run of consecutive tiles in three segments (masked, whole, masked). A kernel
 reads a walk only through ``total``, ``block(step)``, the three segment counts and
-``needs_mask``, so a walk over a list of tile indices (selected NSA blocks, block-sparse masks)
-can take its place: its ``block`` reads the list, and its fully kept tiles then its partial ones
-are the unmasked and trailing segments (no leading one).
+``needs_mask``, so a walk over a list of tile indices (``ListedKvWalk``: block-sparse masks,
+selected NSA blocks) takes its place: its ``block`` reads the list, its partial tiles then its
+whole ones are the leading masked and unmasked segments.
 """
 
 from __future__ import annotations
@@ -75,6 +75,40 @@ class KvWalk(NamedTuple):
         past_the_keys = imax((seqlen_k + tile_n - 1) // tile_n, 1)
         start = kept * self.start + (1 - kept) * past_the_keys
         return KvWalk(start, self.leading_masked, self.unmasked, self.trailing_masked + (1 - kept))
+
+
+class ListedKvWalk(NamedTuple):
+    """A walk over a list of tiles (a block mask's, ``fmha.block_mask.BlockMask.tile_lists``):
+    ``indices`` (a row of the list) holds ``leading_masked`` tiles that need the element-wise
+    mask, then ``unmasked`` whole ones. The same reads as ``KvWalk``."""
+
+    indices: Any
+    leading_masked: Any
+    unmasked: Any
+    trailing_masked: Any = 0
+
+    @property
+    def total(self):
+        return self.leading_masked + self.unmasked + self.trailing_masked
+
+    def block(self, step):
+        return self.indices[step]
+
+    def needs_mask(self, step):
+        return step < self.leading_masked
+
+
+def listed_walk(counts, indices, masked_too: bool = False) -> ListedKvWalk:
+    """The walk of one list entry: ``counts`` (partial, full), ``indices`` the listed tiles;
+    ``masked_too``: a built-in mask applies on top, so every listed tile is masked."""
+    if masked_too:
+        return ListedKvWalk(indices, counts[0] + counts[1], 0)
+    return ListedKvWalk(indices, counts[0], counts[1])
+
+
+def every_tile_masked(walk: KvWalk) -> KvWalk:
+    """``walk`` with every tile element-wise masked (a mask mod without a block mask)."""
+    return KvWalk(walk.start, walk.total, 0 * walk.unmasked, 0 * walk.unmasked)
 
 
 def kv_walk(

@@ -10,6 +10,11 @@ the raw q.k and its softmax scale becomes ``softcap * log2(e)`` (``AttentionProb
 softmax_scale_log2``), so the running max, the LSE and the backward's P recomputation need no
 other change. The backward's derivative of the cap comes back from P itself (``softcap_slope``).
 
+Programmable attention (``fmha.mods``) joins here too: ``ScoreMods`` holds a call's traced
+``score_mod`` / ``mask_mod`` with the batch entry, head and tensors they read; the score mod runs
+on every score (in the softmax's units: the scaled score in, divided back by the scale out), the
+mask mod wherever the element-wise mask runs.
+
 A row's kept keys are one interval ``[lo, hi)``. Instead of two compares per score, each thread
 turns the interval into a 32-bit mask over its own columns of the row (``kept_column_bits``) and
 tests one constant bit per score, which ptxas lowers to R2P + FSEL."""
@@ -25,6 +30,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from fmha.masking import MaskKind, row_key_bounds
+from fmha.mods import Dual, bind_signature, call_mask_mod, call_score_mod
 
 from .fragments import as_rows_cols, ptx_b32
 
@@ -91,6 +97,64 @@ def softcap_slope(p: Float32, lse_log2: Float32, inv_scale_log2: Float32) -> Flo
 
 
 @dataclass(frozen=True)
+class ScoreMods:
+    """A call's score and mask mods as one kernel traces them: the functions bound to the
+    kernel's views of their tensors (static), the batch entry and query head of the tile, and
+    the score scale (the kernels hold raw q.k; a mod sees q.k times ``scale``)."""
+
+    signature: Any  # fmha.mods.ModsSignature
+    score_fn: Any
+    mask_fn: Any
+    aux: Any
+    batch: Any
+    head: Any
+    scale: Any
+    inv_scale: Any
+
+    @staticmethod
+    def of(signature, mod_tensors, batch, head, scale_log2):
+        """``None`` without mods; ``scale_log2``: the softmax's scale of the held score."""
+        if signature is None:
+            return None
+        score_fn, mask_fn, aux = bind_signature(signature, mod_tensors)
+        scale = scale_log2 * Float32(1.0 / math.log2(math.e))
+        return ScoreMods(signature, score_fn, mask_fn, aux, batch, head, scale, Float32(1.0) / scale)
+
+    @property
+    def has_score_mod(self) -> bool:
+        return self.score_fn is not None
+
+    @property
+    def has_mask_mod(self) -> bool:
+        return self.mask_fn is not None
+
+    def score(self, held, q_idx, kv_idx):
+        """The modified score of the held (unscaled) ``held``, in held units."""
+        out = call_score_mod(self.signature.score_mod, self.score_fn, held * self.scale, self.batch, self.head,
+                             q_idx, kv_idx, self.aux)
+        return Float32(out) * self.inv_scale
+
+    def score_and_slope(self, held, q_idx, kv_idx):
+        """(modified score in held units, d modified / d score): the dual number through the mod;
+        a slope that is a Python number is a constant of the mod."""
+        out = call_score_mod(self.signature.score_mod, self.score_fn, Dual(held * self.scale, 1.0), self.batch,
+                             self.head, q_idx, kv_idx, self.aux)
+        out = Dual.of(out)
+        slope = out.grad if isinstance(out.grad, (int, float)) else Float32(out.grad)
+        return Float32(out.value) * self.inv_scale, slope
+
+    def constant_slope(self):
+        """The score mod's derivative if the mod makes it a constant (a Python number), else
+        None: traced once on placeholder values (code the compiler drops)."""
+        _, slope = self.score_and_slope(Float32(0.0), Int32(0), Int32(0))
+        return float(slope) if isinstance(slope, (int, float)) else None
+
+    def keeps(self, q_idx, kv_idx):
+        return cutlass.Boolean(call_mask_mod(self.signature.mask_mod, self.mask_fn, self.batch, self.head, q_idx,
+                                             kv_idx, self.aux))
+
+
+@dataclass(frozen=True)
 class FragmentMask:
     """Mask parameters of one (sequence, query tile); ``kind``/``bottom_right`` and the
     None-ness of each window side are static, the rest is dynamic."""
@@ -107,20 +171,58 @@ class FragmentMask:
     softcap_factor: Any = None
     #: compressed causal's static (block, stride) (``fmha.masking.MaskSpec.compression``)
     compression: Any = None
+    #: score_mod / mask_mod (``ScoreMods``), or None
+    mods: Any = None
 
     @staticmethod
-    def of(cfg, seqlen_q, seqlen_k, window_left, window_right, softcap_factor=None) -> "FragmentMask":
+    def of(cfg, seqlen_q, seqlen_k, window_left, window_right, softcap_factor=None, mods=None) -> "FragmentMask":
         """The object of one (sequence, tile) of a kernel built from config ``cfg`` (its static
         mask kind, alignment, compression geometry and GQA row packing)."""
         return FragmentMask(cfg.mask_kind, seqlen_q, seqlen_k, window_left, window_right, cfg.bottom_right,
-                            getattr(cfg, "rows_per_query", 1), softcap_factor, cfg.compression)
+                            getattr(cfg, "rows_per_query", 1), softcap_factor, cfg.compression, mods)
+
+    @property
+    def needs_positions(self) -> bool:
+        """Whether every score needs its position (a score mod), masked or not."""
+        return self.mods is not None and self.mods.has_score_mod
+
+    def constant_slope(self):
+        """The score mod's derivative where it is a constant (1.0 without a score mod), else None."""
+        if self.mods is None or not self.mods.has_score_mod:
+            return 1.0
+        return self.mods.constant_slope()
+
+    @cute.jit
+    def score_mod_transposed(self, s: cute.Tensor, coords: cute.Tensor, row_base, col_base, slopes=None):
+        """The score mod on a transposed (keys, queries) view ``s`` (the Hopper backward's S^T),
+        each score's slope into ``slopes`` where given."""
+        if cutlass.const_expr(self.needs_positions):
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                    q_idx, kv_idx = self.positions(row_base + coords[r, j][1], col_base + coords[r, j][0])
+                    if cutlass.const_expr(slopes is None):
+                        s[r, j] = self.mods.score(s[r, j], q_idx, kv_idx)
+                    else:
+                        s[r, j], slopes[r, j] = self.mods.score_and_slope(s[r, j], q_idx, kv_idx)
+
+    def positions(self, row, col):
+        """A score's (q_idx, kv_idx) as a mod sees them: clamped into the sequence, so that a mod
+        indexing a tensor by them never reads past it (scores outside are masked anyway)."""
+        return cutlass.min(row, self.seqlen_q - 1), cutlass.min(col, self.seqlen_k - 1)
 
     @cute.jit
     def apply_scores(self, acc_s: cute.Tensor, coords: cute.Tensor, row_base, col_base, masked: cutlass.Constexpr):
-        """A tile's scores as the softmax takes them: softcapped (before the mask: tanh(-inf)
-        would keep a masked key), then masked where ``masked``."""
+        """A tile's scores as the softmax takes them: softcapped or score-modded (before the
+        mask: tanh(-inf) would keep a masked key), then masked where ``masked``."""
         if cutlass.const_expr(self.softcap_factor is not None):
             softcap_scores(as_rows_cols(acc_s), self.softcap_factor)
+        if cutlass.const_expr(self.mods is not None and self.mods.has_score_mod):
+            s = as_rows_cols(acc_s)
+            c = as_rows_cols(coords)
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                for i in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                    q_idx, kv_idx = self.positions(row_base + c[r, i][0], col_base + c[r, i][1])
+                    s[r, i] = self.mods.score(s[r, i], q_idx, kv_idx)
         if cutlass.const_expr(masked):
             self.apply(acc_s, coords, row_base, col_base)
 
@@ -154,7 +256,11 @@ class FragmentMask:
             lo, hi = self.key_bounds(row_base + coords[0, j][1])
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                 key = col_base + coords[r, j][0]
-                if key < lo or key >= hi:
+                if cutlass.const_expr(self.mods is not None and self.mods.has_mask_mod):
+                    q_idx, kv_idx = self.positions(row_base + coords[r, j][1], key)
+                    kept = (key >= lo) & (key < hi) & self.mods.keeps(q_idx, kv_idx)
+                    s[r, j] = s[r, j] if kept else Float32(-math.inf)
+                elif key < lo or key >= hi:
                     s[r, j] = Float32(-math.inf)
 
     def key_bounds(self, row):
@@ -182,4 +288,8 @@ class FragmentMask:
                     lambda n: _ones_shifted(n, True), cutlass.min, cutlass.max)
                 for i in cutlass.range_constexpr(min(CHUNK, num_cols - CHUNK * k)):
                     kept = cutlass.Boolean(keep & (cutlass.Uint32(1) << i))
+                    if cutlass.const_expr(self.mods is not None and self.mods.has_mask_mod):
+                        q_idx, kv_idx = self.positions(row_base + c[r, CHUNK * k + i][0],
+                                                       col_base + c[r, CHUNK * k + i][1])
+                        kept = kept & self.mods.keeps(q_idx, kv_idx)
                     s[r, CHUNK * k + i] = s[r, CHUNK * k + i] if kept else Float32(-math.inf)

@@ -44,6 +44,8 @@ class ForwardArgs(NamedTuple):
     mCacheSeqlens: Any = None
     mBlockTable: Any = None
     mSinks: Any = None
+    mModTensors: Any = None
+    mBlockLists: Any = None
     max_seqlen_q: Any = None
     scale_log2: Any = None
     output_scale: Any = None
@@ -93,14 +95,50 @@ def _fake_arguments(cfg: HopperForwardConfig) -> ForwardArgs:
         errors = fake_vector(cutlass.Int32, 1)
     counter = fake_vector(cutlass.Int32, 1) if cfg.claims_tiles else None
     sinks = fake_vector(cutlass.Float32) if cfg.has_sinks else None
+    fake_mods, fake_lists = fake_mod_arguments(cfg.mods)
     return ForwardArgs(
         mQ=q, mK=k, mV=v, mO=o, mLSE=lse, mCuSeqlensQ=cu_q, mCuSeqlensK=cu_k, mTileTable=tiles, mTileCount=count,
         mSeqDescriptors=descriptors, mErrors=errors, mTileCounter=counter, mCacheSeqlens=cache_seqlens,
-        mBlockTable=block_table, mSinks=sinks, max_seqlen_q=Int32(1), scale_log2=Float32(1.0),
+        mBlockTable=block_table, mSinks=sinks, mModTensors=fake_mods, mBlockLists=fake_lists, max_seqlen_q=Int32(1), scale_log2=Float32(1.0),
         output_scale=Float32(1.0), softcap_factor=Float32(1.0) if cfg.softcap else None,
         window_left=Int32(0) if cfg.window_left_bounded else None,
         window_right=Int32(0) if cfg.window_right_bounded else None, num_ctas=Int32(1),
         num_splits=Int32(1) if cfg.split_kv else None, page_size=Int32(16) if cfg.page_run else None)
+
+
+def fake_mod_arguments(signature) -> tuple:
+    """(mod tensors, block lists) as fake tensors for a kernel built with mods ``signature``:
+    any sizes and strides (a broadcast block mask has stride 0)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    if signature is None:
+        return None, None
+
+    def fake(dtype, rank):
+        return cute.runtime.make_fake_tensor(cutlass_dtype(dtype), tuple(cute.sym_int() for _ in range(rank)),
+                                             stride=tuple(cute.sym_int64() for _ in range(rank)),
+                                             assumed_align=max(1, dtype.itemsize))
+
+    tensors = tuple(fake(dtype, rank) for dtype, rank in signature.tensors) or None
+    lists = (fake(torch.int32, 4), fake(torch.int32, 4)) if signature.block_sparse else None
+    return tensors, lists
+
+
+def mod_tensors(mods):
+    """What a launch passes for a call's mod tensors (None for none: an empty tuple is no kernel
+    argument)."""
+    return (mods.kernel_tensors() or None) if mods is not None else None
+
+
+def block_lists(mods, problem: AttentionProblem, tile_m: int, tile_n: int, transposed: bool = False):
+    """A block mask's (counts, indices) at a kernel's tiles (``BlockMask.tile_lists``), broadcast
+    to (B, H_q, ...), or None."""
+    if mods is None or mods.block_mask is None:
+        return None
+    counts, indices = mods.block_mask.tile_lists(tile_m, tile_n, transposed)
+    b, h = problem.batch, problem.num_heads_q
+    return (counts.expand(b, h, *counts.shape[2:]), indices.expand(b, h, *indices.shape[2:]))
 
 
 def compile_forward(cfg: HopperForwardConfig, extra_options: str = "", kernel_class=None):
@@ -120,7 +158,7 @@ class HopperRunner:
         self.compiled = compiled
 
     def __call__(self, problem: AttentionProblem, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
-                 sinks=None):
+                 sinks=None, mods=None):
         cfg = self.cfg
         m = problem.mask
         if answered_without_launch(problem, out, lse, sinks):
@@ -150,6 +188,8 @@ class HopperRunner:
             # the claim counter starts at 0 in every launch (ClaimingTileScheduler)
             mTileCounter=torch.zeros(1, dtype=torch.int32, device=q.device) if cfg.claims_tiles else None,
             mSinks=sinks_fp32(sinks) if cfg.has_sinks else None,
+            mModTensors=mod_tensors(mods),
+            mBlockLists=block_lists(mods, problem, cfg.tile_m, cfg.tile_n),
             max_seqlen_q=problem.seqlen_q,
             scale_log2=problem.softmax_scale_log2,
             output_scale=problem.output_scale,
@@ -284,6 +324,7 @@ def served_as_decode(problem: AttentionProblem, options: KernelOptions) -> bool:
     (the query tiles would be mostly empty) and either query heads to pack (GQA) or too few tiles
     to fill the GPU without splitting the keys. Pinned kernel options keep the prefill one."""
     if (problem.device.type != "cuda" or problem.varlen or problem.dtype not in (torch.float16, torch.bfloat16)
+            or problem.mods is not None
             or options.tile_m or options.tile_n
             or options.persistent is not None or options.claim_tiles is not None
             or problem.mask.kind not in (MaskKind.NONE, MaskKind.WINDOW) or problem.seqlen_k == 0):
@@ -355,6 +396,8 @@ class BackwardArgs(NamedTuple):
     mSemaphores: Any = None
     mTileTable: Any = None
     mTileCount: Any = None
+    mModTensors: Any = None
+    mBlockLists: Any = None
     max_seqlen_q: Any = None
     max_seqlen_k: Any = None
     scale_log2: Any = None
@@ -397,10 +440,11 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
         descriptors = cute.runtime.make_fake_tensor(cutlass.Int64, (cute.sym_int(), n, 16), stride=(16 * n, 16, 1),
                                                     assumed_align=128)
         errors = fake_vector(cutlass.Int32, 1)
+    fake_mods, fake_lists = fake_mod_arguments(cfg.mods)
     args = BackwardArgs(
         mQ=q, mK=k, mV=v, mdO=do, mLSE2=lse2, mDelta=delta, mdQacc=dq_acc, mdK=dk, mdV=dv, mCuSeqlensQ=cu_q,
         mCuSeqlensK=cu_k, mSeqDescriptors=descriptors, mErrors=errors, mSemaphores=semaphores, mTileTable=tiles,
-        mTileCount=count, max_seqlen_q=Int32(1), max_seqlen_k=Int32(1), scale_log2=Float32(1.0),
+        mTileCount=count, mModTensors=fake_mods, mBlockLists=fake_lists, max_seqlen_q=Int32(1), max_seqlen_k=Int32(1), scale_log2=Float32(1.0),
         out_scale=Float32(1.0), score_scale=Float32(1.0), softcap_factor=Float32(1.0) if cfg.softcap else None,
         window_left=Int32(0) if cfg.window_left_bounded else None,
         window_right=Int32(0) if cfg.window_right_bounded else None)
@@ -469,7 +513,8 @@ class HopperBackwardRunner:
         return dq_layout.allocate(self.cfg, q, problem.batch, problem.num_heads_q, problem.seqlen_q, zeroed=False)
 
     def __call__(self, problem: AttentionProblem, dout, q, k, v, out, lse, dlse, dq, dk, dv,
-                 cu_seqlens_q=None, cu_seqlens_k=None, deterministic: bool = False, sinks=None, dsinks=None):
+                 cu_seqlens_q=None, cu_seqlens_k=None, deterministic: bool = False, sinks=None, dsinks=None,
+                 mods=None):
         if problem.total_q == 0 or problem.total_k == 0 or problem.num_heads_q == 0:
             for grad in (dq, dk, dv):
                 grad.zero_()
@@ -515,7 +560,9 @@ class HopperBackwardRunner:
             mCuSeqlensQ=cu_seqlens_q if self.cfg.varlen else None,
             mCuSeqlensK=cu_seqlens_k if self.cfg.varlen else None, mSeqDescriptors=descriptors,
             mErrors=device_errors.flag(q.device) if self.cfg.varlen else None, mSemaphores=semaphores,
-            mTileTable=tiles, mTileCount=count, max_seqlen_q=problem.seqlen_q, max_seqlen_k=problem.seqlen_k,
+            mTileTable=tiles, mTileCount=count, mModTensors=mod_tensors(mods),
+            mBlockLists=block_lists(mods, problem, self.cfg.tile_m, self.cfg.tile_n, transposed=True),
+            max_seqlen_q=problem.seqlen_q, max_seqlen_k=problem.seqlen_k,
             scale_log2=problem.softmax_scale_log2, out_scale=problem.output_scale, score_scale=problem.score_scale,
             softcap_factor=problem.softcap_factor if self.cfg.softcap else None,
             window_left=m.window_left if self.cfg.window_left_bounded else None,

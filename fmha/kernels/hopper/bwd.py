@@ -51,7 +51,8 @@ LSE and delta rows go through the packed tensor's own descriptor; a ragged tile'
 sequence get P = 0 and delta = 0 in the consumers.
 """
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -77,6 +78,54 @@ from .epilogue import wg_slice_layout
 from .wgmma import WARPGROUP_THREADS as _WG
 
 
+@dataclass(frozen=True)
+class QueryVisits:
+    """The query tiles a K/V tile visits for each query head: the range the mask's walk gives
+    (``query_tiles``; the same for every head), or a block mask's list entry of the head
+    (``mBlockLists``: partial tiles, then full ones)."""
+
+    m_start: Any
+    m_end: Any
+    lists: Any
+    batch: Any
+    n_block: Any
+    #: from the last down (the deterministic dQ order, ``tile_at``)
+    descending: bool
+
+    def range(self, head):
+        """[start, end) of the steps for query head ``head``."""
+        if const_expr(self.lists is not None):
+            counts = self.lists[0]
+            return Int32(0), counts[self.batch, head, self.n_block, 0] + counts[self.batch, head, self.n_block, 1]
+        return self.m_start, self.m_end
+
+    @cute.jit
+    def total(self, head_kv, group):
+        """Steps over every query head of K/V head ``head_kv``'s group."""
+        if const_expr(self.lists is not None):
+            count = Int32(0)
+            for g in cutlass.range(group, unroll=1):
+                start, end = self.range(head_kv * group + g)
+                count += end - start
+            return count
+        return group * (self.m_end - self.m_start)
+
+    def tile_at(self, i, head):
+        """The query tile of step ``i``. Deterministic: from the last down, so that under causal
+        masks every K/V tile starts on the same query tile and each waits for its predecessor's
+        add of that tile only briefly; walking up, K/V tile n would start on query tile n, which
+        tile n - 1 reaches second, and the waits would add up along the diagonal."""
+        if const_expr(self.lists is not None):
+            return self.lists[1][self.batch, head, self.n_block, i]
+        if const_expr(self.descending):
+            return self.m_end - 1 - (i - self.m_start)
+        return i
+
+    def partial(self, i, head):
+        """Whether step ``i`` is a block mask's partial tile (listed visits only)."""
+        return i < self.lists[0][self.batch, head, self.n_block, 0]
+
+
 class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
     def __init__(self, cfg: HopperBackwardConfig):
         if cfg.dq_split_rows and cfg.tile_m != 2 * 64:
@@ -96,7 +145,8 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mSeqDescriptors: Optional[cute.Tensor], mErrors: Optional[cute.Tensor],
                  mSemaphores: Optional[cute.Tensor], mTileTable: Optional[cute.Tensor],
-                 mTileCount: Optional[cute.Tensor], max_seqlen_q: Int32, max_seqlen_k: Int32,
+                 mTileCount: Optional[cute.Tensor], mModTensors: Optional[tuple], mBlockLists: Optional[tuple],
+                 max_seqlen_q: Int32, max_seqlen_k: Int32,
                  scale_log2: Float32, out_scale: Float32, score_scale: Float32, softcap_factor: Optional[Float32],
                  window_left: Optional[Int32], window_right: Optional[Int32], stream: cuda.CUstream):
         """Dense tensors: q/dO (B, S_q, H_q, D), k/v/dK/dV (B, S_k, H_k, D), LSE2/delta
@@ -225,7 +275,7 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
         self.kernel(mma_sdp, mma_dkv, mma_dv, mma_dq, tma_q, tma_tensor_q, tma_do, tma_tensor_do, tma_k, tma_tensor_k,
                     tma_v, tma_tensor_v, tma_lse, tma_tensor_lse, tma_delta, tma_tensor_delta, mdQacc,
                     mdK, mdV, tma_dk, tma_tensor_dk, tma_dv, tma_tensor_dv, mCuSeqlensQ, mCuSeqlensK,
-                    mSeqDescriptors, mSemaphores, mTileTable, mTileCount,
+                    mSeqDescriptors, mSemaphores, mTileTable, mTileCount, mModTensors, mBlockLists,
                     max_seqlen_q, max_seqlen_k, scale_log2, out_scale, score_scale, softcap_factor, window_left,
                     window_right, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout,
                     sRow_layout).launch(
@@ -266,7 +316,8 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
                tma_dk: Optional[cute.CopyAtom], mdK_tma: Optional[cute.Tensor], tma_dv: Optional[cute.CopyAtom],
                mdV_tma: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                mSeqDescriptors: Optional[cute.Tensor], mSemaphores: Optional[cute.Tensor],
-               mTileTable: Optional[cute.Tensor], mTileCount: Optional[cute.Tensor], max_seqlen_q: Int32,
+               mTileTable: Optional[cute.Tensor], mTileCount: Optional[cute.Tensor],
+               mModTensors: Optional[tuple], mBlockLists: Optional[tuple], max_seqlen_q: Int32,
                max_seqlen_k: Int32, scale_log2: Float32, out_scale: Float32, score_scale: Float32,
                softcap_factor: Optional[Float32], window_left: Optional[Int32], window_right: Optional[Int32],
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -307,6 +358,7 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
         # grid has entries past its list's count: both have no work
         if n_block * self.tile_n < seq.seqlen_k:
             m_start, m_end = self.query_tiles(n_block, seq.seqlen_q, seq.seqlen_k, window_left, window_right)
+            visits = QueryVisits(m_start, m_end, mBlockLists, batch, n_block, self.cfg.deterministic)
             if warp_idx < 4:
                 # 24: what the consumers' 240 need of this CTA's registers (a larger count would
                 # leave their increase waiting forever)
@@ -314,16 +366,16 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
                 if warp_idx == 0:
                     self.producer(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, tma_lse, mLSE2, tma_delta, mDelta,
                                   sQ, sdO, sK, sV, sLSE2, sDelta, qdo_producer, kv_producer, mSeqDescriptors, n_block,
-                                  head_kv, batch, group, m_start, m_end, seq)
+                                  head_kv, batch, group, visits, seq)
                 if warp_idx == 1:
                     self.dq_writer(mdQacc, sdQ, mSemaphores, window_left, window_right,
-                                   n_block, head_kv, batch, group, m_start, m_end, seq)
+                                   n_block, head_kv, batch, group, visits, seq)
             else:
                 cute.arch.setmaxregister_increase(240)
                 self.consumer(mma_sdp, mma_dkv, mma_dv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDelta, qdo_consumer,
                               kv_consumer, mdK, mdV, tma_dk, mdK_tma, tma_dv, mdV_tma, mSeqDescriptors, scale_log2,
                               out_scale, score_scale, softcap_factor, window_left, window_right, n_block, head_kv,
-                              batch, group, m_start, m_end, seq, tidx - _WG)
+                              batch, group, visits, seq, tidx - _WG, mModTensors)
 
     @cute.jit
     def work_tile(self, mTileTable: Optional[cute.Tensor], mTileCount: Optional[cute.Tensor], num_heads_kv):
@@ -360,21 +412,12 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
                           compression=cfg.compression, select=cutlass.select_)
         return walk.start, walk.end
 
-    def query_tile_at(self, i, m_start, m_end):
-        """The ``i``-th query tile a CTA visits (``m_start <= i < m_end``). Deterministic: from
-        the last down, so that under causal masks every K/V tile starts on the same query tile
-        and each waits for its predecessor's add of that tile only briefly; walking up, K/V tile
-        n would start on query tile n, which tile n - 1 reaches second, and the waits would add up
-        along the diagonal."""
-        if const_expr(self.cfg.deterministic):
-            return m_end - 1 - (i - m_start)
-        return i
 
     @cute.jit
     def producer(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, tma_lse, mLSE2, tma_delta, mDelta,
                  sQ, sdO, sK, sV, sLSE2, sDelta, qdo_producer: pipeline.PipelineProducer,
                  kv_producer: pipeline.PipelineProducer, mSeqDescriptors: Optional[cute.Tensor], n_block, head_kv,
-                 batch, group, m_start, m_end, seq: SequenceInfo):
+                 batch, group, visits, seq: SequenceInfo):
         """Warp 0: K and V once, then per query tile its Q, dO, LSE and delta into the ring
         (``cfg.q_stages``)."""
         d, dv, tile_m = self.cfg.head_dim, self.cfg.head_dim_v, self.tile_m
@@ -398,8 +441,9 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
             gdO = cute.local_tile(mdO[None, None, head, row_batch], (tile_m, dv), (None, 0))
             tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
             tdOsdO, tdOgdO = tma_tiles(tma_do, sdO, gdO)
+            m_start, m_end = visits.range(head)
             for i in cutlass.range(m_start, m_end, unroll=1):
-                m_block = self.query_tile_at(i, m_start, m_end)
+                m_block = visits.tile_at(i, head)
                 handle = qdo_producer.acquire_and_advance()
                 cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, handle.index], tma_bar_ptr=handle.barrier,
                           tma_desc_ptr=desc_q)
@@ -416,7 +460,7 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
 
     @cute.jit
     def dq_writer(self, mdQacc, sdQ, mSemaphores: Optional[cute.Tensor], window_left, window_right, n_block,
-                  head_kv, batch, group, m_start, m_end, seq: SequenceInfo):
+                  head_kv, batch, group, visits, seq: SequenceInfo):
         """Warp 1: adds each query tile's dQ into the fp32 accumulator, one bulk reduce-add per
         consumer warpgroup's block, as soon as that block is staged; frees each block once its add
         has read it. ``deterministic``: each tile's adds wait for their turn (``wait_for_turn``)."""
@@ -431,15 +475,16 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
             if n_block > 0:
                 prev_start, prev_end = self.query_tiles(n_block - 1, seq.seqlen_q, seq.seqlen_k, window_left,
                                                         window_right)
-        last = group * (m_end - m_start) - 1
+        last = visits.total(head_kv, group) - 1
         if last >= 0:  # the first tile's blocks are free (no arrival that nobody waits for)
             for wg in cutlass.range_constexpr(2):
                 cute.arch.barrier_arrive(barrier_id=NamedBarrierBwd.DQ_EMPTY + wg, number_of_threads=_WG + 32)
         t = Int32(0)
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
+            m_start, m_end = visits.range(head)
             for i in cutlass.range(m_start, m_end, unroll=1):
-                m_block = self.query_tile_at(i, m_start, m_end)
+                m_block = visits.tile_at(i, head)
                 turn = None
                 if const_expr(cfg.deterministic):
                     has_predecessor = prev_start <= m_block and m_block < prev_end

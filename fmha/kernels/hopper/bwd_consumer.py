@@ -14,7 +14,7 @@ from fmha.masking import MaskKind
 
 from ..common import sequence_descriptors as seq_desc
 from ..common.fragments import as_operand_a, as_rows_cols, store_as_16bit_pairs
-from ..common.mask import FragmentMask, softcap_slope
+from ..common.mask import FragmentMask, ScoreMods, softcap_slope
 from ..common.pipelines import release_by_one_lane
 from ..common.seqinfo import SequenceInfo
 from .barriers import NamedBarrierBwd
@@ -45,7 +45,8 @@ class BackwardConsumer:
                  qdo_consumer: pipeline.PipelineConsumer, kv_consumer: pipeline.PipelineConsumer, mdK, mdV,
                  tma_dk, mdK_tma, tma_dv, mdV_tma, mSeqDescriptors: Optional[cute.Tensor],
                  scale_log2: Float32, out_scale: Float32, score_scale: Float32, softcap_factor, window_left,
-                 window_right, n_block, head_kv, batch, group, m_start, m_end, seq: SequenceInfo, tidx: Int32):
+                 window_right, n_block, head_kv, batch, group, visits, seq: SequenceInfo, tidx: Int32,
+                 mModTensors: Optional[tuple] = None):
         """Warpgroups 1 and 2: per query tile the five products and the element-wise work between
         them; dK and dV stay in registers until the end."""
         cfg = self.cfg
@@ -103,13 +104,21 @@ class BackwardConsumer:
         dp_scale = out_scale * score_scale if const_expr(cfg.ds_prescaled) else out_scale
         inv_scale_log2 = Float32(1.0) / scale_log2 if const_expr(cfg.softcap) else None
 
-        # the score-and-mask object (``common/mask.py``), applied to S^T
-        mask = FragmentMask.of(cfg, seqlen_q, seqlen_k, window_left, window_right, softcap_factor)
+        # the score mod's slope per score, where it is not a constant of the mod
+        slopes = None
+        if const_expr(cfg.mods is not None and cfg.mods.score_mod is not None):
+            if const_expr(not ScoreMods.of(cfg.mods, mModTensors, batch, head_kv, scale_log2).constant_slope()):
+                slopes = as_rows_cols(cute.make_rmem_tensor(s_shape, Float32))
         kv_handle = kv_consumer.wait_and_advance()
         tile_parity = Int32(0)
         for g in cutlass.range(group, unroll=1):
+            head = head_kv * group + g
+            # the score-and-mask object (``common/mask.py``) of this head (a mod reads the head), on S^T
+            head_mask = FragmentMask.of(cfg, seqlen_q, seqlen_k, window_left, window_right, softcap_factor,
+                                        ScoreMods.of(cfg.mods, mModTensors, batch, head, scale_log2))
+            m_start, m_end = visits.range(head)
             for i in cutlass.range(m_start, m_end, unroll=1):
-                m_block = self.query_tile_at(i, m_start, m_end)
+                m_block = visits.tile_at(i, head)
                 m0 = m_block * tile_m
                 handle = qdo_consumer.wait_and_advance()
                 stage = handle.index
@@ -136,18 +145,28 @@ class BackwardConsumer:
                                                                   Float32(math.inf), held_lse[j]))
                 warpgroup.wait_group(1)  # S^T is ready; dP^T still runs
                 s = as_rows_cols(acc_s)
-                mask.softcap(s)  # before the mask, as the forward's
+                head_mask.softcap(s)  # before the mask, as the forward's
+                head_mask.score_mod_transposed(s, tScS, m0, n0, slopes)
                 # keys past the sequence (the last K/V tile's zero rows) are masked too: their P
                 # would be 2^-lse, which for a row of very negative scores overflows dS
-                if const_expr(cfg.mask_kind != MaskKind.NONE):
+                if const_expr(cfg.mods is not None and cfg.mods.mask_mod is not None and not cfg.mods.block_sparse):
+                    head_mask.apply_transposed(s, tScS, m0, n0)  # a mask mod without a block mask: every tile
+                elif const_expr(cfg.mask_kind != MaskKind.NONE):
                     last = cutlass.min(m0 + tile_m, seqlen_q) - 1
-                    lo_last, _ = mask.key_bounds(last)
-                    _, hi_first = mask.key_bounds(m0)
-                    if not (lo_last <= n0 and hi_first >= n0 + tile_n):  # bands end at seqlen_k at the latest
-                        mask.apply_transposed(s, tScS, m0, n0)
+                    lo_last, _ = head_mask.key_bounds(last)
+                    _, hi_first = head_mask.key_bounds(m0)
+                    partial = False
+                    if const_expr(cfg.mods is not None and cfg.mods.block_sparse):
+                        partial = visits.partial(i, head)
+                    # bands end at seqlen_k at the latest
+                    if not (lo_last <= n0 and hi_first >= n0 + tile_n) or partial:
+                        head_mask.apply_transposed(s, tScS, m0, n0)
                 else:
-                    if n0 + tile_n > seqlen_k:
-                        mask.apply_transposed(s, tScS, m0, n0)
+                    partial = False
+                    if const_expr(cfg.mods is not None and cfg.mods.block_sparse):
+                        partial = visits.partial(i, head)
+                    if n0 + tile_n > seqlen_k or partial:
+                        head_mask.apply_transposed(s, tScS, m0, n0)
                 for j in cutlass.range_constexpr(num_cols):
                     lse2 = self.column_lse(held_lse, sLSE2, tScS, skip, stage, j)
                     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
@@ -177,6 +196,12 @@ class BackwardConsumer:
                         lse2 = self.column_lse(held_lse, sLSE2, tScS, skip, stage, j)
                         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                             dp[r, j] = dp[r, j] * softcap_slope(s[r, j], lse2, inv_scale_log2)
+                    if const_expr(slopes is not None):  # through the score mod
+                        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                            dp[r, j] = dp[r, j] * slopes[r, j]
+                    elif const_expr(head_mask.constant_slope() not in (None, 1.0)):
+                        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                            dp[r, j] = dp[r, j] * Float32(head_mask.constant_slope())
                 ds16 = cute.make_rmem_tensor(s_shape, self.dtype)
                 store_as_16bit_pairs(ds16, acc_dp)
                 # dS^T of both warpgroups (all the tile's keys) for the dQ product; the buffer

@@ -199,8 +199,14 @@ class HopperForwardConfig:
     has_sinks: bool = False
     #: compressed causal's (block, stride); None: derived per sequence (``MaskSpec.compression``)
     compression: Optional[Tuple[int, int]] = None
+    #: score_mod / mask_mod / block mask (``fmha.mods.ModsSignature``)
+    mods: Optional[object] = None
 
     def __post_init__(self):
+        if self.mods is not None and (self.cache_lengths or self.split_kv or self.rows_per_query > 1):
+            raise ValueError("score and mask mods are not served by the decode options")
+        if self.mods is not None and self.mods.block_sparse and self.varlen:
+            raise ValueError("block masks are for dense batches")
         if self.tile_m % 64 or self.tile_n % 16:
             raise ValueError(f"tiles are 64 query rows per warpgroup and 16-key steps, not {self.tile_m}x{self.tile_n}")
         if self.schedule == Schedule.CLAIMED and self.varlen:
@@ -251,6 +257,7 @@ class HopperForwardConfig:
             softcap=problem.softcap > 0,
             has_sinks=problem.has_sinks,
             compression=m.compression,
+            mods=problem.mods,
         )
 
     # ---- derived: one line of reason each
@@ -441,6 +448,8 @@ class HopperBackwardConfig:
     head_dim_v: int = None
     #: compressed causal's (block, stride); None: derived per sequence (``MaskSpec.compression``)
     compression: Optional[Tuple[int, int]] = None
+    #: score_mod / mask_mod / block mask (``fmha.mods.ModsSignature``)
+    mods: Optional[object] = None
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -545,7 +554,7 @@ class HopperBackwardConfig:
                                     m.window_right is not None, m.bottom_right if m.kind == MaskKind.WINDOW else False,
                                     problem.varlen, options.deterministic, listed,
                                     listed and problem.seqlens_q is None, long_rows, problem.softcap > 0,
-                                    problem.head_dim_v, m.compression)
+                                    problem.head_dim_v, m.compression, problem.mods)
 
 
 def why_unsupported_backward(problem: AttentionProblem, options: KernelOptions) -> list:
@@ -562,4 +571,7 @@ def why_unsupported_backward(problem: AttentionProblem, options: KernelOptions) 
     if not (problem.score_scale > 0 and problem.score_scale < float("inf")):
         reasons.append("the Hopper backward needs softmax_scale * scale_q * scale_k to be a positive finite "
                        f"number, got {problem.score_scale}")
+    if problem.mods is not None and problem.mods.block_sparse and options.deterministic:
+        reasons.append("the Hopper backward's deterministic dQ order walks every query tile of a K/V tile; with a "
+                       "block mask, call with deterministic=False")
     return reasons

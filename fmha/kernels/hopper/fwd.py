@@ -35,16 +35,16 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from fmha.masking import num_q_tiles
+from fmha.masking import MaskKind, num_q_tiles
 
-from ..common.kv_walk import kv_walk
+from ..common.kv_walk import every_tile_masked, kv_walk, listed_walk
 
 from ..common.device_tile_list import COST_BINS, DeviceWorkTileList, cost_bins_bytes
 from ..common import sequence_descriptors as seq_desc
 from ..common.kv_cache import KvCache
 from ..common.fragments import as_rows_cols, fp8_operand_a_shape
 from ..common.layouts import bshd_to_sdhb, ring_layout
-from ..common.mask import FragmentMask
+from ..common.mask import FragmentMask, ScoreMods
 from ..common.scheduler import ClaimingTileScheduler, StaticTileScheduler, TileHandOff, TileTableScheduler, WorkTile
 from ..common.seqinfo import SequenceInfo
 from ..common.softmax import MAX_SLACK, OnlineSoftmax
@@ -84,6 +84,8 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
         mCacheSeqlens: Optional[cute.Tensor],
         mBlockTable: Optional[cute.Tensor],
         mSinks: Optional[cute.Tensor],
+        mModTensors: Optional[tuple],
+        mBlockLists: Optional[tuple],
         max_seqlen_q: Int32,
         scale_log2: Float32,
         output_scale: Float32,
@@ -202,6 +204,7 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
             tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_o, tma_tensor_o,
             q, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mTileTable, mTileCount, mSeqDescriptors, mTileCounter,
             mCacheSeqlens, mBlockTable, mErrors if const_expr(cfg.cache_lengths) else None, mSinks,
+            mModTensors, mBlockLists,
             num_m_blocks,
             num_batches,
             num_splits,
@@ -243,6 +246,8 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
         mBlockTable: Optional[cute.Tensor],
         mErrors: Optional[cute.Tensor],
         mSinks: Optional[cute.Tensor],
+        mModTensors: Optional[tuple],
+        mBlockLists: Optional[tuple],
         num_m_blocks: Int32,
         num_batches: Int32,
         num_splits: Optional[Int32],
@@ -307,14 +312,14 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
             if warp_idx == 0:
                 self.producer(
                     scheduler, cache, mQ_tma, mK_tma, mV_tma, mQ_sdhb, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors,
-                    window_left, window_right, tma_q, tma_k, tma_v, sQ, sK, sV, q_producer, kv_producer,
+                    window_left, window_right, tma_q, tma_k, tma_v, sQ, sK, sV, q_producer, kv_producer, mBlockLists,
                 )
         else:
             cute.arch.setmaxregister_increase(cfg.register_budgets[1])
             self.consumer(
                 scheduler, cache, tiled_mma_qk, tiled_mma_pv, mQ_sdhb, mK_tma, mO, mLSE, mSinks, tma_o, mO_tma,
                 mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, scale_log2, output_scale, softcap_factor, window_left,
-                window_right, sQ, sK, sV, sO, q_consumer, kv_consumer, tidx - _WG,
+                window_right, sQ, sK, sV, sO, q_consumer, kv_consumer, tidx - _WG, mModTensors, mBlockLists,
             )
 
     def make_scheduler(self, mTileTable, mTileCount, mTileCounter, hand_off, num_m_blocks, num_heads, num_batches):
@@ -327,10 +332,16 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
                                                 mTileCounter, hand_off)
         return StaticTileScheduler.create(num_m_blocks, num_heads, num_batches, cfg.longest_first, cfg.persistent)
 
-    def kv_walk(self, m_block, seq: SequenceInfo, window_left, window_right, split=None, num_splits=None):
+    def kv_walk(self, m_block, seq: SequenceInfo, window_left, window_right, split=None, num_splits=None,
+                block_lists=None, batch=None, head=None):
         """The K/V tiles this query tile visits (``common/kv_walk.py``), or with split-KV its
-        split's share of them."""
+        split's share of them; with a block mask (``block_lists``) its list entry at (``batch``,
+        ``head``, ``m_block``); with a mask mod and no block mask every tile is masked."""
         cfg = self.cfg
+        if const_expr(block_lists is not None):
+            counts, indices = block_lists
+            return listed_walk((counts[batch, head, m_block, 0], counts[batch, head, m_block, 1]),
+                               indices[batch, head, m_block, None], cfg.mask_kind != MaskKind.NONE)
         walk = kv_walk(
             m_block, cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k, cfg.mask_kind,
             window_left, window_right, cfg.bottom_right, imin=cutlass.min, imax=cutlass.max,
@@ -338,6 +349,8 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
         )
         if const_expr(cfg.split_kv):
             walk = walk.split_share(split, num_splits, imin=cutlass.min, imax=cutlass.max)
+        if const_expr(cfg.mods is not None and cfg.mods.mask_mod is not None):
+            walk = every_tile_masked(walk)
         return walk
 
     def listed_tiles(self, seq: SequenceInfo):
@@ -369,7 +382,8 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
         mQ_sdhb, mK_tma, mO, mLSE, mSinks, tma_o, mO_tma, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors,
         scale_log2: Float32, output_scale: Float32, softcap_factor, window_left, window_right,
         sQ, sK, sV, sO: Optional[cute.Tensor], q_consumer: pipeline.PipelineConsumer,
-        kv_consumer: pipeline.PipelineConsumer, tidx: Int32,
+        kv_consumer: pipeline.PipelineConsumer, tidx: Int32, mModTensors: Optional[tuple] = None,
+        mBlockLists: Optional[tuple] = None,
     ):
         """Per work tile: the K/V loop into O, then the epilogue."""
         cfg = self.cfg
@@ -411,10 +425,13 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
         num_tiles = scheduler.num_tiles
         while tile_idx < num_tiles:
             tile = scheduler.decode(tile_idx)
-            _, split, seq = self.work_of(tile, cache, mQ_sdhb, mK_tma, mCuSeqlensQ, mCuSeqlensK)
+            batch, split, seq = self.work_of(tile, cache, mQ_sdhb, mK_tma, mCuSeqlensQ, mCuSeqlensK)
             if tile.m_block * cfg.tile_m < seq.seqlen_q:
-                mask = FragmentMask.of(cfg, seq.seqlen_q, seq.seqlen_k, window_left, window_right, softcap_factor)
-                kv_tiles = self.kv_walk(tile.m_block, seq, window_left, window_right, split, cache.num_splits)
+                mods = ScoreMods.of(cfg.mods, mModTensors, batch, tile.head, scale_log2)
+                mask = FragmentMask.of(cfg, seq.seqlen_q, seq.seqlen_k, window_left, window_right, softcap_factor,
+                                       mods)
+                kv_tiles = self.kv_walk(tile.m_block, seq, window_left, window_right, split, cache.num_splits,
+                                        mBlockLists, batch, tile.head)
                 row_base = tile.m_block * cfg.tile_m
                 softmax.reset()
                 acc_o.fill(0.0)

@@ -21,7 +21,7 @@ class ProducerWarp:
         self, scheduler, cache: KvCache, mQ_tma, mK_tma, mV_tma, mQ_sdhb,
         mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, window_left, window_right,
         tma_q, tma_k, tma_v, sQ, sK, sV,
-        q_producer: pipeline.PipelineProducer, kv_producer: pipeline.PipelineProducer,
+        q_producer: pipeline.PipelineProducer, kv_producer: pipeline.PipelineProducer, mBlockLists=None,
     ):
         """Per work tile: Q, then the K/V tiles its mask keeps, in the order the mainloop waits."""
         cfg = self.cfg
@@ -56,7 +56,8 @@ class ProducerWarp:
                 q_handle = q_producer.acquire_and_advance()
                 cute.copy(tma_q, tQgQ, tQsQ[None, q_handle.index], tma_bar_ptr=q_handle.barrier, tma_desc_ptr=desc_q)
 
-                kv_tiles = self.kv_walk(tile.m_block, seq, window_left, window_right, split, cache.num_splits)
+                kv_tiles = self.kv_walk(tile.m_block, seq, window_left, window_right, split, cache.num_splits,
+                                        mBlockLists, batch, tile.head)
                 if const_expr(cfg.page_run):
                     kv_producer = self.load_kv_paged(kv_tiles, cache, batch, seq, mK_cur, mV_cur, tma_k, tma_v,
                                                      sK, sV, kv_producer)

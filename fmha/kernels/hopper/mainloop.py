@@ -69,10 +69,17 @@ class ConsumerMainloop:
                 step += 1
                 remaining -= 1
             remaining = unmasked
-            while remaining > 0:  # an unmasked step needs no tile index
-                kv_consumer = self.step(False, None, row_base, mask, softmax, frags, kv_consumer, wg)
-                remaining -= 1
-            step += unmasked
+            if const_expr(mask.needs_positions):  # a score mod reads every score's key position
+                while remaining > 0:
+                    kv_consumer = self.step(False, kv_tiles.block(step), row_base, mask, softmax, frags, kv_consumer,
+                                            wg)
+                    step += 1
+                    remaining -= 1
+            else:
+                while remaining > 0:  # an unmasked step needs no tile index
+                    kv_consumer = self.step(False, None, row_base, mask, softmax, frags, kv_consumer, wg)
+                    remaining -= 1
+                step += unmasked
             remaining = trailing
             while remaining > 0:
                 kv_consumer = self.step(True, kv_tiles.block(step), row_base, mask, softmax, frags, kv_consumer, wg)
@@ -124,9 +131,9 @@ class ConsumerMainloop:
              wg: Int32):
         """One pipelined step: S_n and P_{n-1} V_{n-1} issued in this warpgroup's turn, then the
         softmax of S_n under the P.V GEMM, O rescaled, P_n packed. ``n_block`` (K/V tile n's
-        index) places the mask; an unmasked step has none."""
+        index) places the mask and the score mod; an unmasked step without a score mod has none."""
         acc_s, k_handle, v_handle, kv_consumer = self.issue_step_gemms(frags, kv_consumer, wg)
-        col_base = n_block * self.cfg.tile_n if const_expr(masked) else None
+        col_base = n_block * self.cfg.tile_n if const_expr(n_block is not None) else None
         mask.apply_scores(acc_s, frags.s_coords, row_base, col_base, masked)
         softmax.update(acc_s, frags.row_scale)
         # ptxas keeps an mbarrier arrive ahead of a later wgmma wait but hoists both as far as

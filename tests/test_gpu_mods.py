@@ -1,0 +1,176 @@
+"""Programmable attention on the Hopper kernels (``backend="kernel"``, no fallback) against the
+fp64 reference running the same callables: score mods (ALiBi with an aux tensor, a softcap
+written as a mod, a relative bias read from a captured tensor), mask mods (document masks from a
+captured tensor, a window written as a mod, on top of a built-in causal mask), block masks
+(``fmha.create_block_mask`` and a FlexAttention ``BlockMask``), dense and varlen (empty and
+length-1 sequences), GQA, forward and backward. Outputs and gradients are poisoned with NaN first.
+Marked ``gpu``; skipped without a Hopper GPU."""
+
+import math
+
+import pytest
+import torch
+
+import fmha
+from fmha import mods as M
+from fmha.mods import call_mods
+from fmha.options import parse
+from fmha.reference import attention_backward_reference, attention_reference
+from gpu_checks import cu_seqlens, lse_max_err, rel_l2
+
+pytestmark = pytest.mark.gpu
+_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+_needs_hopper = pytest.mark.skipif(not _HOPPER, reason="needs a Hopper (SM90) GPU")
+
+S_Q, S_K, H_Q, H_K = 333, 301, 8, 2
+DOCS = None  # document ids of the positions, captured by the document mask (set per test)
+BIAS = None  # (H_Q, 64) relative-position bias table, captured by ``rel_bias``
+
+
+def alibi(score, b, h, q, kv, aux):
+    return score + aux[0][h] * (kv - q)
+
+
+def cap(score, b, h, q, kv):
+    return 20.0 * M.tanh(score / 20.0)
+
+
+def rel_bias(score, b, h, q, kv):
+    return score + BIAS[h, M.minimum(M.abs(q - kv), 63)]
+
+
+def doc_mask(b, h, q, kv):
+    return DOCS[q] == DOCS[kv]
+
+
+def window_mask(b, h, q, kv):
+    return (q - kv <= 40) & (kv - q <= 40)
+
+
+CASES = {  # name: (score_mod, mask_mod, built-in options, block mask?)
+    "alibi_causal": (alibi, None, dict(causal=True), False),
+    "cap": (cap, None, dict(), False),
+    "rel_bias_window": (rel_bias, window_mask, dict(), False),
+    "doc": (None, doc_mask, dict(), False),
+    "doc_causal_builtin": (None, doc_mask, dict(causal=True), False),
+    "doc_block": (None, doc_mask, dict(), True),
+    "alibi_doc_block": (alibi, doc_mask, dict(), True),
+    "window_block": (None, window_mask, dict(), True),
+}
+
+
+def _setup(gen, s):
+    global DOCS, BIAS
+    DOCS = torch.randint(0, 6, (s,), generator=gen, device="cuda").sort().values.to(torch.int32)
+    BIAS = torch.randn(H_Q, 64, generator=gen, device="cuda")
+    return (torch.tensor([2 ** (-8 * (i + 1) / H_Q) for i in range(H_Q)], device="cuda"),)
+
+
+def _reference_mods(score_mod, mask_mod, aux, block_mask):
+    return call_mods(parse(score_mod=score_mod, mask_mod=mask_mod), aux if (
+        score_mod is alibi) else None, block_mask)
+
+
+@_needs_hopper
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_dense(case, d):
+    score_mod, mask_mod, builtin, blocked = CASES[case]
+    gen = torch.Generator(device="cuda").manual_seed(d + len(case))
+    aux = _setup(gen, max(S_Q, S_K))
+    q = torch.randn(2, S_Q, H_Q, d, generator=gen, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(2, S_K, H_K, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    bm = fmha.create_block_mask(mask_mod, None, None, S_Q, S_K, BLOCK_SIZE=64) if blocked else None
+    kw = dict(builtin, score_mod=score_mod, mask_mod=mask_mod, aux=aux if score_mod is alibi else None,
+              block_mask=bm)
+    out = torch.full((2, S_Q, H_Q, d), math.nan, dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((2, H_Q, S_Q), math.nan, device="cuda")
+    fmha.attention(q, k, v, out=out, lse=lse, backend="kernel", **kw)
+    mods = _reference_mods(score_mod, mask_mod, aux, bm)
+    ref_o, ref_lse = attention_reference(q, k, v, mask=parse(**builtin).mask, compute_dtype=torch.float64,
+                                         mods=mods)
+    assert rel_l2(out, ref_o) < 1e-2
+    assert lse_max_err(lse, ref_lse) < 1e-2
+
+
+@_needs_hopper
+@pytest.mark.parametrize("case", ["alibi_causal", "rel_bias_window", "doc", "doc_causal_builtin", "cap"])
+def test_forward_varlen_empty_and_length_one_sequences(case):
+    score_mod, mask_mod, builtin, _ = CASES[case]
+    gen = torch.Generator(device="cuda").manual_seed(7 + len(case))
+    aux = _setup(gen, 400)
+    lens_q, lens_k = [130, 0, 1, 257, 64], [90, 3, 1, 300, 0]
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    q = torch.randn(sum(lens_q), H_Q, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(sum(lens_k), H_K, 128, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    kw = dict(builtin, score_mod=score_mod, mask_mod=mask_mod, aux=aux if score_mod is alibi else None)
+    out = torch.full(q.shape, math.nan, dtype=torch.bfloat16, device="cuda")
+    o = fmha.attention_varlen(q, k, v, cu_q, cu_k, out=out, backend="kernel", **kw)
+    ref_o, _ = attention_reference(q, k, v, cu_q, cu_k, mask=parse(**builtin).mask, compute_dtype=torch.float64,
+                                   mods=_reference_mods(score_mod, mask_mod, aux, None))
+    assert rel_l2(o, ref_o) < 1e-2
+
+
+BACKWARD = ["alibi_causal", "cap", "rel_bias_window", "doc", "doc_block", "alibi_doc_block", "window_block"]
+
+
+@_needs_hopper
+@pytest.mark.parametrize("case", BACKWARD)
+@pytest.mark.parametrize("layout", ["dense", "varlen"])
+def test_backward(case, layout):
+    score_mod, mask_mod, builtin, blocked = CASES[case]
+    if blocked and layout == "varlen":
+        pytest.skip("block masks are for dense batches (validation refuses varlen: test_mods.py)")
+    gen = torch.Generator(device="cuda").manual_seed(11 + len(case))
+    aux = _setup(gen, 400)
+    d = 128
+    if layout == "dense":
+        q = torch.randn(2, S_Q, H_Q, d, generator=gen, device="cuda").to(torch.bfloat16)
+        k, v = (torch.randn(2, S_K, H_K, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+        cu_q = cu_k = None
+        bm = fmha.create_block_mask(mask_mod, None, None, S_Q, S_K, BLOCK_SIZE=128) if blocked else None
+    else:
+        lens_q, lens_k = [130, 0, 1, 257], [90, 3, 1, 300]
+        cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+        q = torch.randn(sum(lens_q), H_Q, d, generator=gen, device="cuda").to(torch.bfloat16)
+        k, v = (torch.randn(sum(lens_k), H_K, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+        bm = None
+    kw = dict(builtin, score_mod=score_mod, mask_mod=mask_mod, aux=aux if score_mod is alibi else None)
+    if layout == "dense":
+        o, lse = fmha.attention(q, k, v, return_lse=True, backend="kernel", block_mask=bm, **kw)
+    else:
+        o, lse = fmha.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, backend="kernel", **kw)
+    dout = torch.randn(o.shape, generator=gen, device="cuda").to(torch.bfloat16)
+    grads = [torch.full_like(t, math.nan) for t in (q, k, v)]
+    got = fmha.attention_backward(dout, q, k, v, o, lse, cu_q, cu_k, dq=grads[0], dk=grads[1], dv=grads[2],
+                                  backend="kernel", block_mask=bm, **kw)
+    mods = _reference_mods(score_mod, mask_mod, aux, bm)
+    mask = parse(**builtin).mask
+    ref_o, ref_lse = attention_reference(q, k, v, cu_q, cu_k, mask=mask, compute_dtype=torch.float64, mods=mods)
+    want = attention_backward_reference(dout, q, k, v, ref_o, ref_lse, cu_q, cu_k, mask=mask,
+                                        compute_dtype=torch.float64, mods=mods)
+    for name, g, w in zip("qkv", got, want):
+        assert rel_l2(g, w) < 2e-2, name
+
+
+@_needs_hopper
+def test_flex_attention_block_mask_matches_flex_attention():
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    b, h, s, d = 2, 4, 1000, 128
+    docs = torch.randint(0, 5, (s,), generator=gen, device="cuda").sort().values
+
+    def doc_causal(bi, hi, qi, kv):
+        return (docs[qi] == docs[kv]) & (qi >= kv)
+
+    def bias(score, bi, hi, qi, kv):
+        return score + (hi + 1) * 0.05 * (kv - qi)
+
+    q, k, v = (torch.randn(b, h, s, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3))
+    fbm = flex.create_block_mask(doc_causal, None, None, s, s, device="cuda")
+    want = flex.flex_attention(q, k, v, score_mod=bias, block_mask=fbm)
+    got = fmha.attention(*(t.transpose(1, 2) for t in (q, k, v)), score_mod=bias, block_mask=fbm, backend="kernel")
+    ref, _ = attention_reference(*(t.transpose(1, 2) for t in (q, k, v)), compute_dtype=torch.float64,
+                                 mods=call_mods(parse(score_mod=bias), None, fbm))
+    assert rel_l2(got, ref) < 1e-2
+    assert rel_l2(got.transpose(1, 2), want.double()) < 1e-2
