@@ -136,17 +136,21 @@ class FusedAttention:
         fa.check_support()   # True, or UnsupportedError listing why no kernel applies
         fa.compile()
         fa.execute(q, k, v, o)
+
+    ``score_mod``/``mask_mod`` with their ``aux`` tensors and a ``block_mask`` are fixed at
+    construction: every execution reads those same tensors (update them in place to change
+    what the mods see).
     """
 
     @with_public_options
     def __init__(
         self, sample_q, sample_k, sample_v, sample_o, sample_lse=None, *,
         cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, sinks=None,
-        backend="auto", persistent=None, tile_mn=None, **options,
+        backend="auto", persistent=None, tile_mn=None, aux=None, block_mask=None, **options,
     ):
         check_backend_name(backend)
         self._varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-        self._options = parse_cached(**options)
+        self._options, self._mods = _with_mods(parse_cached(**options), aux, block_mask)
         self._sinks = sinks
         self.problem = self._validate(sample_q, sample_k, sample_v, sample_o, sample_lse,
                                       cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks)
@@ -164,7 +168,13 @@ class FusedAttention:
         return validate(
             q, k, v, varlen=self._varlen, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
             max_seqlen_q=max_q, max_seqlen_k=max_k, out=o, lse=lse, sinks=sinks, options=self._options,
+            mods=self._mods,
         )
+
+    @property
+    def mods(self):
+        """The ``fmha.mods.CallMods`` this object runs (None without mods)."""
+        return self._mods
 
     @property
     def backend_name(self) -> Optional[str]:
@@ -198,7 +208,8 @@ class FusedAttention:
             if self._runner is None:
                 self.compile()
             with dispatch.offsets_checked_on_device(self._problem_unread):
-                self._runner(self._problem_unread, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, sinks)
+                self._runner(self._problem_unread, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, sinks,
+                             **dispatch.mod_kwargs(self._mods))
             return
         problem = self._validate(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
                                  self.problem.seqlen_q if self._varlen else None,
@@ -218,4 +229,4 @@ class FusedAttention:
         if self._runner is None:
             self.compile()
         with dispatch.offsets_checked_on_device(problem):
-            self._runner(problem, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, sinks)
+            self._runner(problem, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, sinks, **dispatch.mod_kwargs(self._mods))

@@ -8,6 +8,11 @@ Varlen: ``--varlen_q``/``--varlen_k`` give the per-sequence lengths; B of both s
 number of lengths, and the shape's S is used only for a side whose list is not given (every
 sequence then has that length).
 
+Programmable attention: ``--score_mod alibi`` or ``softcap:C``, ``--mask_mod causal``, ``window:W``
+(the W keys before each query and itself) or ``document:N`` (N packed documents of random lengths),
+as ``fmha.mods`` functions run in the kernel and in the reference; ``--block_mask`` also builds a
+block mask from the mask mod (``fmha.create_block_mask``), so that blocks it drops are skipped.
+
 KV cache: ``--kvcache`` runs ``fmha.attention_with_kvcache``: ``--k_shape`` is the cache (every
 sequence holds S_k keys), the query rows follow it (``--is_causal`` and ``--window_size`` are
 bottom-right aligned), and ``--page_size N`` stores it in pages of N rows, in shuffled order.
@@ -96,6 +101,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--scale_softmax", type=float, default=None, help="default: 1/sqrt(D)")
     p.add_argument("--softcap", type=float, default=0.0, help="cap the scaled scores at C * tanh(s / C) (0: none)")
     p.add_argument("--sinks", action="store_true", help="a random sink logit per query head (gpt-oss)")
+    p.add_argument("--score_mod", default=None, metavar="alibi|softcap:C",
+                   help="a score_mod: ALiBi (slope 2^(-8(h+1)/H) per head) or C * tanh(s / C)")
+    p.add_argument("--mask_mod", default=None, metavar="causal|window:W|document:N",
+                   help="a mask_mod: causal, a causal window of W keys back, or N packed documents")
+    p.add_argument("--block_mask", action="store_true", help="build a block mask from --mask_mod (dense only)")
     p.add_argument("--mma_tiler_mn", type=_pair, default=None, metavar="M,N")
     p.add_argument("--varlen_q", type=_ints, default=None, metavar="L1,L2,...")
     p.add_argument("--varlen_k", type=_ints, default=None, metavar="L1,L2,...")
@@ -116,6 +126,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--page_size pages the KV cache of --kvcache")
     if args.k_shape is None:
         args.k_shape = list(args.q_shape)
+    for flag, kinds in (("score_mod", SCORE_MODS), ("mask_mod", MASK_MODS)):
+        text = getattr(args, flag)
+        if text is not None:
+            name, _, value = text.partition(":")
+            needs_value = kinds.get(name)
+            if needs_value is None or bool(value) != needs_value:
+                p.error(f"--{flag} takes one of {', '.join(n + (':N' if v else '') for n, v in kinds.items())}; "
+                        f"got {text!r}")
+            if value:
+                try:
+                    float(value) if name == "softcap" else int(value)
+                except ValueError:
+                    p.error(f"--{flag} {name}: expects a number after the colon, got {value!r}")
+    if args.block_mask and args.mask_mod is None:
+        p.error("--block_mask is built from --mask_mod; give one")
+    if args.kvcache and (args.score_mod or args.mask_mod):
+        p.error("--kvcache serves the built-in masks; --score_mod/--mask_mod run without it")
     if args.iterations < 1 or args.warmup_iterations < 0:
         p.error("--iterations must be >= 1 and --warmup_iterations >= 0")
     for flag in ("varlen_q", "varlen_k"):
@@ -123,6 +150,53 @@ def parse_args(argv=None) -> argparse.Namespace:
         if lens is not None and any(n < 0 for n in lens):
             p.error(f"--{flag} lengths must be >= 0")
     return args
+
+
+#: --score_mod / --mask_mod names: whether each takes a value after a colon
+SCORE_MODS = {"alibi": False, "softcap": True}
+MASK_MODS = {"causal": False, "window": True, "document": True}
+
+
+def named_mods(args, num_heads: int, positions: int, device) -> tuple:
+    """(score_mod, mask_mod) that ``--score_mod`` / ``--mask_mod`` name, as ``fmha.mods``
+    functions; the tensors they read (ALiBi's slopes, the documents' ids over ``positions``) are
+    captured, so the kernel receives them without ``aux=``."""
+    from . import mods as M
+
+    score_mod = mask_mod = None
+    if args.score_mod:
+        name, _, value = args.score_mod.partition(":")
+        if name == "alibi":
+            slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / num_heads) for h in range(num_heads)], device=device)
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + slopes[h] * (kv_idx - q_idx)
+        else:
+            cap = float(value)
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return cap * M.tanh(score / cap)
+    if args.mask_mod:
+        name, _, value = args.mask_mod.partition(":")
+        if name == "causal":
+            def mask_mod(b, h, q_idx, kv_idx):
+                return q_idx >= kv_idx
+        elif name == "window":
+            width = int(value)
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return (q_idx >= kv_idx) & (q_idx - kv_idx <= width)
+        else:
+            count = max(1, int(value))
+            gen = torch.Generator().manual_seed(args.seed + 3)
+            starts = torch.randperm(max(positions - 1, 1), generator=gen)[:count - 1] + 1
+            ids = torch.zeros(max(positions, 1), dtype=torch.int32)
+            ids[starts[starts < positions]] = 1
+            docs = ids.cumsum(0).to(torch.int32).to(device)
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return docs[q_idx] == docs[kv_idx]
+    return score_mod, mask_mod
 
 
 def _random(shape, dtype, gen, device):
@@ -319,11 +393,22 @@ def run(args) -> int:
     sinks = None
     if args.sinks:
         sinks = torch.randn(q.shape[-2], generator=torch.Generator().manual_seed(args.seed + 2)).to(device)
+    positions = max(max(lens[0] + lens[1], default=0) if lens is not None else 0, q.shape[-3], k.shape[-3])
+    score_mod, mask_mod = named_mods(args, q.shape[-2], positions, device)
+    block_mask = None
+    if args.block_mask:
+        if lens is not None:
+            raise ValueError("--block_mask takes dense inputs (block masks do not take varlen batches)")
+        from .block_mask import create_block_mask
+
+        block_mask = create_block_mask(mask_mod, q.shape[0], None, q.shape[1], k.shape[1], device=device)
+        mask_mod = None  # the block mask brings it
+    kwargs.update(score_mod=score_mod, mask_mod=mask_mod)
     o = torch.empty(out_shape(q, v.shape[-1]), dtype=out_dtype, device=device)
     lse = None
     if args.lse:
         lse = torch.empty(lse_shape(q, lens is not None), dtype=accumulate_dtype(q.dtype), device=device)
-    fa = FusedAttention(q, k, v, o, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, sinks=sinks,
+    fa = FusedAttention(q, k, v, o, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, sinks=sinks, block_mask=block_mask,
                         backend=args.backend, persistent=True if args.is_persistent else None,
                         tile_mn=tuple(args.mma_tiler_mn) if args.mma_tiler_mn else None, **kwargs)
     problem = fa.problem
@@ -360,6 +445,7 @@ def run(args) -> int:
         q, k, v, cu_q, cu_k, mask=problem.mask, softmax_scale=problem.softmax_scale,
         scale_q=problem.scale_q, scale_k=problem.scale_k, scale_v=problem.scale_v,
         inv_scale_o=problem.inv_scale_o, softcap=problem.softcap, sinks=sinks, compute_dtype=torch.float64,
+        mods=fa.mods,
     )
     tolerance = args.tolerance
     if tolerance is None:

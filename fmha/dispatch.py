@@ -93,10 +93,10 @@ def _mod_tensors(mods) -> tuple:
     """The tensors of a call's mods whose metadata the memo keys."""
     if mods is None:
         return ()
-    return mods.kernel_tensors() + (() if mods.block_mask is None else (mods.block_mask.states,))
+    return mods.all_tensors()
 
 
-def _mod_kwargs(mods) -> dict:
+def mod_kwargs(mods) -> dict:
     """Runners that serve mods take them as ``mods=``; the others are never chosen for them."""
     return {} if mods is None else {"mods": mods}
 
@@ -113,7 +113,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, options: AttentionOptions, s
         problem, runner = hit
         out, lse = _allocate(q, problem, out, lse)
         with offsets_checked_on_device(problem):
-            runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, **_mod_kwargs(mods))
+            runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, **mod_kwargs(mods))
         return (out, lse) if return_lse else out
     check_backend_name(backend)
     problem = validate(
@@ -127,7 +127,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, options: AttentionOptions, s
     runner = runner_for(FORWARD, chosen, problem, kernel)
     _remember(key, problem, runner, cu_seqlens)
     with offsets_checked_on_device(problem):
-        runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, **_mod_kwargs(mods))
+        runner(problem, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, **mod_kwargs(mods))
     return (out, lse) if return_lse else out
 
 
@@ -183,5 +183,5 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, max_
         dsinks = torch.empty_like(sinks)
     with offsets_checked_on_device(problem):
         runner(problem, dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, deterministic,
-               sinks, dsinks, **_mod_kwargs(mods))
+               sinks, dsinks, **mod_kwargs(mods))
     return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)

@@ -26,7 +26,7 @@ __all__ = [
     "row_key_bounds",
     "first_row_past",
     "num_q_tiles",
-    "later_rows_cost_more",
+    "tile_costs_vary",
 ]
 
 
@@ -220,10 +220,12 @@ def first_row_past(
     return imin(imax(key - offset - window_right, 0), seqlen_q)
 
 
-def later_rows_cost_more(kind: MaskKind, window_left_bounded: bool) -> bool:
-    """Whether the keys kept per row grow with the row (causal-like masks): later query tiles
-    are then costlier, which schedulers use to start the longest work first."""
-    return kind == MaskKind.COMPRESSED_CAUSAL or (kind == MaskKind.WINDOW and not window_left_bounded)
+def tile_costs_vary(kind: MaskKind, window_left_bounded: bool, block_sparse: bool = False) -> bool:
+    """Whether query tiles differ in cost: causal-like masks keep more keys for later rows, and a
+    block mask lists each query tile's own K/V tiles. Schedulers then claim tiles and start the
+    last query tiles (the longest under causal-like masks) first."""
+    causal_like = kind == MaskKind.COMPRESSED_CAUSAL or (kind == MaskKind.WINDOW and not window_left_bounded)
+    return causal_like or block_sparse
 
 
 def num_q_tiles(seqlen_q: Any, tile_m: int):

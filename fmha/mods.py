@@ -362,6 +362,11 @@ class CallMods:
         captured = tuple(t for m in (self.score_mod, self.mask_mod) if m is not None for t in m.captured_tensors())
         return self.aux + captured
 
+    def all_tensors(self) -> tuple:
+        """Every tensor the mods bring (the kernel's, then the block mask's states): what a
+        reused plan's inputs must match."""
+        return self.kernel_tensors() + (() if self.block_mask is None else (self.block_mask.states,))
+
     def signature(self) -> ModsSignature:
         return ModsSignature(self.score_mod, self.mask_mod,
                              tuple((t.dtype, t.dim()) for t in self.kernel_tensors()), self.block_mask is not None)

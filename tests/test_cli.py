@@ -106,3 +106,33 @@ def test_kvcache_paged_and_dense_verify():
     assert r.returncode == 0 and "verified" in r.stdout and "LSE max abs err" in r.stdout, r.stdout + r.stderr
     assert fmha_cli("--q_shape", "2,3,4,64", "--page_size", "32").returncode == 2
     assert fmha_cli("--q_shape", "2,3,4,64", "--kvcache", "--page_size", "24").returncode == 2
+
+
+def test_named_mods_run_and_verify():
+    """--score_mod / --mask_mod / --block_mask end to end, and the functions they name: causal
+    as a mask mod equals the built-in causal mask, document:N makes N documents, a bad name or a
+    block mask without a mask mod exits 2."""
+    import argparse
+
+    import fmha
+    from fmha.cli import named_mods
+
+    r = fmha_cli("--q_shape", "2,100,4,64", "--score_mod", "alibi", "--mask_mod", "document:3", "--block_mask",
+                 "--in_dtype", "bfloat16", "--lse")
+    assert r.returncode == 0 and r.stdout.strip().endswith("verified"), r.stdout + r.stderr
+    assert "score_mod" in r.stdout and "block_mask" in r.stdout, r.stdout
+    r = fmha_cli("--q_shape", "3,0,4,32", "--varlen_q", "0,1,70", "--varlen_k", "5,1,90", "--score_mod",
+                 "softcap:20", "--mask_mod", "window:30")
+    assert r.returncode == 0 and r.stdout.strip().endswith("verified"), r.stdout + r.stderr
+    for bad in (["--score_mod", "foo"], ["--mask_mod", "window"], ["--block_mask"], ["--mask_mod", "document:x"]):
+        r = fmha_cli("--q_shape", "1,40,2,32", *bad)
+        assert r.returncode == 2 and "--" in r.stderr, (bad, r.stderr)
+
+    args = argparse.Namespace(score_mod=None, mask_mod="causal", seed=0)
+    _, causal = named_mods(args, 2, 40, "cpu")
+    q, k, v = (torch.randn(1, 40, 2, 32, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    torch.testing.assert_close(fmha.attention(q, k, v, mask_mod=causal), fmha.attention(q, k, v, causal=True))
+    args.mask_mod = "document:5"
+    _, doc = named_mods(args, 2, 200, "cpu")
+    docs = next(t for t in doc.__closure__ if isinstance(t.cell_contents, torch.Tensor)).cell_contents
+    assert docs.shape == (200,) and int(docs.max()) == 4 and bool((docs.diff() >= 0).all())

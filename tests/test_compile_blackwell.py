@@ -117,3 +117,55 @@ def test_compiles_the_variants(dtype, head_dim, mask, softcap, sinks, varlen):
     assert not re.search(r"\b(LDL|STL)\b", sass)
     plain = sass_of(compiled_cubin(dataclasses.replace(cfg, softcap=False, has_sinks=False)))
     assert "MUFU.TANH" not in plain
+
+
+_SLOPES = torch.linspace(-1.0, -0.1, 4)
+_DOCS = torch.zeros(300, dtype=torch.int32)
+
+
+def _alibi(score, b, h, q_idx, kv_idx, aux):
+    return score + aux[0][h] * (kv_idx - q_idx)
+
+
+def _same_document(b, h, q_idx, kv_idx):
+    return _DOCS[q_idx] == _DOCS[kv_idx]  # a captured tensor: the kernel reads it
+
+
+@pytest.mark.parametrize("which", ["score_mod", "mask_mod"])
+def test_compiles_score_and_mask_mods(which):
+    """The same callables the Hopper kernels take compile into the Blackwell softmax: a score
+    mod reading an aux tensor on every score, a mask mod reading a captured tensor where the
+    element-wise mask runs (every tile, without a block mask). The kernel reads the tensor
+    (global loads the plain kernel has not); the mask mod does not spill, the score mod (on 128
+    scores a thread, at the softmax's 184 registers) spills a little (docs/blackwell.md)."""
+    import dataclasses
+
+    from fmha.mods import call_mods
+    from fmha.options import parse
+    from lab.machine_code import find_nvdisasm, sass_of
+
+    if find_nvdisasm() is None:
+        pytest.skip("needs nvdisasm (pip install nvidia-cuda-nvdisasm)")
+    opts = parse(score_mod=_alibi, causal=True) if which == "score_mod" else parse(mask_mod=_same_document)
+    mods = call_mods(opts, (_SLOPES,) if which == "score_mod" else ())
+    problem = problem_for(torch.bfloat16, 128, "causal" if which == "score_mod" else "none", False,
+                          heads_q=4, heads_k=2)
+    cfg = BlackwellForwardConfig.from_problem(dataclasses.replace(problem, mods=mods.signature()), KernelOptions())
+    assert cfg.mods is not None
+    sass = sass_of(compiled_cubin(cfg))
+    plain = sass_of(compiled_cubin(dataclasses.replace(cfg, mods=None)))
+    loads = lambda text: len(re.findall(r"\bLDG\b", text))  # noqa: E731
+    assert loads(sass) > loads(plain)
+    spills = len(re.findall(r"\b(LDL|STL)\b", sass))
+    assert spills == 0 if which == "mask_mod" else spills <= 48, spills
+
+
+def test_block_masks_are_refused_with_the_reason():
+    import dataclasses
+
+    from fmha.kernels.blackwell.config import why_unsupported
+    from fmha.mods import ModsSignature
+
+    problem = dataclasses.replace(problem_for(torch.bfloat16, 128, "none", False),
+                                  mods=ModsSignature(None, None, (), True))
+    assert any("block masks" in r for r in why_unsupported(problem, KernelOptions()))

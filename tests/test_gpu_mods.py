@@ -174,3 +174,53 @@ def test_flex_attention_block_mask_matches_flex_attention():
                                  mods=call_mods(parse(score_mod=bias), None, fbm))
     assert rel_l2(got, ref) < 1e-2
     assert rel_l2(got.transpose(1, 2), want.double()) < 1e-2
+
+
+@_needs_hopper
+def test_block_mask_tiles_claimed_longest_first_on_a_long_problem():
+    """K/V beyond half the L2: the forward claims a block mask's query tiles (as it does causal
+    ones); every tile is still computed once, and the backward agrees."""
+    from fmha.kernels.hopper.config import HopperForwardConfig, Schedule
+    from fmha.problem import KernelOptions
+    from fmha.validation import validate
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    b, s, h, d = 2, 4099, 16, 128
+    aux = _setup(gen, s)
+    q, k, v = (torch.randn(b, s, h, d, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    bm = fmha.create_block_mask(doc_mask, None, None, s, s)
+    problem = validate(q, k, v, options=parse(mask_mod=doc_mask), mods=call_mods(parse(mask_mod=doc_mask), None, bm))
+    assert HopperForwardConfig.from_problem(problem, KernelOptions()).schedule == Schedule.CLAIMED
+    out = fmha.attention(q, k, v, block_mask=bm, backend="kernel")
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    mods = call_mods(parse(mask_mod=doc_mask), None, bm)
+    ref_o, ref_lse = attention_reference(q.detach(), k.detach(), v.detach(), compute_dtype=torch.float64, mods=mods)
+    assert rel_l2(out, ref_o) < 1e-2
+    want = attention_backward_reference(dout, q.detach(), k.detach(), v.detach(), ref_o, ref_lse,
+                                        compute_dtype=torch.float64, mods=mods)
+    for name, t, w in zip("qkv", (q, k, v), want):
+        assert rel_l2(t.grad, w) < 2e-2, name
+
+
+@_needs_hopper
+def test_fused_attention_runs_the_mods_it_is_built_with():
+    """``FusedAttention`` with a score mod, an aux tensor and a block mask: each execution
+    (checked and unchecked) gives ``fmha.attention``'s output bitwise, and reads the aux tensor
+    as it is at that execution."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    aux = _setup(gen, S_K)
+    q = torch.randn(2, S_Q, H_Q, 64, generator=gen, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(2, S_K, H_K, 64, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    bm = fmha.create_block_mask(window_mask, None, None, S_Q, S_K, BLOCK_SIZE=64)
+    out = torch.full((2, S_Q, H_Q, 64), math.nan, dtype=torch.bfloat16, device="cuda")
+    fa = fmha.FusedAttention(q, k, v, out, score_mod=alibi, aux=aux, block_mask=bm, backend="kernel")
+    fa.execute(q, k, v, out)
+    want = fmha.attention(q, k, v, score_mod=alibi, aux=aux, block_mask=bm, backend="kernel")
+    assert torch.equal(out, want)
+    aux[0].mul_(2.0)  # the same tensor, new values
+    out.fill_(math.nan)
+    fa.execute(q, k, v, out, check=False)
+    assert torch.equal(out, fmha.attention(q, k, v, score_mod=alibi, aux=aux, block_mask=bm, backend="kernel"))
+    assert not torch.equal(out, want)

@@ -327,3 +327,20 @@ def test_a_capped_persistent_grid_ends_with_its_block():
         except RuntimeError:
             assert fail
         assert 0 not in launch._SM_COUNT
+
+
+@pytest.mark.parametrize("b,s,want", [(1, 16384, CLAIMED), (1, 2048, PERSISTENT)])
+def test_block_masks_claim_tiles_longest_first_as_causal_masks_do(b, s, want):
+    """A block mask gives each query tile its own list of K/V tiles: the tiles' costs differ,
+    so they are claimed (and ordered as causal's) where causal tiles would be."""
+    import dataclasses
+
+    from fmha.mods import ModsSignature
+
+    small = validate(*_qkv(128))
+    problem = dataclasses.replace(small, batch=b, seqlen_q=s, seqlen_k=s, num_heads_q=16, num_heads_k=16)
+    plain = HopperForwardConfig.from_problem(problem, KernelOptions())
+    assert plain.schedule == PERSISTENT and not plain.longest_first
+    sparse = dataclasses.replace(problem, mods=ModsSignature(None, None, (), True))
+    cfg = HopperForwardConfig.from_problem(sparse, KernelOptions())
+    assert cfg.schedule == want and cfg.longest_first

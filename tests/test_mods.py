@@ -260,3 +260,25 @@ def test_mods_through_the_custom_op():
         torch.testing.assert_close(a, t.grad, atol=0, rtol=0)
     with pytest.raises(Exception, match="torch.compiler.disable"):
         torch.compile(f, backend="eager", fullgraph=True)(q, k, v)
+
+
+def test_fused_attention_serves_the_mods_it_is_built_with():
+    """``FusedAttention`` takes score_mod / mask_mod / aux / block_mask at construction and runs
+    them on every execution (it once dropped them silently)."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 37, 4, 32, generator=g) for _ in range(3))
+    slopes = torch.rand(4, generator=g)
+
+    def alibi(score, b, h, q_idx, kv_idx, aux):
+        return score + aux[0][h] * (kv_idx - q_idx)
+
+    bm = fmha.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 37, 37, device="cpu", BLOCK_SIZE=16)
+    out = torch.full_like(q, float("nan"))
+    fa = fmha.FusedAttention(q, k, v, out, score_mod=alibi, aux=(slopes,), block_mask=bm)
+    fa.execute(q, k, v, out)
+    want = fmha.attention(q, k, v, score_mod=alibi, aux=(slopes,), causal=True)
+    torch.testing.assert_close(out, want)
+    out.fill_(float("nan"))
+    fa.execute(q, k, v, out, check=False)
+    torch.testing.assert_close(out, want)
+    assert not torch.allclose(want, fmha.attention(q, k, v, causal=True))

@@ -75,3 +75,22 @@ def compile_for(arch: str, kernel, *args, extra_options: str = ""):
     with targeting(arch):
         return cute.compile(kernel, *args, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
                             options=("--enable-tvm-ffi " + extra_options).strip())
+
+
+def fake_mod_arguments(signature) -> tuple:
+    """(mod tensors, block lists) as fake tensors for a kernel built with mods ``signature``:
+    any sizes and strides (a broadcast block mask has stride 0)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    if signature is None:
+        return None, None
+
+    def fake(dtype, rank):
+        return cute.runtime.make_fake_tensor(cutlass_dtype(dtype), tuple(cute.sym_int() for _ in range(rank)),
+                                             stride=tuple(cute.sym_int64() for _ in range(rank)),
+                                             assumed_align=max(1, dtype.itemsize))
+
+    tensors = tuple(fake(dtype, rank) for dtype, rank in signature.tensors) or None
+    lists = (fake(torch.int32, 4), fake(torch.int32, 4)) if signature.block_sparse else None
+    return tensors, lists

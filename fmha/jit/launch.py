@@ -54,3 +54,9 @@ def persistent_grid_of(num_ctas: int, device_index: int):
         yield
     finally:
         _SM_COUNT.pop(device_index, None)
+
+
+def mod_tensors(mods):
+    """What a launch passes for a call's mod tensors (None for none: an empty tuple is no kernel
+    argument)."""
+    return (mods.kernel_tensors() or None) if mods is not None else None

@@ -10,8 +10,8 @@ import torch
 
 from fmha import device_errors
 from fmha.jit import disk_cache
-from fmha.jit.compile import compile_for, cutlass_dtype, fake_rows, fake_vector
-from fmha.jit.launch import answered_without_launch, sinks_fp32, sm_count
+from fmha.jit.compile import compile_for, cutlass_dtype, fake_mod_arguments, fake_rows, fake_vector
+from fmha.jit.launch import answered_without_launch, mod_tensors, sinks_fp32, sm_count
 from fmha.problem import AttentionProblem, KernelOptions
 from fmha.work_tiles import work_tile_table
 
@@ -33,6 +33,7 @@ class ForwardArgs(NamedTuple):
     mSeqDescriptors: Any = None
     mErrors: Any = None
     mSinks: Any = None
+    mModTensors: Any = None
     max_seqlen_q: Any = None
     scale_log2: Any = None
     output_scale: Any = None
@@ -65,7 +66,8 @@ def _fake_arguments(cfg: BlackwellForwardConfig) -> ForwardArgs:
     sinks = fake_vector(cutlass.Float32) if cfg.has_sinks else None
     return ForwardArgs(
         mQ=q, mK=k, mV=v, mO=o, mLSE=lse, mCuSeqlensQ=cu_q, mCuSeqlensK=cu_k, mTileTable=tiles,
-        mSeqDescriptors=descriptors, mErrors=errors, mSinks=sinks, max_seqlen_q=Int32(1), scale_log2=Float32(1.0),
+        mSeqDescriptors=descriptors, mErrors=errors, mSinks=sinks, mModTensors=fake_mod_arguments(cfg.mods)[0],
+        max_seqlen_q=Int32(1), scale_log2=Float32(1.0),
         output_scale=Float32(1.0), softcap_factor=Float32(1.0) if cfg.softcap else None,
         window_left=Int32(0) if cfg.window_left_bounded else None,
         window_right=Int32(0) if cfg.window_right_bounded else None, num_ctas=Int32(1))
@@ -91,7 +93,7 @@ class BlackwellRunner:
         self.compiled = compiled
 
     def __call__(self, problem: AttentionProblem, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
-                 sinks=None):
+                 sinks=None, mods=None):
         cfg = self.cfg
         m = problem.mask
         if answered_without_launch(problem, out, lse, sinks):
@@ -111,6 +113,7 @@ class BlackwellRunner:
             mTileTable=tiles, mSeqDescriptors=descriptors,
             mErrors=device_errors.flag(q.device) if cfg.varlen else None,
             mSinks=sinks_fp32(sinks) if cfg.has_sinks else None,
+            mModTensors=mod_tensors(mods),
             max_seqlen_q=problem.seqlen_q,
             scale_log2=problem.softmax_scale_log2,
             output_scale=problem.output_scale,

@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from fmha.masking import MaskKind, later_rows_cost_more
+from fmha.masking import MaskKind, tile_costs_vary
 from fmha.problem import AttentionProblem, KernelOptions, element_bytes, output_dtypes_for
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
@@ -80,6 +80,8 @@ class BlackwellForwardConfig:
     has_sinks: bool = False
     #: compressed causal's (block, stride); None: derived per sequence (``MaskSpec.compression``)
     compression: Optional[Tuple[int, int]] = None
+    #: score_mod / mask_mod (``fmha.mods.ModsSignature``; block masks are the Hopper kernels')
+    mods: Optional[object] = None
 
     def __post_init__(self):
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -108,6 +110,7 @@ class BlackwellForwardConfig:
             softcap=problem.softcap > 0,
             has_sinks=problem.has_sinks,
             compression=m.compression,
+            mods=problem.mods,
         )
 
     # ---- derived: one line of reason each
@@ -127,7 +130,7 @@ class BlackwellForwardConfig:
     @property
     def longest_first(self) -> bool:
         """Causal-like masks give later query tiles more keys: start those first."""
-        return later_rows_cost_more(self.mask_kind, self.window_left_bounded)
+        return tile_costs_vary(self.mask_kind, self.window_left_bounded)
 
     @property
     def tmem_columns(self) -> int:
@@ -182,4 +185,7 @@ def why_unsupported(problem: AttentionProblem, options: KernelOptions) -> list:
                            f"got {options.tile_m}x{options.tile_n}")
     if options.claim_tiles:
         reasons.append("the Blackwell kernel walks tiles statically; it does not claim them (claim_tiles=True)")
+    if problem.mods is not None and problem.mods.block_sparse:
+        reasons.append("the Blackwell kernel does not walk block masks' tile lists (the Hopper kernels do); "
+                       "a mask_mod without block_mask runs on it")
     return reasons

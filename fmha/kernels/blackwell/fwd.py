@@ -37,7 +37,7 @@ from fmha.masking import num_q_tiles
 from ..common.scheduler import StaticTileScheduler, TileTableScheduler
 from ..common.seqinfo import SequenceInfo
 from ..common import sequence_descriptors as seq_desc
-from ..common.kv_walk import kv_walk
+from ..common.kv_walk import kv_walk, masked_for_mods
 from ..common.layouts import bshd_to_sdhb
 from .config import REGISTERS_CORRECTION, REGISTERS_OTHER, REGISTERS_SOFTMAX, BlackwellForwardConfig
 from .correction import CorrectionRole
@@ -87,6 +87,7 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
         mSeqDescriptors: Optional[cute.Tensor],
         mErrors: Optional[cute.Tensor],
         mSinks: Optional[cute.Tensor],
+        mModTensors: Optional[tuple],
         max_seqlen_q: Int32,
         scale_log2: Float32,
         output_scale: Float32,
@@ -179,8 +180,8 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_o, tma_tensor_o,
-            mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mTileTable, mSeqDescriptors, mSinks, num_m_blocks, num_batches,
-            scale_log2, output_scale, softcap_factor, window_left, window_right,
+            mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mTileTable, mSeqDescriptors, mSinks, mModTensors, num_m_blocks,
+            num_batches, scale_log2, output_scale, softcap_factor, window_left, window_right,
             sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout,
         ).launch(
             grid=[grid_x, 1, 1],
@@ -212,6 +213,7 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
         mTileTable: Optional[cute.Tensor],
         mSeqDescriptors: Optional[cute.Tensor],
         mSinks: Optional[cute.Tensor],
+        mModTensors: Optional[tuple],
         num_m_blocks: Int32,
         num_batches: Int32,
         scale_log2: Float32,
@@ -281,12 +283,12 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
             tmem_base = self.wait_for_tmem(storage)
             which = warp_idx // 4  # 0: softmax 0, 1: softmax 1 (uniform per warpgroup)
             if which == 0:
-                self.softmax(0, scheduler, tScS, tmem_base, mQ_tma, mK_tma, mCuSeqlensQ, mCuSeqlensK,
+                self.softmax(0, scheduler, tScS, tmem_base, mQ_tma, mK_tma, mCuSeqlensQ, mCuSeqlensK, mModTensors,
                              scale_log2, softcap_factor, window_left, window_right, pipes.s0.consumer,
                              pipes.stats0.producer,
                              pipes.turn)
             else:
-                self.softmax(1, scheduler, tScS, tmem_base, mQ_tma, mK_tma, mCuSeqlensQ, mCuSeqlensK,
+                self.softmax(1, scheduler, tScS, tmem_base, mQ_tma, mK_tma, mCuSeqlensQ, mCuSeqlensK, mModTensors,
                              scale_log2, softcap_factor, window_left, window_right, pipes.s1.consumer,
                              pipes.stats1.producer,
                              pipes.turn)
@@ -342,7 +344,8 @@ class BlackwellAttentionForward(SoftmaxRole, CorrectionRole, seq_desc.SequenceDe
         walk = kv_walk(m_block, cfg.cta_rows, cfg.tile_n, seq.seqlen_q, seq.seqlen_k, cfg.mask_kind, window_left,
                        window_right, cfg.bottom_right, imin=cutlass.min, imax=cutlass.max,
                        compression=cfg.compression)
-        return walk.at_least_one_tile(seq.seqlen_k, cfg.tile_n, imin=cutlass.min, imax=cutlass.max)
+        walk = walk.at_least_one_tile(seq.seqlen_k, cfg.tile_n, imin=cutlass.min, imax=cutlass.max)
+        return masked_for_mods(walk, cfg.mods)
 
     @cute.jit
     def wait_for_tmem(self, storage):

@@ -19,7 +19,7 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr, pipeline
 from cutlass.cute.nvgpu import tcgen05
 
-from ..common.mask import FragmentMask
+from ..common.mask import FragmentMask, ScoreMods
 from ..common.softmax import finite_row_max
 from .tmem import P_COLUMN, STATS_COLUMN, TmemPlan
 
@@ -34,7 +34,7 @@ class SoftmaxRole:
 
     @cute.jit
     def softmax(self, which: cutlass.Constexpr, scheduler, tScS, tmem_base, mQ_tma, mK_tma, mCuSeqlensQ,
-                mCuSeqlensK, scale_log2: Float32, softcap_factor, window_left, window_right,
+                mCuSeqlensK, mModTensors, scale_log2: Float32, softcap_factor, window_left, window_right,
                 s_consumer: pipeline.PipelineConsumer, stats_producer: pipeline.PipelineProducer, turn):
         """Softmax warpgroup ``which`` (0 or 1) over every tile of the CTA's walk."""
         cfg = self.cfg
@@ -75,7 +75,9 @@ class SoftmaxRole:
             seq = self.sequence(tile, mQ_tma, mK_tma, mCuSeqlensQ, mCuSeqlensK)
             if tile.m_block * cfg.cta_rows < seq.seqlen_q:
                 walk = self.kv_walk(tile.m_block, seq, window_left, window_right)
-                mask = FragmentMask.of(cfg, seq.seqlen_q, seq.seqlen_k, window_left, window_right, softcap_factor)
+                mods = ScoreMods.of(cfg.mods, mModTensors, tile.batch, tile.head, scale_log2)
+                mask = FragmentMask.of(cfg, seq.seqlen_q, seq.seqlen_k, window_left, window_right, softcap_factor,
+                                       mods)
                 row_base = tile.m_block * cfg.cta_rows + which * cfg.tile_m
                 row_max = Float32(-math.inf)
                 row_sum = Float32(0.0)

@@ -28,27 +28,37 @@ def _py_max(a, b):
     return a if a >= b else b
 
 
-class KvWalk(NamedTuple):
-    """Tiles ``start .. start + total - 1``: ``leading_masked`` tiles that need the element-wise
-    mask, ``unmasked`` tiles that every row keeps whole, then ``trailing_masked`` masked ones.
-    Tiles outside the walk are kept by no row and are skipped."""
+class _Segments:
+    """The reads both walks share: three segments of steps, masked, whole, masked."""
 
-    start: Any
-    leading_masked: Any
-    unmasked: Any
-    trailing_masked: Any
+    __slots__ = ()
 
     @property
     def total(self):
         return self.leading_masked + self.unmasked + self.trailing_masked
 
-    def block(self, step):
-        """The K/V tile index of step ``step`` (0-based)."""
-        return self.start + step
-
     def needs_mask(self, step):
         """Whether step ``step`` needs the element-wise mask (works on Python and DSL ints)."""
         return (step < self.leading_masked) | (step >= self.leading_masked + self.unmasked)
+
+
+class _BandFields(NamedTuple):
+    start: Any
+    leading_masked: Any
+    unmasked: Any
+    trailing_masked: Any
+
+
+class KvWalk(_Segments, _BandFields):
+    """Tiles ``start .. start + total - 1``: ``leading_masked`` tiles that need the element-wise
+    mask, ``unmasked`` tiles that every row keeps whole, then ``trailing_masked`` masked ones.
+    Tiles outside the walk are kept by no row and are skipped."""
+
+    __slots__ = ()
+
+    def block(self, step):
+        """The K/V tile index of step ``step`` (0-based)."""
+        return self.start + step
 
     def split_share(self, split: Any, num_splits: Any, imin: Callable = _py_min,
                     imax: Callable = _py_max) -> "KvWalk":
@@ -77,25 +87,22 @@ class KvWalk(NamedTuple):
         return KvWalk(start, self.leading_masked, self.unmasked, self.trailing_masked + (1 - kept))
 
 
-class ListedKvWalk(NamedTuple):
-    """A walk over a list of tiles (a block mask's, ``fmha.block_mask.BlockMask.tile_lists``):
-    ``indices`` (a row of the list) holds ``leading_masked`` tiles that need the element-wise
-    mask, then ``unmasked`` whole ones. The same reads as ``KvWalk``."""
-
+class _ListFields(NamedTuple):
     indices: Any
     leading_masked: Any
     unmasked: Any
     trailing_masked: Any = 0
 
-    @property
-    def total(self):
-        return self.leading_masked + self.unmasked + self.trailing_masked
+
+class ListedKvWalk(_Segments, _ListFields):
+    """A walk over a list of tiles (a block mask's, ``fmha.block_mask.BlockMask.tile_lists``):
+    ``indices`` (a row of the list) holds ``leading_masked`` tiles that need the element-wise
+    mask, then ``unmasked`` whole ones. The same reads as ``KvWalk``."""
+
+    __slots__ = ()
 
     def block(self, step):
         return self.indices[step]
-
-    def needs_mask(self, step):
-        return step < self.leading_masked
 
 
 def listed_walk(counts, indices, masked_too: bool = False) -> ListedKvWalk:
@@ -107,8 +114,16 @@ def listed_walk(counts, indices, masked_too: bool = False) -> ListedKvWalk:
 
 
 def every_tile_masked(walk: KvWalk) -> KvWalk:
-    """``walk`` with every tile element-wise masked (a mask mod without a block mask)."""
+    """``walk`` with every tile element-wise masked."""
     return KvWalk(walk.start, walk.total, 0 * walk.unmasked, 0 * walk.unmasked)
+
+
+def masked_for_mods(walk: KvWalk, mods) -> KvWalk:
+    """The band walk of a kernel built with mods ``mods`` (``fmha.mods.ModsSignature`` or None): a
+    mask mod without a block mask can drop any key, so every tile is masked."""
+    if mods is not None and mods.mask_mod is not None and not mods.block_sparse:
+        return every_tile_masked(walk)
+    return walk
 
 
 def kv_walk(

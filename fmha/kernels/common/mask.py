@@ -239,13 +239,19 @@ class FragmentMask:
         if cutlass.const_expr(self.softcap_factor is not None):
             for i in cutlass.range_constexpr(cute.size(s)):
                 s[i] = tanh_approx(s[i] * self.softcap_factor)
+        if cutlass.const_expr(self.needs_positions):
+            for i in cutlass.range_constexpr(cute.size(s)):
+                s[i] = self.mods.score(s[i], *self.positions(row, col_base + cols[i][1]))
         if masked:
             lo, hi = self.key_bounds(row)
             # relative to this tile's first column: one compare against a constant per bound
             lo_rel, hi_rel = lo - col_base, hi - col_base
             for i in cutlass.range_constexpr(cute.size(s)):
                 col = cols[i][1]
-                s[i] = s[i] if (col >= lo_rel) & (col < hi_rel) else Float32(-math.inf)
+                kept = (col >= lo_rel) & (col < hi_rel)
+                if cutlass.const_expr(self.mods is not None and self.mods.has_mask_mod):
+                    kept = kept & self.mods.keeps(*self.positions(row, col_base + col))
+                s[i] = s[i] if kept else Float32(-math.inf)
 
     @cute.jit
     def apply_transposed(self, s: cute.Tensor, coords: cute.Tensor, row_base, col_base):

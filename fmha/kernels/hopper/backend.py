@@ -10,8 +10,8 @@ import torch
 
 from fmha import device_errors
 from fmha.jit import disk_cache
-from fmha.jit.compile import compile_for, cutlass_dtype, fake_rows, fake_vector
-from fmha.jit.launch import answered_without_launch, fill_empty_lse, sinks_fp32, sm_count
+from fmha.jit.compile import compile_for, cutlass_dtype, fake_mod_arguments, fake_rows, fake_vector
+from fmha.jit.launch import answered_without_launch, fill_empty_lse, mod_tensors, sinks_fp32, sm_count
 from fmha.masking import MaskKind, MaskSpec
 from fmha.reference import lse_delta, sink_gradient
 from fmha.problem import AttentionProblem, KernelOptions
@@ -104,31 +104,6 @@ def _fake_arguments(cfg: HopperForwardConfig) -> ForwardArgs:
         window_left=Int32(0) if cfg.window_left_bounded else None,
         window_right=Int32(0) if cfg.window_right_bounded else None, num_ctas=Int32(1),
         num_splits=Int32(1) if cfg.split_kv else None, page_size=Int32(16) if cfg.page_run else None)
-
-
-def fake_mod_arguments(signature) -> tuple:
-    """(mod tensors, block lists) as fake tensors for a kernel built with mods ``signature``:
-    any sizes and strides (a broadcast block mask has stride 0)."""
-    import cutlass
-    import cutlass.cute as cute
-
-    if signature is None:
-        return None, None
-
-    def fake(dtype, rank):
-        return cute.runtime.make_fake_tensor(cutlass_dtype(dtype), tuple(cute.sym_int() for _ in range(rank)),
-                                             stride=tuple(cute.sym_int64() for _ in range(rank)),
-                                             assumed_align=max(1, dtype.itemsize))
-
-    tensors = tuple(fake(dtype, rank) for dtype, rank in signature.tensors) or None
-    lists = (fake(torch.int32, 4), fake(torch.int32, 4)) if signature.block_sparse else None
-    return tensors, lists
-
-
-def mod_tensors(mods):
-    """What a launch passes for a call's mod tensors (None for none: an empty tuple is no kernel
-    argument)."""
-    return (mods.kernel_tensors() or None) if mods is not None else None
 
 
 def block_lists(mods, problem: AttentionProblem, tile_m: int, tile_n: int, transposed: bool = False):

@@ -149,24 +149,20 @@ class BackwardConsumer:
                 head_mask.score_mod_transposed(s, tScS, m0, n0, slopes)
                 # keys past the sequence (the last K/V tile's zero rows) are masked too: their P
                 # would be 2^-lse, which for a row of very negative scores overflows dS
+                partial = False  # a block mask's tile that needs its mask mod per element
+                if const_expr(cfg.mods is not None and cfg.mods.block_sparse):
+                    partial = visits.partial(i, head)
                 if const_expr(cfg.mods is not None and cfg.mods.mask_mod is not None and not cfg.mods.block_sparse):
                     head_mask.apply_transposed(s, tScS, m0, n0)  # a mask mod without a block mask: every tile
                 elif const_expr(cfg.mask_kind != MaskKind.NONE):
                     last = cutlass.min(m0 + tile_m, seqlen_q) - 1
                     lo_last, _ = head_mask.key_bounds(last)
                     _, hi_first = head_mask.key_bounds(m0)
-                    partial = False
-                    if const_expr(cfg.mods is not None and cfg.mods.block_sparse):
-                        partial = visits.partial(i, head)
                     # bands end at seqlen_k at the latest
                     if not (lo_last <= n0 and hi_first >= n0 + tile_n) or partial:
                         head_mask.apply_transposed(s, tScS, m0, n0)
-                else:
-                    partial = False
-                    if const_expr(cfg.mods is not None and cfg.mods.block_sparse):
-                        partial = visits.partial(i, head)
-                    if n0 + tile_n > seqlen_k or partial:
-                        head_mask.apply_transposed(s, tScS, m0, n0)
+                elif n0 + tile_n > seqlen_k or partial:
+                    head_mask.apply_transposed(s, tScS, m0, n0)
                 for j in cutlass.range_constexpr(num_cols):
                     lse2 = self.column_lse(held_lse, sLSE2, tScS, skip, stage, j)
                     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):

@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from fmha.masking import MaskKind, later_rows_cost_more
+from fmha.masking import MaskKind, tile_costs_vary
 from fmha.problem import AttentionProblem, KernelOptions, element_bytes, output_dtypes_for
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
@@ -112,11 +112,12 @@ def kv_stages_for(dtype: torch.dtype, head_dim: int, tile_m: int, tile_n: int, q
 
 
 def choose_schedule(problem: AttentionProblem, options: KernelOptions) -> Schedule:
-    """Persistent by default. Causal-like masks claim tiles in longest-first order when the
-    problem's K/V does not fit half the L2 (balance beats the static walk's L2 reuse there)."""
+    """Persistent by default. Tiles of differing cost (causal-like masks, block masks) are
+    claimed in longest-first order when the problem's K/V does not fit half the L2 (balance beats
+    the static walk's L2 reuse there)."""
     m = problem.mask
-    causal_like = later_rows_cost_more(m.kind, m.window_left is not None)
-    claimable = causal_like and not problem.varlen  # the varlen tile table keeps sequences together
+    uneven = tile_costs_vary(m.kind, m.window_left is not None, problem.mods is not None and problem.mods.block_sparse)
+    claimable = uneven and not problem.varlen  # the varlen tile table keeps sequences together
     kv_bytes = (problem.batch * problem.num_heads_k * problem.seqlen_k * problem.head_dim * 2
                 * element_bytes(problem.dtype))
     claims = claimable and kv_bytes > L2_BYTES // 2
@@ -271,8 +272,9 @@ class HopperForwardConfig:
 
     @property
     def longest_first(self) -> bool:
-        """Causal-like masks give later query tiles more keys: start those first."""
-        return later_rows_cost_more(self.mask_kind, self.window_left_bounded)
+        """Causal-like masks give later query tiles more keys, so those start first; block
+        masks take the same order (it is causal's for a causal mask mod)."""
+        return tile_costs_vary(self.mask_kind, self.window_left_bounded, self.mods is not None and self.mods.block_sparse)
 
     @property
     def kv_stages(self) -> int:

@@ -37,7 +37,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from fmha.masking import MaskKind, num_q_tiles
 
-from ..common.kv_walk import every_tile_masked, kv_walk, listed_walk
+from ..common.kv_walk import kv_walk, listed_walk, masked_for_mods
 
 from ..common.device_tile_list import COST_BINS, DeviceWorkTileList, cost_bins_bytes
 from ..common import sequence_descriptors as seq_desc
@@ -349,9 +349,7 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
         )
         if const_expr(cfg.split_kv):
             walk = walk.split_share(split, num_splits, imin=cutlass.min, imax=cutlass.max)
-        if const_expr(cfg.mods is not None and cfg.mods.mask_mod is not None):
-            walk = every_tile_masked(walk)
-        return walk
+        return masked_for_mods(walk, cfg.mods)
 
     def listed_tiles(self, seq: SequenceInfo):
         """Varlen tile lists (``device_tile_list``): a sequence's query tiles with rows."""

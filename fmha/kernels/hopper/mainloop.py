@@ -69,17 +69,11 @@ class ConsumerMainloop:
                 step += 1
                 remaining -= 1
             remaining = unmasked
-            if const_expr(mask.needs_positions):  # a score mod reads every score's key position
-                while remaining > 0:
-                    kv_consumer = self.step(False, kv_tiles.block(step), row_base, mask, softmax, frags, kv_consumer,
-                                            wg)
-                    step += 1
-                    remaining -= 1
-            else:
-                while remaining > 0:  # an unmasked step needs no tile index
-                    kv_consumer = self.step(False, None, row_base, mask, softmax, frags, kv_consumer, wg)
-                    remaining -= 1
-                step += unmasked
+            while remaining > 0:  # an unmasked step needs its tile index only for a score mod
+                block = kv_tiles.block(step + unmasked - remaining) if const_expr(mask.needs_positions) else None
+                kv_consumer = self.step(False, block, row_base, mask, softmax, frags, kv_consumer, wg)
+                remaining -= 1
+            step += unmasked
             remaining = trailing
             while remaining > 0:
                 kv_consumer = self.step(True, kv_tiles.block(step), row_base, mask, softmax, frags, kv_consumer, wg)
