@@ -337,13 +337,14 @@ def lookup(mod_id: Optional[int]) -> Optional[ModFunction]:
 
 @dataclass(frozen=True)
 class ModsSignature:
-    """What of a call's mods selects a compiled kernel: the functions, the element type and rank
-    of every tensor the kernel reads for them (``CallMods.kernel_tensors``' order), whether a
-    block mask lists the tiles."""
+    """What of a call's mods selects a compiled kernel: the functions, the element type, rank and
+    unit innermost stride of every tensor the kernel reads for them (``CallMods.kernel_tensors``'
+    order; a unit stride lets neighbouring positions' loads share one address), whether a block
+    mask lists the tiles."""
 
     score_mod: Optional[ModFunction]
     mask_mod: Optional[ModFunction]
-    tensors: Tuple[Tuple[torch.dtype, int], ...]
+    tensors: Tuple[Tuple[torch.dtype, int, bool], ...]
     block_sparse: bool
 
 
@@ -369,7 +370,8 @@ class CallMods:
 
     def signature(self) -> ModsSignature:
         return ModsSignature(self.score_mod, self.mask_mod,
-                             tuple((t.dtype, t.dim()) for t in self.kernel_tensors()), self.block_mask is not None)
+                             tuple((t.dtype, t.dim(), t.dim() > 0 and t.stride(-1) == 1) for t in self.kernel_tensors()),
+                             self.block_mask is not None)
 
 
 def bind_signature(signature: ModsSignature, views) -> Tuple[Optional[Callable], Optional[Callable], tuple]:

@@ -86,11 +86,12 @@ def fake_mod_arguments(signature) -> tuple:
     if signature is None:
         return None, None
 
-    def fake(dtype, rank):
+    def fake(dtype, rank, unit_inner=False):
+        strides = tuple(cute.sym_int64() for _ in range(rank - 1)) + ((1 if unit_inner else cute.sym_int64(),)
+                                                                     if rank else ())
         return cute.runtime.make_fake_tensor(cutlass_dtype(dtype), tuple(cute.sym_int() for _ in range(rank)),
-                                             stride=tuple(cute.sym_int64() for _ in range(rank)),
-                                             assumed_align=max(1, dtype.itemsize))
+                                             stride=strides, assumed_align=max(1, dtype.itemsize))
 
-    tensors = tuple(fake(dtype, rank) for dtype, rank in signature.tensors) or None
+    tensors = tuple(fake(*entry) for entry in signature.tensors) or None
     lists = (fake(torch.int32, 4), fake(torch.int32, 4)) if signature.block_sparse else None
     return tensors, lists

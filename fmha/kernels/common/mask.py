@@ -173,13 +173,20 @@ class FragmentMask:
     compression: Any = None
     #: score_mod / mask_mod (``ScoreMods``), or None
     mods: Any = None
+    #: the static (query rows, keys) of the kernel's tile
+    tile: Any = None
 
     @staticmethod
     def of(cfg, seqlen_q, seqlen_k, window_left, window_right, softcap_factor=None, mods=None) -> "FragmentMask":
         """The object of one (sequence, tile) of a kernel built from config ``cfg`` (its static
-        mask kind, alignment, compression geometry and GQA row packing)."""
+        mask kind, alignment, compression geometry, GQA row packing and tile)."""
         return FragmentMask(cfg.mask_kind, seqlen_q, seqlen_k, window_left, window_right, cfg.bottom_right,
-                            getattr(cfg, "rows_per_query", 1), softcap_factor, cfg.compression, mods)
+                            getattr(cfg, "rows_per_query", 1), softcap_factor, cfg.compression, mods,
+                            (cfg.tile_m, cfg.tile_n))
+
+    @property
+    def has_mask_mod(self) -> bool:
+        return self.mods is not None and self.mods.has_mask_mod
 
     @property
     def needs_positions(self) -> bool:
@@ -197,18 +204,33 @@ class FragmentMask:
         """The score mod on a transposed (keys, queries) view ``s`` (the Hopper backward's S^T),
         each score's slope into ``slopes`` where given."""
         if cutlass.const_expr(self.needs_positions):
-            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    q_idx, kv_idx = self.positions(row_base + coords[r, j][1], col_base + coords[r, j][0])
-                    if cutlass.const_expr(slopes is None):
-                        s[r, j] = self.mods.score(s[r, j], q_idx, kv_idx)
-                    else:
-                        s[r, j], slopes[r, j] = self.mods.score_and_slope(s[r, j], q_idx, kv_idx)
+            if self.inside(row_base, col_base):
+                self._score_mod_transposed(s, coords, row_base, col_base, slopes, False)
+            else:
+                self._score_mod_transposed(s, coords, row_base, col_base, slopes, True)
 
-    def positions(self, row, col):
-        """A score's (q_idx, kv_idx) as a mod sees them: clamped into the sequence, so that a mod
-        indexing a tensor by them never reads past it (scores outside are masked anyway)."""
+    @cute.jit
+    def _score_mod_transposed(self, s, coords, row_base, col_base, slopes, clamped: cutlass.Constexpr):
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                q_idx, kv_idx = self.positions(row_base + coords[r, j][1], col_base + coords[r, j][0], clamped)
+                if cutlass.const_expr(slopes is None):
+                    s[r, j] = self.mods.score(s[r, j], q_idx, kv_idx)
+                else:
+                    s[r, j], slopes[r, j] = self.mods.score_and_slope(s[r, j], q_idx, kv_idx)
+
+    def positions(self, row, col, clamped: bool = True):
+        """A score's (q_idx, kv_idx) as a mod sees them: ``clamped`` into the sequence, so that a
+        mod indexing a tensor by them never reads past it (scores outside are masked anyway)."""
+        if not clamped:
+            return row, col
         return cutlass.min(row, self.seqlen_q - 1), cutlass.min(col, self.seqlen_k - 1)
+
+    def inside(self, row_base, col_base):
+        """Whether the tile at (``row_base``, ``col_base``) lies within the sequence: a score mod
+        then takes positions unclamped, which saves two min per score and the registers ptxas
+        held them in (a mask mod's single path does not spill)."""
+        return (row_base + self.tile[0] <= self.seqlen_q) & (col_base + self.tile[1] <= self.seqlen_k)
 
     @cute.jit
     def apply_scores(self, acc_s: cute.Tensor, coords: cute.Tensor, row_base, col_base, masked: cutlass.Constexpr):
@@ -216,15 +238,20 @@ class FragmentMask:
         mask: tanh(-inf) would keep a masked key), then masked where ``masked``."""
         if cutlass.const_expr(self.softcap_factor is not None):
             softcap_scores(as_rows_cols(acc_s), self.softcap_factor)
-        if cutlass.const_expr(self.mods is not None and self.mods.has_score_mod):
-            s = as_rows_cols(acc_s)
-            c = as_rows_cols(coords)
-            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                for i in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    q_idx, kv_idx = self.positions(row_base + c[r, i][0], col_base + c[r, i][1])
-                    s[r, i] = self.mods.score(s[r, i], q_idx, kv_idx)
+        if cutlass.const_expr(self.needs_positions):
+            if self.inside(row_base, col_base):
+                self._score_mod(as_rows_cols(acc_s), as_rows_cols(coords), row_base, col_base, False)
+            else:
+                self._score_mod(as_rows_cols(acc_s), as_rows_cols(coords), row_base, col_base, True)
         if cutlass.const_expr(masked):
             self.apply(acc_s, coords, row_base, col_base)
+
+    @cute.jit
+    def _score_mod(self, s, c, row_base, col_base, clamped: cutlass.Constexpr):
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            for i in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                q_idx, kv_idx = self.positions(row_base + c[r, i][0], col_base + c[r, i][1], clamped)
+                s[r, i] = self.mods.score(s[r, i], q_idx, kv_idx)
 
     @cute.jit
     def softcap(self, s: cute.Tensor):
@@ -240,18 +267,23 @@ class FragmentMask:
             for i in cutlass.range_constexpr(cute.size(s)):
                 s[i] = tanh_approx(s[i] * self.softcap_factor)
         if cutlass.const_expr(self.needs_positions):
+            # one clamped path: a second copy of 128 scores' code would not fit the registers
             for i in cutlass.range_constexpr(cute.size(s)):
                 s[i] = self.mods.score(s[i], *self.positions(row, col_base + cols[i][1]))
         if masked:
-            lo, hi = self.key_bounds(row)
-            # relative to this tile's first column: one compare against a constant per bound
-            lo_rel, hi_rel = lo - col_base, hi - col_base
-            for i in cutlass.range_constexpr(cute.size(s)):
-                col = cols[i][1]
-                kept = (col >= lo_rel) & (col < hi_rel)
-                if cutlass.const_expr(self.mods is not None and self.mods.has_mask_mod):
-                    kept = kept & self.mods.keeps(*self.positions(row, col_base + col))
-                s[i] = s[i] if kept else Float32(-math.inf)
+            self._row_mask(s, cols, row, col_base)
+
+    @cute.jit
+    def _row_mask(self, s, cols, row, col_base):
+        lo, hi = self.key_bounds(row)
+        # relative to this tile's first column: one compare against a constant per bound
+        lo_rel, hi_rel = lo - col_base, hi - col_base
+        for i in cutlass.range_constexpr(cute.size(s)):
+            col = cols[i][1]
+            kept = (col >= lo_rel) & (col < hi_rel)
+            if cutlass.const_expr(self.has_mask_mod):
+                kept = kept & self.mods.keeps(*self.positions(row, col_base + col))
+            s[i] = s[i] if kept else Float32(-math.inf)
 
     @cute.jit
     def apply_transposed(self, s: cute.Tensor, coords: cute.Tensor, row_base, col_base):
@@ -262,7 +294,7 @@ class FragmentMask:
             lo, hi = self.key_bounds(row_base + coords[0, j][1])
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                 key = col_base + coords[r, j][0]
-                if cutlass.const_expr(self.mods is not None and self.mods.has_mask_mod):
+                if cutlass.const_expr(self.has_mask_mod):
                     q_idx, kv_idx = self.positions(row_base + coords[r, j][1], key)
                     kept = (key >= lo) & (key < hi) & self.mods.keeps(q_idx, kv_idx)
                     s[r, j] = s[r, j] if kept else Float32(-math.inf)
@@ -294,7 +326,7 @@ class FragmentMask:
                     lambda n: _ones_shifted(n, True), cutlass.min, cutlass.max)
                 for i in cutlass.range_constexpr(min(CHUNK, num_cols - CHUNK * k)):
                     kept = cutlass.Boolean(keep & (cutlass.Uint32(1) << i))
-                    if cutlass.const_expr(self.mods is not None and self.mods.has_mask_mod):
+                    if cutlass.const_expr(self.has_mask_mod):
                         q_idx, kv_idx = self.positions(row_base + c[r, CHUNK * k + i][0],
                                                        col_base + c[r, CHUNK * k + i][1])
                         kept = kept & self.mods.keeps(q_idx, kv_idx)
