@@ -35,10 +35,6 @@ def _with_mods(options, aux, block_mask):
     """(options, ``CallMods`` or None) of a call; a block mask's own ``mask_mod`` joins the options
     when the call gives none (so the custom ops, which name it there, see it too)."""
     mods = call_mods(options, aux, block_mask)
-    if mods is not None and torch.compiler.is_compiling():
-        raise NotImplementedError("score_mod / mask_mod / block_mask inside torch.compile are not traced yet: run "
-                                  "the attention call eagerly (wrap it in a function decorated with "
-                                  "@torch.compiler.disable)")
     if mods is not None and mods.mask_mod is not options.mask_mod:
         options = dataclasses.replace(options, mask_mod=mods.mask_mod)
     return options, mods

@@ -433,6 +433,13 @@ def run(args) -> int:
 
     seconds, clock = _time_per_call(call, args.warmup_iterations, args.iterations, device)
     flops = problem.flops(*(lens if lens is not None else (None, None)))
+    if fa.mods is not None and (fa.mods.mask_mod is not None or fa.mods.block_mask is not None):
+        from .reference import kept_pairs_with_mods
+
+        seq_q, seq_k = lens if lens is not None else ([problem.seqlen_q] * problem.batch,
+                                                      [problem.seqlen_k] * problem.batch)
+        kept = kept_pairs_with_mods(fa.mods, problem.mask, seq_q, seq_k, problem.num_heads_q, device)
+        flops = 2.0 * kept * (problem.head_dim + problem.head_dim_v)
     print(f"time: {seconds * 1e3:.3f} ms per call ({clock}, {args.iterations} iterations after "
           f"{args.warmup_iterations} warmup), {flops / seconds / 1e12:.3f} TFLOP/s")
 

@@ -320,12 +320,17 @@ _IDS: dict = {}
 
 def register(mod: Optional[ModFunction]) -> Optional[int]:
     """An int that names ``mod`` in an op's arguments (the same for the same function)."""
-    if mod is None:
-        return None
-    key = (id(mod.fn), mod.role)
+    return None if mod is None else _register(mod.fn, mod.role)
+
+
+@torch.compiler.assume_constant_result
+def _register(fn: Callable, role: str) -> int:
+    # Run, not traced, under torch.compile: the compiled graph's ops look the id up when they
+    # run, so the entry must exist before the graph does (a traced write lands after it).
+    key = (id(fn), role)
     if key not in _IDS:
         _IDS[key] = len(_REGISTRY)
-        _REGISTRY[_IDS[key]] = mod  # kept alive: the id must not be reused
+        _REGISTRY[_IDS[key]] = ModFunction.check(fn, role)  # kept alive: the id must not be reused
     return _IDS[key]
 
 

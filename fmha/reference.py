@@ -121,6 +121,27 @@ def _apply_mods(mods: Optional[CallMods], s, keep, b: int, heads, rows, cols, sl
     return s, keep, derivative
 
 
+def kept_pairs_with_mods(mods: CallMods, mask, seqlens_q, seqlens_k, num_heads: int, device) -> int:
+    """The (head, row, key) triples a call keeps: its built-in mask's band, ``mask_mod`` and
+    block mask, evaluated as the reference evaluates them (for FLOP counts)."""
+    from dataclasses import replace
+
+    mods = replace(mods, score_mod=None)
+    heads = torch.arange(num_heads, device=device)
+    total = 0
+    for b, (sq, sk) in enumerate(zip(seqlens_q, seqlens_k)):
+        step = max(1, (1 << 24) // max(1, sk * num_heads))
+        for r0 in range(0, sq, step):
+            rows = torch.arange(r0, min(r0 + step, sq), device=device)
+            lo, hi = _row_bounds(rows, sq, sk, mask)
+            cols = torch.arange(sk, device=device)
+            keep = (cols >= lo[:, None]) & (cols < hi[:, None])
+            scores = torch.zeros((), device=device).expand(num_heads, rows.numel(), sk)  # for the shape
+            _, keep, _ = _apply_mods(mods, scores, keep, b, heads, rows, cols)
+            total += int(keep.sum())
+    return total
+
+
 def _attend_sequence(q, k, v, o, lse, mask, score_scale, out_scale, fp8_p, cdt, budget, softcap=0.0, sinks=None,
                      mods=None, b=0):
     """One sequence: q (S_q, H_q, D), k (S_k, H_k, D), v (S_k, H_k, D_v) in any dtype and strides;

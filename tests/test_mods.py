@@ -211,6 +211,22 @@ def test_captured_tensors_are_rebound_for_the_kernel_and_key_the_cache():
     assert bool(replaced(0, 0, 5, 2)) and not bool(f1.fn(0, 0, 9, 2))
 
 
+def test_signature_keys_each_tensors_unit_innermost_stride():
+    """A kernel compiled for unit-stride mod tensors (which lets neighbouring positions share an
+    address) is not reused for a strided one: the signature, which selects the kernel, differs."""
+    from fmha.options import parse
+
+    def bias(score, b, h, q_idx, kv_idx, aux):
+        return score + aux[0][kv_idx]
+
+    opts = parse(score_mod=bias)
+    table = torch.randn(64, 2)
+    unit, strided = M.call_mods(opts, (table[:, 0].contiguous(),)), M.call_mods(opts, (table[:, 0],))
+    assert unit.signature().tensors == ((torch.float32, 1, True),)
+    assert strided.signature().tensors == ((torch.float32, 1, False),)
+    assert unit.signature() != strided.signature()
+
+
 def test_mods_errors_say_what_to_change():
     q, k, v = _inputs(1, 8, 8, 2, 2, 16)
     with pytest.raises(TypeError, match="score_mod takes"):
@@ -237,8 +253,7 @@ def test_mods_errors_say_what_to_change():
 
 def test_mods_through_the_custom_op():
     """The custom op (what meta tensors, dispatch modes and torch.compile reach) carries the mods:
-    same values and gradients as the eager autograd function; under torch.compile they are an
-    error for now, which says how to keep the call eager."""
+    same values and gradients as the eager autograd function (torch.compile: the next test)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     slopes = torch.tensor([0.5, 0.25], dtype=torch.float32)
@@ -258,8 +273,6 @@ def test_mods_through_the_custom_op():
     eager.sum().backward()
     for a, t in zip(grads, (q, k, v)):
         torch.testing.assert_close(a, t.grad, atol=0, rtol=0)
-    with pytest.raises(Exception, match="torch.compiler.disable"):
-        torch.compile(f, backend="eager", fullgraph=True)(q, k, v)
 
 
 def test_fused_attention_serves_the_mods_it_is_built_with():
@@ -282,3 +295,61 @@ def test_fused_attention_serves_the_mods_it_is_built_with():
     fa.execute(q, k, v, out, check=False)
     torch.testing.assert_close(out, want)
     assert not torch.allclose(want, fmha.attention(q, k, v, causal=True))
+
+
+def test_mods_under_torch_compile_fullgraph_forward_and_backward():
+    """``torch.compile(fullgraph=True)`` traces calls with a score mod reading ``aux``, a mask
+    mod reading a captured tensor and a block mask, on their first call (the mod ids exist before
+    the graph runs); values and gradients equal the eager calls', and two closures over different
+    windows stay apart."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 45, 4, 32, generator=g) for _ in range(3))
+    slopes = torch.rand(4, generator=g)
+    docs = torch.tensor([0] * 20 + [1] * 25, dtype=torch.int32)
+
+    def alibi(score, b, h, q_idx, kv_idx, aux):
+        return score + aux[0][h] * (kv_idx - q_idx)
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return docs[q_idx] == docs[kv_idx]
+
+    bm = fmha.create_block_mask(same_doc, None, None, 45, 45, device="cpu", BLOCK_SIZE=16)
+
+    def call(q, k, v):
+        return fmha.attention(q, k, v, score_mod=alibi, aux=(slopes,), block_mask=bm)
+
+    def window(w):
+        return lambda b, h, q_idx, kv_idx: (q_idx - kv_idx <= w) & (kv_idx <= q_idx)
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    eager_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = torch.compile(call, fullgraph=True)(*leaves)
+    want = call(*eager_leaves)
+    torch.testing.assert_close(got, want)
+    dout = torch.randn_like(want)
+    got.backward(dout)
+    want.backward(dout)
+    for a, b in zip(leaves, eager_leaves):
+        torch.testing.assert_close(a.grad, b.grad)
+    compiled = torch.compile(lambda q, mod: fmha.attention(q, k, v, mask_mod=mod), fullgraph=True)
+    for w in (3, 10):
+        torch.testing.assert_close(compiled(q, window(w)), fmha.attention(q, k, v, mask_mod=window(w)))
+
+
+def test_kept_pairs_with_mods_counts_what_the_reference_keeps():
+    """The CLI's FLOP count with a mask mod: two documents (30 and 50 rows), causal, 3 heads."""
+    from fmha.options import parse
+    from fmha.reference import kept_pairs_with_mods
+
+    docs = torch.tensor([0] * 30 + [1] * 50)
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return docs[q_idx] == docs[kv_idx]
+
+    mods = M.call_mods(parse(mask_mod=same_doc))
+    assert kept_pairs_with_mods(mods, parse(causal=True).mask, [80, 80], [80, 80], 3, "cpu") == \
+        2 * 3 * (30 * 31 // 2 + 50 * 51 // 2)
+    bm = fmha.create_block_mask(same_doc, None, None, 80, 80, device="cpu", BLOCK_SIZE=16)
+    assert kept_pairs_with_mods(M.call_mods(parse(), None, bm), parse().mask, [80], [80], 2, "cpu") == \
+        2 * (30 * 30 + 50 * 50)
