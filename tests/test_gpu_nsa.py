@@ -166,3 +166,26 @@ def test_model_training_in_bf16_tracks_the_fp64_reference():
     want = training_losses("cuda", torch.float64, "reference")
     assert losses == pytest.approx(want, rel=2e-2)
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.skipif(not _HOPPER, reason="fmha's kernels need an SM90 GPU")
+@pytest.mark.parametrize("hq,hk", HEADS)
+def test_selection_on_fmha_kernels_forward_and_backward(hq, hk):
+    """``selection_attention(backend="kernel")``: the top-k's lists as a block mask and a mask mod
+    on fmha's forward and backward kernels, against the fp64 reference (outputs and gradients
+    poisoned first where the API lets them be: the kernels write every element)."""
+    l, s, lsel, n = PAPER["block"], PAPER["stride"], PAPER["select_block"], PAPER["select_count"]
+    q, k, v, _, cu = bf16_inputs(LENS, hq, hk, 128, "cuda", seed=4)
+    k_cmp, cu_cmp = nsa.mean_pool(k, cu, l, s)
+    _, lse_cmp = nsa.compression_attention(q, k_cmp, k_cmp, cu, cu_cmp, l, s)
+    sel = nsa.select_blocks(q, k_cmp, lse_cmp, cu, cu_cmp, l, s, lsel, n)
+    leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
+    o, lse = nsa.selection_attention(*leaves, sel, cu, lsel, backend="kernel")
+    slow = tuple(t.double().requires_grad_() for t in (q, k, v))
+    want_o, want_lse = ref.selection_attention_reference(*slow, sel, cu, lsel)
+    assert not o.isnan().any() and rel_l2(o, want_o) < 1e-2 and lse_max_err(lse, want_lse) < 5e-3
+    dout = torch.randn_like(o)
+    o.backward(dout)
+    want_o.backward(dout.double())
+    for name, a, b in zip("qkv", leaves, slow):
+        assert rel_l2(a.grad, b.grad) < 2e-2, f"d{name}: {rel_l2(a.grad, b.grad):.3g}"

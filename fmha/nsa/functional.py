@@ -60,12 +60,13 @@ def _compressed_kv(k, v, k_cmp, v_cmp, cu_seqlens, block, stride):
     return k_cmp, v_cmp
 
 
-def _check_call(q, k, v, gates, cu_seqlens, block, stride, select_block, select_count, window, backend):
+def _check_call(q, k, v, gates, cu_seqlens, block, stride, select_block, select_count, window, backend, selected):
     check_geometry(block, stride, select_block, select_count, window)
     check_backend_name(backend)
-    if backend == "kernel":
-        raise UnsupportedError(["fmha.nsa has no selection-attention or top-k kernel yet; backend='auto' runs "
-                                "them in PyTorch and the window and compression branches on fmha's kernels"])
+    if backend == "kernel" and selected is None:
+        raise UnsupportedError(["fmha.nsa has no top-k kernel yet: backend='kernel' needs selected= (the block "
+                                "indices); backend='auto' runs the top-k in PyTorch and every attention branch on "
+                                "fmha's kernels"])
     check_qkv(q, k, v, packed=cu_seqlens is not None)
     for name, g in zip(("g_cmp", "g_slc", "g_win"), gates):
         check_like_q(name, g, q, q.shape[:-1], "one gate per query token and head")
@@ -87,11 +88,12 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
     int32 selection block indices (-1 unused) instead of the top-k. Returns o like q with D_v, in
     q's dtype; with ``return_branches``, ``(o, NSABranches)``. Differentiable in q, k, v, the
     gates, and k_cmp/v_cmp (or through the mean pooling); the top-k's choice is not.
-    ``backend`` goes to fmha for the window and compression branches ("kernel" raises until the
-    selection and top-k kernels exist).
+    ``backend`` goes to fmha for the window and compression branches and to
+    ``selection_attention`` ("kernel": the lists as a block mask on fmha's kernels); the top-k
+    runs in PyTorch, so "kernel" needs ``selected``.
     """
     gates = (g_cmp, g_slc, g_win)
-    _check_call(q, k, v, gates, cu_seqlens, block, stride, select_block, select_count, window, backend)
+    _check_call(q, k, v, gates, cu_seqlens, block, stride, select_block, select_count, window, backend, selected)
     scale = check_scale(softmax_scale, q.shape[-1])
     k_cmp, v_cmp = _compressed_kv(k, v, k_cmp, v_cmp, cu_seqlens, block, stride)
     if selected is not None:

@@ -4,9 +4,10 @@ to the keys ``s <= t`` of the selection blocks listed in ``selected[t, h]`` (blo
 union. Returns o and the LSE like fmha's attention.
 
 Runs as the custom ops ``fmha_nsa::selection_forward`` / ``selection_backward`` (opaque to
-torch.compile, with autograd); today in PyTorch: each chunk of queries gathers its listed blocks'
-keys and values (``_gather``), so memory stays bounded by ``CHUNK_BYTES`` and the backward
-recomputes P from the LSE as a kernel would. A Hopper kernel goes behind the same ops.
+torch.compile, with autograd): with ``backend="kernel"`` on fmha's attention kernels, the lists as
+a block mask and a mask mod (``selection_blocks.py``); else in PyTorch: each chunk of queries
+gathers its listed blocks' keys and values (``_gather``), so memory stays bounded by
+``CHUNK_BYTES`` and the backward recomputes P from the LSE as a kernel would.
 
 An index past its sequence's blocks (or below -1) never reads anything: its keys lie after the
 query, so the causal rule drops them; ``nsa_attention(selected=...)`` still rejects them.
@@ -109,9 +110,51 @@ def _selection_backward_torch(dout, q, k, v, out, lse, dlse, selected, cu, selec
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _on_kernels(q: Tensor, k: Tensor, v: Tensor, backend: str):
+    """fmha's kernels (``selection_blocks``: the list as a block mask and a mask mod) for
+    ``backend`` "kernel" (raising with the reasons where they cannot serve the call); None: the
+    PyTorch path. "auto" stays on the PyTorch path until the kernel form has run on the GPU
+    check (docs/nsa.md)."""
+    if backend != "kernel":
+        return None
+    from ..backends import FORWARD, unsupported_reasons
+    from ..options import parse
+    from ..problem import KernelOptions
+    from ..validation import validate
+
+    problem = validate(q[None], k[None], v[None], options=parse(causal=True))
+    chosen, reasons = unsupported_reasons(problem, KernelOptions(), every_reason=True, kind=FORWARD)
+    if chosen is None:
+        raise UnsupportedError(reasons)
+    return chosen
+
+
+def _selection_forward_kernels(q, k, v, selected, cu, select_block, scale):
+    from .. import attention
+    from .selection_blocks import selection_mask
+
+    bm, aux = selection_mask(selected, cu, select_block, q.shape[1])
+    o, lse = attention(q[None], k[None], v[None], causal=True, softmax_scale=scale, block_mask=bm, aux=aux,
+                       return_lse=True, backend="kernel")
+    return o[0], lse[0]
+
+
+def _selection_backward_kernels(dout, q, k, v, out, lse, dlse, selected, cu, select_block, scale):
+    from .. import attention_backward
+    from .selection_blocks import selection_mask
+
+    bm, aux = selection_mask(selected, cu, select_block, q.shape[1])
+    dq, dk, dv = attention_backward(dout[None], q[None], k[None], v[None], out[None], lse[None],
+                                    dlse=None if dlse is None else dlse[None], causal=True, softmax_scale=scale,
+                                    block_mask=bm, aux=aux, backend="kernel")
+    return dq[0], dk[0], dv[0]
+
+
 @torch.library.custom_op("fmha_nsa::selection_forward", mutates_args=())
 def _forward_op(q: Tensor, k: Tensor, v: Tensor, selected: Tensor, cu_seqlens: Tensor, select_block: int,
                 softmax_scale: float, backend: str) -> Tuple[Tensor, Tensor]:
+    if _on_kernels(q, k, v, backend):
+        return _selection_forward_kernels(q, k, v, selected, cu_seqlens, select_block, softmax_scale)
     return _selection_forward_torch(q, k, v, selected, cu_seqlens, select_block, softmax_scale)
 
 
@@ -125,6 +168,9 @@ def _forward_fake(q, k, v, selected, cu_seqlens, select_block, softmax_scale, ba
 def _backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
                  selected: Tensor, cu_seqlens: Tensor, select_block: int, softmax_scale: float,
                  backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+    if _on_kernels(q, k, v, backend):
+        return _selection_backward_kernels(dout, q, k, v, out, lse, dlse, selected, cu_seqlens, select_block,
+                                           softmax_scale)
     return _selection_backward_torch(dout, q, k, v, out, lse, dlse, selected, cu_seqlens, select_block,
                                      softmax_scale)
 
@@ -159,14 +205,13 @@ def selection_attention(q: Tensor, k: Tensor, v: Tensor, selected: Tensor, cu_se
     """Selection attention on packed q (T, H_q, D), k (T, H_k, D), v (T, H_k, D_v) with
     ``cu_seqlens``; ``selected`` (T, H_k, n) int32 (``select_blocks``' output, or your own).
     Returns o (T, H_q, D_v) in q's dtype and lse (H_q, T) fp32 (fp64 for fp64); a query whose
-    list keeps no key gets 0 and -inf. Differentiable in q, k, v. ``backend``: "auto" and
-    "reference" run the PyTorch path; "kernel" raises until the kernel exists.
+    list keeps no key gets 0 and -inf. Differentiable in q, k, v. ``backend``: "kernel" runs
+    fmha's attention kernels with the lists as a block mask (``selection_blocks``); "auto" and
+    "reference" run the PyTorch path (docs/nsa.md says what the kernel form has been checked on).
     ``check_selected_values=False`` skips reading ``selected`` on the host (range, no
     duplicates): a duplicate would then count its keys twice."""
     check_int("select_block", select_block)
     check_backend_name(backend)
-    if backend == "kernel":
-        raise UnsupportedError(["fmha.nsa has no selection-attention kernel yet; backend='auto' runs it in PyTorch"])
     check_qkv(q, k, v, packed=True)
     scale = check_scale(softmax_scale, q.shape[-1])
     if not torch.compiler.is_compiling():
