@@ -134,8 +134,10 @@ class FusedAttention:
         fa.execute(q, k, v, o)
 
     ``score_mod``/``mask_mod`` with their ``aux`` tensors and a ``block_mask`` are fixed at
-    construction: every execution reads those same tensors (update them in place to change
-    what the mods see).
+    construction: every execution reads those same aux and captured tensors (update them in place
+    to change what the mods see; with ``check=False`` they must keep their strides). A block mask
+    is read once, at the first execution (its tile lists are kept): build a new one, and a new
+    object, to change it.
     """
 
     @with_public_options

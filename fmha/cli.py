@@ -136,9 +136,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"got {text!r}")
             if value:
                 try:
-                    float(value) if name == "softcap" else int(value)
+                    number = float(value) if name == "softcap" else int(value)
                 except ValueError:
                     p.error(f"--{flag} {name}: expects a number after the colon, got {value!r}")
+                if number < 0 or (name == "softcap" and number == 0) or (name == "document" and number == 0):
+                    p.error(f"--{flag} {name}:{value}: the number must be positive ({'C > 0' if name == 'softcap' else 'W >= 0' if name == 'window' else 'N >= 1'})")
     if args.block_mask and args.mask_mod is None:
         p.error("--block_mask is built from --mask_mod; give one")
     if args.kvcache and (args.score_mod or args.mask_mod):
@@ -434,12 +436,12 @@ def run(args) -> int:
     seconds, clock = _time_per_call(call, args.warmup_iterations, args.iterations, device)
     flops = problem.flops(*(lens if lens is not None else (None, None)))
     if fa.mods is not None and (fa.mods.mask_mod is not None or fa.mods.block_mask is not None):
-        from .reference import kept_pairs_with_mods
+        from .reference import kept_triples_with_mods
 
         seq_q, seq_k = lens if lens is not None else ([problem.seqlen_q] * problem.batch,
                                                       [problem.seqlen_k] * problem.batch)
-        kept = kept_pairs_with_mods(fa.mods, problem.mask, seq_q, seq_k, problem.num_heads_q, device)
-        flops = 2.0 * kept * (problem.head_dim + problem.head_dim_v)
+        flops = problem.flops(kept_triples=kept_triples_with_mods(fa.mods, problem.mask, seq_q, seq_k,
+                                                                problem.num_heads_q, device))
     print(f"time: {seconds * 1e3:.3f} ms per call ({clock}, {args.iterations} iterations after "
           f"{args.warmup_iterations} warmup), {flops / seconds / 1e12:.3f} TFLOP/s")
 

@@ -96,6 +96,12 @@ def _mod_tensors(mods) -> tuple:
     return mods.all_tensors()
 
 
+def _mods_layout(mods):
+    """What the memo keys beside those tensors: how many are aux and whether the last is a block
+    mask's states (an aux tensor of the same metadata must not reuse the plan)."""
+    return None if mods is None else (len(mods.aux), mods.block_mask is not None)
+
+
 def mod_kwargs(mods) -> dict:
     """Runners that serve mods take them as ``mods=``; the others are never chosen for them."""
     return {} if mods is None else {"mods": mods}
@@ -107,8 +113,9 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, options: AttentionOptions, s
     ``fmha.mods.CallMods`` (None: made from the options where they have mods)."""
     cu_seqlens = (cu_seqlens_q, cu_seqlens_k) if varlen else ()
     mods = _call_mods(options, mods)
-    key, hit = _recall((q, k, v, out, lse, sinks) + _mod_tensors(mods), (options, return_lse, out_dtype, backend, persistent, tile_mn,
-                                                    varlen, max_seqlen_q, max_seqlen_k), cu_seqlens)
+    key, hit = _recall((q, k, v, out, lse, sinks) + _mod_tensors(mods),
+                       (options, _mods_layout(mods), return_lse, out_dtype, backend, persistent, tile_mn, varlen,
+                        max_seqlen_q, max_seqlen_k), cu_seqlens)
     if hit is not None and pointers_aligned((q, k, v, out)):
         problem, runner = hit
         out, lse = _allocate(q, problem, out, lse)
@@ -159,7 +166,8 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, max_
     tensors = (dout, q, k, v, out, lse, dlse, dq, dk, dv, sinks, dsinks) + _mod_tensors(mods)
     cu_seqlens = (cu_seqlens_q, cu_seqlens_k) if varlen else ()
     # a training loop repeats its calls: validation and dispatch are reused as the forward's are
-    key, hit = _recall(tensors, ("backward", options, deterministic, backend, varlen, max_seqlen_q, max_seqlen_k),
+    key, hit = _recall(tensors, ("backward", options, _mods_layout(mods), deterministic, backend, varlen, max_seqlen_q,
+                                 max_seqlen_k),
                        cu_seqlens)
     if hit is not None and pointers_aligned((dout, q, k, v, out, dq, dk, dv)):
         problem, runner = hit

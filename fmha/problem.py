@@ -143,14 +143,17 @@ class AttentionProblem(ScoreScaling):
                + (" block_mask" if self.mods.block_sparse else "") if self.mods is not None else "")
         )
 
-    def flops(self, seqlens_q: Optional[list] = None, seqlens_k: Optional[list] = None) -> float:
+    def flops(self, seqlens_q: Optional[list] = None, seqlens_k: Optional[list] = None,
+              kept_triples: Optional[int] = None) -> float:
         """Matmul FLOPs actually required by the mask (4 * kept (i, j) pairs * D per head),
-        counted exactly from the row bands; pass the per-sequence lengths for varlen."""
-        if seqlens_q is None:
-            seqlens_q = [self.seqlen_q] * self.batch
-            seqlens_k = [self.seqlen_k] * self.batch
-        kept = sum(kept_pairs(sq, sk, self.mask) for sq, sk in zip(seqlens_q, seqlens_k))
-        return 2.0 * kept * self.num_heads_q * (self.head_dim + self.head_dim_v)
+        counted exactly from the row bands; pass the per-sequence lengths for varlen, or the kept
+        (head, row, key) triples where mods decide them (``reference.kept_triples_with_mods``)."""
+        if kept_triples is None:
+            if seqlens_q is None:
+                seqlens_q = [self.seqlen_q] * self.batch
+                seqlens_k = [self.seqlen_k] * self.batch
+            kept_triples = self.num_heads_q * sum(kept_pairs(sq, sk, self.mask) for sq, sk in zip(seqlens_q, seqlens_k))
+        return 2.0 * kept_triples * (self.head_dim + self.head_dim_v)
 
 
 @dataclass(frozen=True)
@@ -161,7 +164,7 @@ class KernelOptions:
     persistent: Optional[bool] = None
     tile_m: Optional[int] = None
     tile_n: Optional[int] = None
-    # Causal-like masks on dense inputs: persistent CTAs claim the tiles one at a time in the
+    # Causal-like masks and block masks on dense inputs: persistent CTAs claim the tiles one at a time in the
     # one-CTA-per-tile order (True), or not (False: one CTA per tile where the backend would have
     # claimed). None: the backend's choice (it claims when the problem's K/V exceeds half the
     # L2). An explicit ``persistent=True`` keeps the static persistent walk.

@@ -121,7 +121,7 @@ def _apply_mods(mods: Optional[CallMods], s, keep, b: int, heads, rows, cols, sl
     return s, keep, derivative
 
 
-def kept_pairs_with_mods(mods: CallMods, mask, seqlens_q, seqlens_k, num_heads: int, device) -> int:
+def kept_triples_with_mods(mods: CallMods, mask, seqlens_q, seqlens_k, num_heads: int, device) -> int:
     """The (head, row, key) triples a call keeps: its built-in mask's band, ``mask_mod`` and
     block mask, evaluated as the reference evaluates them (for FLOP counts)."""
     from dataclasses import replace

@@ -124,7 +124,8 @@ def test_named_mods_run_and_verify():
     r = fmha_cli("--q_shape", "3,0,4,32", "--varlen_q", "0,1,70", "--varlen_k", "5,1,90", "--score_mod",
                  "softcap:20", "--mask_mod", "window:30")
     assert r.returncode == 0 and r.stdout.strip().endswith("verified"), r.stdout + r.stderr
-    for bad in (["--score_mod", "foo"], ["--mask_mod", "window"], ["--block_mask"], ["--mask_mod", "document:x"]):
+    for bad in (["--score_mod", "foo"], ["--mask_mod", "window"], ["--block_mask"], ["--mask_mod", "document:x"],
+                ["--score_mod", "softcap:0"], ["--mask_mod", "window:-3"]):
         r = fmha_cli("--q_shape", "1,40,2,32", *bad)
         assert r.returncode == 2 and "--" in r.stderr, (bad, r.stderr)
 

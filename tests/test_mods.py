@@ -337,10 +337,10 @@ def test_mods_under_torch_compile_fullgraph_forward_and_backward():
         torch.testing.assert_close(compiled(q, window(w)), fmha.attention(q, k, v, mask_mod=window(w)))
 
 
-def test_kept_pairs_with_mods_counts_what_the_reference_keeps():
+def test_kept_triples_with_mods_counts_what_the_reference_keeps():
     """The CLI's FLOP count with a mask mod: two documents (30 and 50 rows), causal, 3 heads."""
     from fmha.options import parse
-    from fmha.reference import kept_pairs_with_mods
+    from fmha.reference import kept_triples_with_mods
 
     docs = torch.tensor([0] * 30 + [1] * 50)
 
@@ -348,8 +348,31 @@ def test_kept_pairs_with_mods_counts_what_the_reference_keeps():
         return docs[q_idx] == docs[kv_idx]
 
     mods = M.call_mods(parse(mask_mod=same_doc))
-    assert kept_pairs_with_mods(mods, parse(causal=True).mask, [80, 80], [80, 80], 3, "cpu") == \
+    assert kept_triples_with_mods(mods, parse(causal=True).mask, [80, 80], [80, 80], 3, "cpu") == \
         2 * 3 * (30 * 31 // 2 + 50 * 51 // 2)
     bm = fmha.create_block_mask(same_doc, None, None, 80, 80, device="cpu", BLOCK_SIZE=16)
-    assert kept_pairs_with_mods(M.call_mods(parse(), None, bm), parse().mask, [80], [80], 2, "cpu") == \
+    assert kept_triples_with_mods(M.call_mods(parse(), None, bm), parse().mask, [80], [80], 2, "cpu") == \
         2 * (30 * 30 + 50 * 50)
+
+
+def test_a_reused_plan_tells_an_aux_tensor_from_a_block_masks_states():
+    """Two calls whose mod tensors have the same metadata, one an aux tensor, the other a block
+    mask's states, get different memo keys (a kernel plan for one would misread the other)."""
+    from fmha import dispatch
+    from fmha.options import parse
+
+    bm = fmha.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 32, 32, device="cpu", BLOCK_SIZE=16)
+
+    def causal(b, h, q_idx, kv_idx, aux):
+        return q_idx >= kv_idx
+
+    opts = parse(mask_mod=causal)
+    with_aux = M.call_mods(opts, (torch.zeros_like(bm.states),))
+    with_mask = M.call_mods(opts, None, bm)
+    q = torch.randn(1, 32, 2, 16)
+
+    def key(mods):
+        return dispatch.memo_key((q, q, q) + dispatch._mod_tensors(mods), (opts, dispatch._mods_layout(mods)))
+
+    assert [t.shape for t in dispatch._mod_tensors(with_aux)] == [t.shape for t in dispatch._mod_tensors(with_mask)]
+    assert key(with_aux) != key(with_mask)

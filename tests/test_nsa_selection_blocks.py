@@ -25,11 +25,14 @@ def _case(lens, heads_q, heads_k, select_block, count, seed):
     for t in range(total):
         for h in range(heads_k):
             chosen = torch.randperm(int(blocks[t]), generator=g)[:count]  # future blocks too: causal drops them
+            if int(blocks[t]) > 64 and t % 3 == 0:  # blocks at a word's last bit and the next word's first
+                chosen = torch.tensor([31, 32, 63, 64, 0, 1][:count])
             sel[t, h, :chosen.numel()] = chosen.int()
     return q, k, v, sel, cu
 
 
-CASES = [([0, 1, 70, 130, 5], 4, 2, 16, 3), ([200], 2, 2, 64, 2), ([33, 0, 97], 6, 3, 5, 4), ([150, 1], 2, 1, 100, 1)]
+CASES = [([0, 1, 70, 130, 5], 4, 2, 16, 3), ([200], 2, 2, 64, 2), ([33, 0, 97], 6, 3, 5, 4), ([150, 1], 2, 1, 100, 1),
+         ([300], 2, 1, 4, 6)]  # 75 blocks: words past the first, bit 31 (the sign) included
 
 
 @pytest.mark.parametrize("lens,heads_q,heads_k,select_block,count", CASES)
@@ -77,3 +80,20 @@ def test_block_mask_lists_exactly_the_blocks_with_kept_keys(lens, heads_q, heads
     mod = bm.mask_mod.fn
     h, t, j = torch.arange(heads_q).view(-1, 1, 1), torch.arange(total).view(1, -1, 1), torch.arange(total).view(1, 1, -1)
     assert torch.equal(mod(torch.tensor(0), h, t, j, aux) & (j <= t), keep)
+
+
+def test_unchecked_lists_with_duplicates_and_indices_past_every_block():
+    """Lists the checks did not read: a block named twice is kept once, an index past every
+    block keeps nothing (and neither writes out of range)."""
+    q, k, v, sel, cu = _case([130], 2, 1, 16, 3, seed=5)
+    odd = sel.clone()
+    odd[:, :, 1] = odd[:, :, 0]  # the first block twice
+    odd[:, :, 2] = 10 ** 6
+    once = sel.clone()
+    once[:, :, 1:] = -1
+    a = selection_mask(odd, cu, 16, 2)[0].states
+    b = selection_mask(once, cu, 16, 2)[0].states
+    assert torch.equal(a, b)
+    aux_a, aux_b = selection_mask(odd, cu, 16, 2)[1], selection_mask(once, cu, 16, 2)[1]
+    assert torch.equal(aux_a[1], aux_b[1])
+

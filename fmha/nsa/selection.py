@@ -21,7 +21,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backends import UnsupportedError, check_backend_name
+from ..backends import check_backend_name
 from ..problem import accumulate_dtype
 from .checks import check_int, check_qkv, check_scale, check_selected, read_seqlens
 from .layout import token_positions
@@ -110,25 +110,6 @@ def _selection_backward_torch(dout, q, k, v, out, lse, dlse, selected, cu, selec
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _on_kernels(q: Tensor, k: Tensor, v: Tensor, backend: str):
-    """fmha's kernels (``selection_blocks``: the list as a block mask and a mask mod) for
-    ``backend`` "kernel" (raising with the reasons where they cannot serve the call); None: the
-    PyTorch path. "auto" stays on the PyTorch path until the kernel form has run on the GPU
-    check (docs/nsa.md)."""
-    if backend != "kernel":
-        return None
-    from ..backends import FORWARD, unsupported_reasons
-    from ..options import parse
-    from ..problem import KernelOptions
-    from ..validation import validate
-
-    problem = validate(q[None], k[None], v[None], options=parse(causal=True))
-    chosen, reasons = unsupported_reasons(problem, KernelOptions(), every_reason=True, kind=FORWARD)
-    if chosen is None:
-        raise UnsupportedError(reasons)
-    return chosen
-
-
 def _selection_forward_kernels(q, k, v, selected, cu, select_block, scale):
     from .. import attention
     from .selection_blocks import selection_mask
@@ -153,7 +134,7 @@ def _selection_backward_kernels(dout, q, k, v, out, lse, dlse, selected, cu, sel
 @torch.library.custom_op("fmha_nsa::selection_forward", mutates_args=())
 def _forward_op(q: Tensor, k: Tensor, v: Tensor, selected: Tensor, cu_seqlens: Tensor, select_block: int,
                 softmax_scale: float, backend: str) -> Tuple[Tensor, Tensor]:
-    if _on_kernels(q, k, v, backend):
+    if backend == "kernel":  # fmha's attention raises with the reasons where its kernels cannot serve it
         return _selection_forward_kernels(q, k, v, selected, cu_seqlens, select_block, softmax_scale)
     return _selection_forward_torch(q, k, v, selected, cu_seqlens, select_block, softmax_scale)
 
@@ -168,7 +149,7 @@ def _forward_fake(q, k, v, selected, cu_seqlens, select_block, softmax_scale, ba
 def _backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
                  selected: Tensor, cu_seqlens: Tensor, select_block: int, softmax_scale: float,
                  backend: str) -> Tuple[Tensor, Tensor, Tensor]:
-    if _on_kernels(q, k, v, backend):
+    if backend == "kernel":
         return _selection_backward_kernels(dout, q, k, v, out, lse, dlse, selected, cu_seqlens, select_block,
                                            softmax_scale)
     return _selection_backward_torch(dout, q, k, v, out, lse, dlse, selected, cu_seqlens, select_block,

@@ -118,12 +118,16 @@ def every_tile_masked(walk: KvWalk) -> KvWalk:
     return KvWalk(walk.start, walk.total, 0 * walk.unmasked, 0 * walk.unmasked)
 
 
+def mask_mod_on_every_tile(mods) -> bool:
+    """Whether a kernel built with mods ``mods`` (``fmha.mods.ModsSignature`` or None) masks every
+    tile: a mask mod without a block mask can drop any key."""
+    return mods is not None and mods.mask_mod is not None and not mods.block_sparse
+
+
 def masked_for_mods(walk: KvWalk, mods) -> KvWalk:
-    """The band walk of a kernel built with mods ``mods`` (``fmha.mods.ModsSignature`` or None): a
-    mask mod without a block mask can drop any key, so every tile is masked."""
-    if mods is not None and mods.mask_mod is not None and not mods.block_sparse:
-        return every_tile_masked(walk)
-    return walk
+    """The band walk of a kernel built with mods ``mods``: every tile masked where
+    ``mask_mod_on_every_tile``."""
+    return every_tile_masked(walk) if mask_mod_on_every_tile(mods) else walk
 
 
 def kv_walk(

@@ -14,6 +14,7 @@ from fmha.masking import MaskKind
 
 from ..common import sequence_descriptors as seq_desc
 from ..common.fragments import as_operand_a, as_rows_cols, store_as_16bit_pairs
+from ..common.kv_walk import mask_mod_on_every_tile
 from ..common.mask import FragmentMask, ScoreMods, softcap_slope
 from ..common.pipelines import release_by_one_lane
 from ..common.seqinfo import SequenceInfo
@@ -152,7 +153,7 @@ class BackwardConsumer:
                 partial = False  # a block mask's tile that needs its mask mod per element
                 if const_expr(cfg.mods is not None and cfg.mods.block_sparse):
                     partial = visits.partial(i, head)
-                if const_expr(cfg.mods is not None and cfg.mods.mask_mod is not None and not cfg.mods.block_sparse):
+                if const_expr(mask_mod_on_every_tile(cfg.mods)):
                     head_mask.apply_transposed(s, tScS, m0, n0)  # a mask mod without a block mask: every tile
                 elif const_expr(cfg.mask_kind != MaskKind.NONE):
                     last = cutlass.min(m0 + tile_m, seqlen_q) - 1

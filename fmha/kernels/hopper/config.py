@@ -113,8 +113,8 @@ def kv_stages_for(dtype: torch.dtype, head_dim: int, tile_m: int, tile_n: int, q
 
 def choose_schedule(problem: AttentionProblem, options: KernelOptions) -> Schedule:
     """Persistent by default. Tiles of differing cost (causal-like masks, block masks) are
-    claimed in longest-first order when the problem's K/V does not fit half the L2 (balance beats
-    the static walk's L2 reuse there)."""
+    claimed, last query tile first (the longest under causal-like masks), when the problem's K/V
+    does not fit half the L2 (balance beats the static walk's L2 reuse there)."""
     m = problem.mask
     uneven = tile_costs_vary(m.kind, m.window_left is not None, problem.mods is not None and problem.mods.block_sparse)
     claimable = uneven and not problem.varlen  # the varlen tile table keeps sequences together
