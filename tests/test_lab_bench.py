@@ -130,3 +130,20 @@ def test_the_report_divides_by_every_peer_and_finds_fp8s_bf16_twin_in_any_group(
     assert "- all bf16 points, fmha/fa3: median 1.10, min 1.00 over 2 points" in text
     assert "- fp8, fmha/cudnn_fp8: median 1.20, min 1.20, max 1.20 over 1 points" in text
     assert "- fp8 / bf16 (fmha, B2 S8192 H8/8 D256 causal fp8): 1.60" in text
+
+
+def test_nsa_bench_lists_are_valid_selections_with_the_forced_blocks():
+    """lab/bench_nsa's lists pass fmha.nsa's checks (range, no duplicates) and hold the current,
+    previous and first blocks of each token, ascending."""
+    import torch
+
+    from fmha.nsa.checks import check_selected
+    from lab.bench_nsa import BLOCK, selection_lists
+
+    sel = selection_lists(700, 2, 4, torch.Generator().manual_seed(0), "cpu")
+    check_selected(sel, torch.zeros(700, 2, 8), torch.tensor([0, 700], dtype=torch.int32), BLOCK)
+    t = torch.arange(700).view(-1, 1, 1)
+    for forced in (t // BLOCK, (t // BLOCK - 1).clamp(min=0), torch.zeros_like(t)):
+        assert bool((sel == forced).any(-1).all())
+    valid = sel >= 0
+    assert bool(((sel[..., 1:] > sel[..., :-1]) | ~valid[..., 1:]).all())

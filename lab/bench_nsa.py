@@ -1,0 +1,176 @@
+"""NSA's selection branch against its peers, side by side in one process (docs/nsa.md).
+
+Given the same selection lists (per token and KV head: the current block, the previous one and
+block 0, then random earlier blocks up to ``--count``, ascending, -1 padded), one packed sequence
+of T tokens, bf16, D=128:
+
+* ``fmha``: ``fmha.nsa.selection_attention(..., backend="kernel")``, the lists as a block mask on
+  fmha's kernels;
+* ``fmha_torch``: the PyTorch gather path (``backend="reference"``; only up to ``--torch-max``);
+* ``fla``: flash-linear-attention's ``parallel_nsa`` selection (Triton; needs G = H_q/H_k a power
+  of two >= 16), with ``block_indices`` and ``block_counts``;
+* ``fmha_causal`` / ``fa4_causal``: dense causal attention over the same tokens (the bar NSA must
+  clear).
+
+FLOPs count the (row, key) pairs each query keeps (its listed keys up to itself, the causal ones
+for the dense rows): fwd 4*H_q*D*kept, fwd+bwd 3.5x. A row: ms (median, lab/timing), TFLOP/s,
+``speedup_vs_fmha_causal``, ``err`` (relative L2 error of the output against ``fmha_torch`` in
+fp32 on the first 2048 tokens), or ``error`` / ``skipped``.
+
+fla travels as wheels (DEVICE.md): ``python3 -m pip install -q --no-index --no-deps --target
+/tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH``.
+
+    source .device-bundle/activate.sh && python lab/bench_nsa.py --backward --out $OUT/nsa.json
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import fmha  # noqa: E402
+import fmha.nsa as nsa  # noqa: E402
+from lab.timing import keep_row, seconds_per_call  # noqa: E402
+
+BLOCK = 64
+
+
+def selection_lists(total: int, heads_k: int, count: int, gen, device="cuda") -> torch.Tensor:
+    """(T, H_k, count) int32: the forced blocks (current, previous, 0) then random earlier ones,
+    ascending, -1 padded; what the top-k returns, with random scores."""
+    t = torch.arange(total, device=device)
+    current = (t // BLOCK).view(total, 1, 1).expand(total, heads_k, 1)
+    keys = torch.rand(total, heads_k, (total + BLOCK - 1) // BLOCK, generator=gen, device=device)
+    blocks = torch.arange(keys.shape[-1], device=device).view(1, 1, -1)
+    keys = torch.where(blocks > current, -1.0, keys)  # no future block
+    keys = torch.where((blocks == current) | (blocks == current - 1) | (blocks == 0), 2.0, keys)
+    top = keys.topk(min(count, keys.shape[-1]), dim=-1)
+    sel = torch.where(top.values >= 0, top.indices, torch.full_like(top.indices, 1 << 30))
+    sel = sel.sort(dim=-1).values
+    return torch.where(sel == 1 << 30, -1, sel).to(torch.int32)
+
+
+def kept_pairs(sel: torch.Tensor) -> int:
+    t = torch.arange(sel.shape[0], device=sel.device).view(-1, 1, 1)
+    first = sel.long() * BLOCK
+    kept = torch.clamp(torch.minimum(first + BLOCK - 1, t) - first + 1, min=0)
+    return int(torch.where(sel >= 0, kept, 0).sum(-1).float().mean(-1).sum())  # per KV group, averaged
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="8192,16384,32768,65536")
+    ap.add_argument("--heads", default="64/4,32/8", help="H_q/H_k pairs")
+    ap.add_argument("--count", type=int, default=16)
+    ap.add_argument("--impls", default="fmha,fmha_torch,fla,fmha_causal,fa4_causal")
+    ap.add_argument("--torch-max", type=int, default=8192, help="longest T the PyTorch gather path runs")
+    ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--rep", type=int, default=200)
+    ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new points after this")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    impls = args.impls.split(",")
+    start, rows = time.time(), []
+    d, dtype = 128, torch.bfloat16
+    for total in (int(x) for x in args.tokens.split(",")):
+        for hq, hk in (tuple(int(x) for x in p.split("/")) for p in args.heads.split(",")):
+            gen = torch.Generator(device="cuda").manual_seed(total + hq)
+            q = torch.randn(total, hq, d, generator=gen, device="cuda", dtype=dtype)
+            k, v = (torch.randn(total, hk, d, generator=gen, device="cuda", dtype=dtype) for _ in range(2))
+            cu = torch.tensor([0, total], dtype=torch.int32, device="cuda")
+            sel = selection_lists(total, hk, args.count, gen)
+            kept = kept_pairs(sel) * hq
+            causal_kept = hq * total * (total + 1) // 2
+            check_rows = min(total, 2048)
+            want = None
+            timings = {}
+            for impl in impls:
+                for direction in ("fwd", "fwd+bwd") if args.backward else ("fwd",):
+                    row = dict(T=total, H_q=hq, H_k=hk, impl=impl, direction=direction)
+                    if time.time() - start > args.budget_s:
+                        keep_row(rows, dict(row, skipped="time budget"), args.out)
+                        continue
+                    try:
+                        fn, out_of = _call(impl, q, k, v, sel, cu, total, hq, hk, args, direction)
+                    except Exception as e:  # noqa: BLE001  (a peer that cannot run this point)
+                        keep_row(rows, dict(row, skipped=f"{type(e).__name__}: {e}"[:200]), args.out)
+                        continue
+                    if fn is None:
+                        keep_row(rows, dict(row, skipped=out_of), args.out)
+                        continue
+                    try:
+                        sec = seconds_per_call(fn, args.rep)
+                        flops = 4 * d * (causal_kept if impl.endswith("causal") else kept)
+                        flops *= 3.5 if direction == "fwd+bwd" else 1.0
+                        row.update(ms=round(sec * 1e3, 4), tflops=round(flops / sec / 1e12, 1))
+                        timings[(impl, direction)] = sec
+                        if not impl.endswith("causal") and direction == "fwd":
+                            o = out_of().float()[:check_rows]
+                            if want is None:
+                                want = nsa.selection_attention(q[:check_rows].float(), k[:check_rows].float(),
+                                                               v[:check_rows].float(), sel[:check_rows],
+                                                               torch.tensor([0, check_rows], dtype=torch.int32,
+                                                                            device="cuda"),
+                                                               BLOCK, backend="reference")[0]
+                            row["err"] = float((o - want).norm() / want.norm())
+                        base = timings.get(("fmha_causal", direction))
+                        if base:
+                            row["speedup_vs_fmha_causal"] = round(base / sec, 2)
+                    except Exception as e:  # noqa: BLE001
+                        row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    keep_row(rows, row, args.out)
+    print(f"done in {time.time() - start:.0f} s")
+
+
+def _call(impl, q, k, v, sel, cu, total, hq, hk, args, direction):
+    """(the timed function, a function returning its output) of ``impl``, or (None, why not)."""
+    grad = direction == "fwd+bwd"
+    leaves = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
+    dout = torch.randn(q.shape[:-1] + (v.shape[-1],), device="cuda", dtype=q.dtype) if grad else None
+    if impl == "fmha":
+        def run():
+            return nsa.selection_attention(*leaves, sel, cu, BLOCK, backend="kernel")[0]
+    elif impl == "fmha_torch":
+        if total > args.torch_max:
+            return None, f"T > --torch-max {args.torch_max}"
+
+        def run():
+            return nsa.selection_attention(*leaves, sel, cu, BLOCK, backend="reference")[0]
+    elif impl == "fla":
+        from fla.ops.nsa import parallel_nsa
+
+        if hq // hk < 16 or (hq // hk) & (hq // hk - 1):
+            return None, "fla's NSA needs H_q/H_k a power of two >= 16"
+        indices = sel.long().clamp(min=0)[None]
+        counts = (sel >= 0).sum(-1)[None]
+
+        def run():
+            return parallel_nsa(*(t[None] for t in leaves), block_indices=indices, block_counts=counts,
+                                block_size=BLOCK)[0]
+    elif impl == "fmha_causal":
+        def run():
+            return fmha.attention(*(t[None] for t in leaves), causal=True)[0]
+    elif impl == "fa4_causal":
+        from flash_attn.cute import flash_attn_func
+
+        def run():
+            out = flash_attn_func(*(t[None] for t in leaves), causal=True)
+            return (out[0] if isinstance(out, tuple) else out)[0]
+    else:
+        return None, f"unknown implementation {impl}"
+    if not grad:
+        return run, run
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        run().backward(dout)
+    return step, run
+
+
+if __name__ == "__main__":
+    main()
