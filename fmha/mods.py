@@ -430,4 +430,11 @@ def call_mods(options, aux=None, block_mask=None) -> Optional[CallMods]:
         return None
     if aux and not any(m is not None and m.takes_aux for m in (score_mod, mask_mod)):
         raise ValueError("aux= is given but neither score_mod nor mask_mod takes an aux argument")
+    if torch.is_grad_enabled():
+        for m in (score_mod, mask_mod):
+            for (_, name), t in zip(m.captured if m is not None else (), m.captured_tensors() if m is not None else ()):
+                if t.requires_grad:  # its gradient would be lost without a word
+                    raise ValueError(f"{m.role} {m.fn.__qualname__} captures {name!r}, a tensor that requires grad: "
+                                     "fmha differentiates aux= tensors only; pass it as aux (the mod's last "
+                                     f"argument) to train it, or capture {name}.detach()")
     return CallMods(score_mod, mask_mod, aux, block_mask)

@@ -120,6 +120,7 @@ def _setup_context(ctx, inputs, output):
     ctx.option_values = tuple(inputs[_LEADING + len(_CALL_ARGS):_LEADING + len(_CALL_ARGS) + _NUM_OPTIONS])
     ctx.block_geometry = block_geometry
     ctx.num_aux = len(aux)
+    ctx.aux_needs_grad = [a.requires_grad for a in aux]
     out, lse = output
     ctx.save_for_backward(q, k, v, sinks, out, lse, ctx.args["cu_seqlens_q"], ctx.args["cu_seqlens_k"], block_states,
                           *aux)
@@ -135,6 +136,14 @@ def _backward(ctx, grad_out, grad_lse, backward=None):
         cu_q, cu_k, a["max_seqlen_q"], a["max_seqlen_k"], *ctx.option_values, a["deterministic"], a["backend"])
     # the op's Tensor[] input takes a list of gradients; the autograd function's list argument None
     aux_grads = None if backward is not None else [None] * ctx.num_aux
+    if any(ctx.aux_needs_grad):  # only the op path gets here: attention_forward routes such calls to it
+        from .reference import aux_gradients
+
+        options = from_op_args(ctx.option_values)
+        aux_grads = aux_gradients(
+            grad_out, q, k, v, out, lse, cu_q, cu_k, mods=_call_mods(options, aux, block_states, ctx.block_geometry),
+            needs=ctx.aux_needs_grad, mask=options.mask, softmax_scale=options.softmax_scale, scale_q=options.scale_q,
+            scale_k=options.scale_k, scale_v=options.scale_v, inv_scale_o=options.inv_scale_o, dlse=grad_lse)
     return (dq, dk, dv, dsinks if sinks is not None else None, aux_grads) + (None,) * (_LEADING - 5 + len(_FORWARD_ARGS))
 
 
@@ -223,7 +232,11 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, options, sinks=Non
     kernel_options(persistent, tile_mn)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-    forward = _EagerAttention.apply if plain_eager_call(q, k, v, sinks) else torch.ops.fmha.attention_forward
+    # aux tensors that need gradients: the op, whose Tensor[] input autograd follows (the plain
+    # autograd function's list argument it does not)
+    aux_grads = mods is not None and any(a.requires_grad for a in mods.aux)
+    eager = plain_eager_call(q, k, v, sinks) and not aux_grads
+    forward = _EagerAttention.apply if eager else torch.ops.fmha.attention_forward
     return forward(
         q, k, v, sinks, *mods_op_args(mods), cu_seqlens_q, cu_seqlens_k, varlen, max_seqlen_q, max_seqlen_k, *op_args(options),
         out_dtype, backend, persistent, None if tile_mn is None else list(tile_mn), deterministic)

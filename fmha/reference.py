@@ -241,12 +241,13 @@ def attention_reference(
 
 
 def _grad_sequence(do, q, k, v, o, lse, dlse, dq, dk, dv, mask, score_scale, out_scale, cdt, budget, softcap=0.0,
-                   sinks=None, dsinks=None, mods=None, b=0):
+                   sinks=None, dsinks=None, mods=None, b=0, daux=None):
     """One sequence's gradients (docs/semantics.md, "Backward"): do/o (S_q, H_q, D_v), q (S_q,
-    H_q, D), k/v (S_k, H_k, D), lse/dlse (H_q, S_q); accumulates into dq, dk, dv of dtype ``cdt``.
-    P is recomputed from the saved LSE; dS = P * (dP - delta) with delta = rowsum(dO * O) - dlse;
-    with softcap, dS times the tanh's derivative; with sinks, ``dsinks`` (H_q,) gains
-    -sum_i P_sink[i] * delta_i."""
+    H_q, D), k/v (S_k, H_k, D), lse/dlse (H_q, S_q); accumulates into dq, dk, dv of dtype ``cdt``
+    (None: not computed). P is recomputed from the saved LSE; dS = P * (dP - delta) with delta =
+    rowsum(dO * O) - dlse; with softcap, dS times the tanh's derivative; with sinks, ``dsinks``
+    (H_q,) gains -sum_i P_sink[i] * delta_i. ``daux``: per aux tensor of ``mods`` an accumulator
+    or None; each gains sum dS * d score_mod / d aux, by autograd through the mod."""
     sq, hq = q.shape[0], q.shape[1]
     sk, hk = k.shape[0], k.shape[1]
     if sq == 0:
@@ -256,7 +257,7 @@ def _grad_sequence(do, q, k, v, o, lse, dlse, dq, dk, dv, mask, score_scale, out
     delta = (do.to(cdt) * o.to(cdt)).sum(-1).transpose(0, 1)  # (H_q, S_q)
     if dlse is not None:
         delta = delta - dlse.to(cdt)
-    if sinks is not None:
+    if sinks is not None and dsinks is not None:
         dsinks += sink_gradient(sinks, lse, delta)
     if sk == 0:
         return
@@ -267,8 +268,8 @@ def _grad_sequence(do, q, k, v, o, lse, dlse, dq, dk, dv, mask, score_scale, out
         kv_heads = torch.arange(h0, h1, device=k.device) // group
         kc = k[:, kv_heads].to(cdt)
         vc = v[:, kv_heads].to(cdt)
-        dkc = torch.zeros_like(kc)
-        dvc = torch.zeros_like(vc)
+        dkc = torch.zeros_like(kc) if dq is not None else None
+        dvc = torch.zeros_like(vc) if dq is not None else None
         for r0 in range(0, sq, rows_per):
             r1 = min(r0 + rows_per, sq)
             rows = torch.arange(r0, r1, device=q.device)
@@ -282,21 +283,63 @@ def _grad_sequence(do, q, k, v, o, lse, dlse, dq, dk, dv, mask, score_scale, out
             qc = q[r0:r1, h0:h1].to(cdt)
             doc = do[r0:r1, h0:h1].to(cdt)
             s, t = _scores(qc, kc[k0:k1], score_scale, softcap)
-            s, keep, slope = _apply_mods(mods, s, keep, b, torch.arange(h0, h1, device=q.device), rows, cols, True)
+            heads = torch.arange(h0, h1, device=q.device)
+            raw = s
+            s, keep, slope = _apply_mods(mods, s, keep, b, heads, rows, cols, True)
             s.masked_fill_(~keep, -math.inf)
             p = (s - lse[h0:h1, r0:r1, None]).exp_()
             dp = torch.einsum("rhd,khd->hrk", doc, vc[k0:k1]) * out_scale
             ds = p * (dp - delta[h0:h1, r0:r1, None])
             if softcap:
                 ds = ds * (1 - t * t)
+            if daux is not None:
+                _aux_grads(mods, raw, ds, b, heads, rows, cols, daux)
+            if dq is None:
+                continue
             if slope is not None:  # through score_mod (0 where masked: its slope may be anything there)
                 ds = ds * torch.where(keep, slope, torch.zeros_like(slope))
             dq[r0:r1, h0:h1] += torch.einsum("hrk,khd->rhd", ds, kc[k0:k1]) * score_scale
             dkc[k0:k1] += torch.einsum("hrk,rhd->khd", ds, qc) * score_scale
             dvc[k0:k1] += torch.einsum("hrk,rhd->khd", p, doc) * out_scale
+        if dq is None:
+            continue
         # a K/V head's gradient is the sum over the query heads that read it
         dk.index_add_(1, kv_heads, dkc)
         dv.index_add_(1, kv_heads, dvc)
+
+
+def _aux_grads(mods: CallMods, raw, ds_mod, b: int, heads, rows, cols, daux) -> None:
+    """daux[i] += sum over the chunk of ``ds_mod`` (the gradient of the modded scores; 0 where
+    masked) times d score_mod(raw) / d aux[i], for the accumulators that are not None."""
+    leaves = tuple(a.detach().to(acc.dtype).requires_grad_() if acc is not None else a
+                   for a, acc in zip(mods.aux, daux))
+    wanted = [(leaf, acc) for leaf, acc in zip(leaves, daux) if acc is not None]
+    bi = torch.tensor(b, device=raw.device)
+    with torch.enable_grad():
+        y = call_score_mod(mods.score_mod, mods.score_mod.fn, raw, bi, heads.view(-1, 1, 1), rows.view(1, -1, 1),
+                           cols.view(1, 1, -1), leaves)
+        y = torch.as_tensor(y, dtype=raw.dtype, device=raw.device).expand(raw.shape)
+        grads = torch.autograd.grad(y, [leaf for leaf, _ in wanted], ds_mod.nan_to_num(0.0), allow_unused=True)
+    for (_, acc), g in zip(wanted, grads):
+        if g is not None:
+            acc += g
+
+
+def aux_gradients(dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, *, mods: CallMods, needs,
+                  mask: MaskSpec = MaskSpec(), softmax_scale=None, scale_q=1.0, scale_k=1.0, scale_v=1.0,
+                  inv_scale_o=1.0, dlse=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list:
+    """The gradients of ``mods``' aux tensors where ``needs[i]`` (else None), in their dtypes:
+    sum over the kept scores of dS * d score_mod / d aux[i] (autograd through the mod, in fp32, fp64
+    for fp64 inputs, the backward's chunks; P from the saved LSE). Layouts as in ``attention_backward_reference``."""
+    score_scale, out_scale = _scales(q.shape[-1], softmax_scale, scale_q, scale_k, scale_v, inv_scale_o)
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    daux = [torch.zeros(a.shape, dtype=cdt, device=a.device) if need else None for a, need in zip(mods.aux, needs)]
+    if mods.score_mod is not None:
+        for b, (iq, ik, il) in enumerate(_sequences(q.shape[0], cu_seqlens_q, cu_seqlens_k)):
+            _grad_sequence(dout[iq], q[iq], k[ik], v[ik], out[iq], lse[il], None if dlse is None else dlse[il],
+                           None, None, None, mask, score_scale, out_scale, cdt, chunk_bytes, mods=mods, b=b,
+                           daux=daux)
+    return [None if g is None else g.to(a.dtype) for g, a in zip(daux, mods.aux)]
 
 
 def lse_delta(out: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.Tensor]) -> torch.Tensor:

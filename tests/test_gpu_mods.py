@@ -250,3 +250,36 @@ def test_mods_under_torch_compile_run_the_same_kernels():
     want.backward(dout)
     for a, b in zip(leaves, eager_leaves):
         assert rel_l2(a.grad, b.grad) < 1e-3
+
+
+@_needs_hopper
+def test_learnable_aux_tensors_get_gradients_beside_the_kernels():
+    """A relative-position bias table passed as ``aux`` and trained: the kernels' dq/dk/dv and
+    the table's gradient (the reference's pass through the mod) against fp64 autograd."""
+    from fmha.reference import aux_gradients
+
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    table = torch.randn(H_Q, 64, generator=gen, device="cuda").requires_grad_()
+
+    def learned_bias(score, b, h, q, kv, aux):
+        return score + aux[0][h, M.minimum(M.abs(q - kv), 63)]
+
+    q = torch.randn(2, S_Q, H_Q, 64, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(2, S_K, H_K, 64, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
+            for _ in range(2))
+    out = fmha.attention(q, k, v, causal=True, score_mod=learned_bias, aux=(table,), backend="kernel")
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    mods = call_mods(parse(score_mod=learned_bias), (table.detach(),))
+    mask = parse(causal=True).mask
+    ref_o, ref_lse = attention_reference(q.detach(), k.detach(), v.detach(), mask=mask, compute_dtype=torch.float64,
+                                         mods=mods)
+    want = attention_backward_reference(dout, q.detach(), k.detach(), v.detach(), ref_o, ref_lse, mask=mask,
+                                        compute_dtype=torch.float64, mods=mods)
+    for name, t, w in zip("qkv", (q, k, v), want):
+        assert rel_l2(t.grad, w) < 2e-2, name
+    want_table = aux_gradients(dout.double(), q.detach().double(), k.detach().double(), v.detach().double(),
+                               ref_o.double(), ref_lse.double(), mods=call_mods(parse(score_mod=learned_bias),
+                                                                                (table.detach().double(),)),
+                               needs=[True], mask=mask)[0]
+    assert rel_l2(table.grad, want_table) < 2e-2

@@ -187,3 +187,21 @@ def test_kept_column_bits_match_the_interval():
                 got = [bool(bits >> i & 1) for i in range(CHUNK)]
                 want = [lo <= column_offset(CHUNK * chunk + i) < hi for i in range(CHUNK)]
                 assert got == want, (chunk, lo, hi)
+
+
+def test_a_mask_mod_without_a_block_mask_masks_every_tile_of_the_walk():
+    """``masked_for_mods``: the walk every kernel takes with mods. A mask mod alone can drop any
+    key, so every visited tile is masked (same tiles, same order); with a block mask, or with a
+    score mod only, the band walk stays as it is."""
+    from fmha.kernels.common.kv_walk import KvWalk, mask_mod_on_every_tile, masked_for_mods
+    from fmha.mods import ModsSignature
+
+    walk = KvWalk(3, 1, 5, 2)
+    mask_only = ModsSignature(None, object(), (), False)
+    assert mask_mod_on_every_tile(mask_only)
+    masked = masked_for_mods(walk, mask_only)
+    assert (masked.total, masked.unmasked) == (walk.total, 0)
+    assert [masked.block(i) for i in range(masked.total)] == [walk.block(i) for i in range(walk.total)]
+    assert all(masked.needs_mask(i) for i in range(masked.total))
+    for mods in (None, ModsSignature(object(), None, (), False), ModsSignature(None, object(), (), True)):
+        assert not mask_mod_on_every_tile(mods) and masked_for_mods(walk, mods) == walk

@@ -376,3 +376,70 @@ def test_a_reused_plan_tells_an_aux_tensor_from_a_block_masks_states():
 
     assert [t.shape for t in dispatch._mod_tensors(with_aux)] == [t.shape for t in dispatch._mod_tensors(with_mask)]
     assert key(with_aux) != key(with_mask)
+
+
+@pytest.mark.parametrize("layout", ["dense", "varlen", "block_mask"])
+def test_aux_tensors_get_their_gradients(layout):
+    """A learnable ALiBi slope per head and a relative-position bias table passed as ``aux``:
+    their gradients (and q's, k's, v's) equal plain autograd through the same formula; an aux
+    tensor read only by the mask mod gets zeros (a mask has no derivative); a captured tensor
+    that requires grad is an error that says to pass it as aux."""
+    g = torch.Generator().manual_seed(7)
+    lens = [13, 0, 21] if layout == "varlen" else [25, 25]
+    total = sum(lens)
+    slopes = torch.rand(4, generator=g, dtype=torch.float64).requires_grad_()
+    table = torch.randn(4, 8, generator=g, dtype=torch.float64).requires_grad_()
+
+    def biased(score, b, h, q_idx, kv_idx, aux):
+        return score + aux[0][h] * (kv_idx - q_idx) + aux[1][h, M.minimum(M.abs(q_idx - kv_idx), 7)]
+
+    def causal(b, h, q_idx, kv_idx, aux):
+        return q_idx >= kv_idx
+
+    q, k, v = (torch.randn(total, n, 16, generator=g, dtype=torch.float64) for n in (4, 2, 2))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    if layout == "varlen":
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        out = fmha.attention_varlen(*leaves, cu, cu, score_mod=biased, mask_mod=causal, aux=(slopes, table))
+    else:
+        kw = dict(mask_mod=causal)
+        if layout == "block_mask":
+            kw = dict(block_mask=fmha.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 25, 25,
+                                                        device="cpu", BLOCK_SIZE=8))
+        out = fmha.attention(*(t.view(2, 25, *t.shape[1:]) for t in leaves), score_mod=biased, aux=(slopes, table),
+                             **kw).reshape(total, 4, 16)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    out.backward(dout)
+
+    want_slopes, want_table = slopes.detach().clone().requires_grad_(), table.detach().clone().requires_grad_()
+    naive = [t.clone().requires_grad_() for t in (q, k, v)]
+    pieces, start = [], 0
+    for n in lens:
+        qs, ks, vs = (t[start:start + n] for t in naive)
+        ks, vs = (t.repeat_interleave(2, dim=1) for t in (ks, vs))
+        s = torch.einsum("qhd,khd->hqk", qs, ks) / 4
+        i, j, h = torch.arange(n).view(1, -1, 1), torch.arange(n).view(1, 1, -1), torch.arange(4).view(-1, 1, 1)
+        s = s + want_slopes[h] * (j - i) + want_table[h, (i - j).abs().clamp(max=7)]
+        s = s.masked_fill(j > i, float("-inf"))
+        pieces.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vs))
+        start += n
+    torch.cat(pieces).backward(dout)
+    torch.testing.assert_close(slopes.grad, want_slopes.grad)
+    torch.testing.assert_close(table.grad, want_table.grad)
+    for a, b in zip(leaves, naive):
+        torch.testing.assert_close(a.grad, b.grad)
+
+    # read by the mask mod only: no derivative
+    gate = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    qd = q[:25].view(1, 25, 4, 16).clone().requires_grad_()
+    fmha.attention(qd, qd[..., :2, :], qd[..., :2, :], mask_mod=causal, aux=(gate,)).sum().backward()
+    assert torch.equal(gate.grad, torch.zeros(3, dtype=torch.float64)) and qd.grad is not None
+
+    def captured(score, b, h, q_idx, kv_idx):
+        return score + slopes[h]
+
+    with pytest.raises(ValueError, match="captures 'slopes', a tensor that requires grad.*pass it as aux"):
+        fmha.attention(qd, qd[..., :2, :], qd[..., :2, :], score_mod=captured)
+    with torch.no_grad():
+        fmha.attention(qd, qd[..., :2, :], qd[..., :2, :], score_mod=captured)
+
