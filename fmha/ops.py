@@ -109,6 +109,7 @@ _backward_op = torch.library.custom_op("fmha::attention_backward", _backward_imp
 _backward_op.register_fake(_backward_fake)
 
 
+
 #: inputs before the forward's ``_FORWARD_ARGS``: q, k, v, sinks, aux, block_states, block_geometry
 _LEADING = 7
 
@@ -139,6 +140,7 @@ def _backward(ctx, grad_out, grad_lse, backward=None):
     if any(ctx.aux_needs_grad):  # only the op path gets here: attention_forward routes such calls to it
         from .reference import aux_gradients
 
+        # autograd through the mod, here at autograd's level (an op's body runs below it)
         options = from_op_args(ctx.option_values)
         aux_grads = aux_gradients(
             grad_out, q, k, v, out, lse, cu_q, cu_k, mods=_call_mods(options, aux, block_states, ctx.block_geometry),
@@ -235,6 +237,10 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, options, sinks=Non
     # aux tensors that need gradients: the op, whose Tensor[] input autograd follows (the plain
     # autograd function's list argument it does not)
     aux_grads = mods is not None and any(a.requires_grad for a in mods.aux)
+    if aux_grads and torch.compiler.is_compiling():
+        raise NotImplementedError("aux tensors that require grad are differentiated eagerly only: run this call "
+                                  "outside torch.compile (a function decorated with @torch.compiler.disable), or "
+                                  "pass the aux tensors detached")
     eager = plain_eager_call(q, k, v, sinks) and not aux_grads
     forward = _EagerAttention.apply if eager else torch.ops.fmha.attention_forward
     return forward(

@@ -443,3 +443,16 @@ def test_aux_tensors_get_their_gradients(layout):
     with torch.no_grad():
         fmha.attention(qd, qd[..., :2, :], qd[..., :2, :], score_mod=captured)
 
+
+
+def test_learnable_aux_under_torch_compile_says_to_run_eagerly():
+    slopes = torch.rand(2, requires_grad=True)
+
+    def alibi(score, b, h, q_idx, kv_idx, aux):
+        return score + aux[0][h] * (kv_idx - q_idx)
+
+    q = torch.randn(1, 9, 2, 16, requires_grad=True)
+    f = torch.compile(lambda q, s: fmha.attention(q, q, q, score_mod=alibi, aux=(s,)), backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="differentiated eagerly only"):
+        f(q, slopes)
+    f(q, slopes.detach())  # detached: traced as before
