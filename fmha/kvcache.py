@@ -26,7 +26,8 @@ import torch
 
 from . import device_errors
 from .masking import MaskSpec
-from .problem import INPUT_DTYPES, ScoreScaling, kept_pairs, default_out_dtype, accumulate_dtype, output_dtypes_for
+from .problem import (INPUT_DTYPES, ScoreScaling, accumulate_dtype, default_out_dtype, kept_pairs, matmul_flops,
+                      output_dtypes_for)
 from .options import parse_cached
 from .validation import _check_layout, _dtype_name, _require_tensor, check_index_tensor, check_sinks
 
@@ -123,7 +124,7 @@ class DecodeProblem(ScoreScaling):
         """Matmul FLOPs the bottom-right mask keeps (4 * kept (i, j) pairs * D per head, D and
         D_v apart), over each sequence's keys (its cache length plus the new keys)."""
         kept = sum(kept_pairs(self.seqlen_q, int(length) + self.seqlen_new, self.mask) for length in cache_lengths)
-        return 2.0 * kept * self.heads_q * (self.head_dim + self.head_dim_v)
+        return matmul_flops(kept * self.heads_q, self.head_dim, self.head_dim_v)
 
 
 def _append_on_device(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, page_size, capacity) -> None:

@@ -109,7 +109,6 @@ _backward_op = torch.library.custom_op("fmha::attention_backward", _backward_imp
 _backward_op.register_fake(_backward_fake)
 
 
-
 #: inputs before the forward's ``_FORWARD_ARGS``: q, k, v, sinks, aux, block_states, block_geometry
 _LEADING = 7
 

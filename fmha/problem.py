@@ -60,6 +60,12 @@ class ScoreScaling:
         return self.score_scale / self.softcap if self.softcap else 1.0
 
 
+def matmul_flops(kept_triples: int, head_dim: int, head_dim_v: int) -> float:
+    """The forward's matmul FLOPs over the kept (head, row, key) triples: Q.K^T (2 * D) and P.V
+    (2 * D_v) each."""
+    return 2.0 * kept_triples * (head_dim + head_dim_v)
+
+
 def kept_pairs(seqlen_q: int, seqlen_k: int, mask: MaskSpec) -> int:
     """The (row, key) pairs ``mask`` keeps in one sequence, counted from the row bands."""
     if mask.kind == MaskKind.NONE:
@@ -153,7 +159,7 @@ class AttentionProblem(ScoreScaling):
                 seqlens_q = [self.seqlen_q] * self.batch
                 seqlens_k = [self.seqlen_k] * self.batch
             kept_triples = self.num_heads_q * sum(kept_pairs(sq, sk, self.mask) for sq, sk in zip(seqlens_q, seqlens_k))
-        return 2.0 * kept_triples * (self.head_dim + self.head_dim_v)
+        return matmul_flops(kept_triples, self.head_dim, self.head_dim_v)
 
 
 @dataclass(frozen=True)

@@ -91,8 +91,7 @@ def _apply_mods(mods: Optional[CallMods], s, keep, b: int, heads, rows, cols, sl
     keys), the score_mod's derivative where ``slope``, else None)."""
     if mods is None:
         return s, keep, None
-    bi = torch.tensor(b, device=s.device)
-    h, q, kv = heads.view(-1, 1, 1), rows.view(1, -1, 1), cols.view(1, 1, -1)
+    bi, h, q, kv = _mod_positions(b, heads, rows, cols)
     derivative = None
     if mods.score_mod is not None:
         if slope:
@@ -119,6 +118,12 @@ def _apply_mods(mods: Optional[CallMods], s, keep, b: int, heads, rows, cols, sl
     elif modded is not None:
         keep = keep & modded
     return s, keep, derivative
+
+
+def _mod_positions(b: int, heads, rows, cols):
+    """(b, h, q_idx, kv_idx) as a mod sees them in the reference: broadcast index tensors over
+    (heads, rows, keys)."""
+    return torch.tensor(b, device=rows.device), heads.view(-1, 1, 1), rows.view(1, -1, 1), cols.view(1, 1, -1)
 
 
 def kept_triples_with_mods(mods: CallMods, mask, seqlens_q, seqlens_k, num_heads: int, device) -> int:
@@ -285,7 +290,7 @@ def _grad_sequence(do, q, k, v, o, lse, dlse, dq, dk, dv, mask, score_scale, out
             s, t = _scores(qc, kc[k0:k1], score_scale, softcap)
             heads = torch.arange(h0, h1, device=q.device)
             raw = s
-            s, keep, slope = _apply_mods(mods, s, keep, b, heads, rows, cols, True)
+            s, keep, slope = _apply_mods(mods, s, keep, b, heads, rows, cols, slope=dq is not None)
             s.masked_fill_(~keep, -math.inf)
             p = (s - lse[h0:h1, r0:r1, None]).exp_()
             dp = torch.einsum("rhd,khd->hrk", doc, vc[k0:k1]) * out_scale
@@ -314,10 +319,8 @@ def _aux_grads(mods: CallMods, raw, ds_mod, b: int, heads, rows, cols, daux) -> 
     leaves = tuple(a.detach().to(acc.dtype).requires_grad_() if acc is not None else a
                    for a, acc in zip(mods.aux, daux))
     wanted = [(leaf, acc) for leaf, acc in zip(leaves, daux) if acc is not None]
-    bi = torch.tensor(b, device=raw.device)
     with torch.enable_grad():
-        y = call_score_mod(mods.score_mod, mods.score_mod.fn, raw, bi, heads.view(-1, 1, 1), rows.view(1, -1, 1),
-                           cols.view(1, 1, -1), leaves)
+        y = call_score_mod(mods.score_mod, mods.score_mod.fn, raw, *_mod_positions(b, heads, rows, cols), leaves)
         y = torch.as_tensor(y, dtype=raw.dtype, device=raw.device).expand(raw.shape)
         grads = torch.autograd.grad(y, [leaf for leaf, _ in wanted], ds_mod.nan_to_num(0.0), allow_unused=True)
     for (_, acc), g in zip(wanted, grads):

@@ -52,7 +52,7 @@ def selection_mask(selected: torch.Tensor, cu_seqlens: torch.Tensor, select_bloc
                    heads_q: int) -> Tuple[BlockMask, tuple]:
     """(block mask, aux) of ``selected`` (T, H_k, n) int32 over packed tokens with ``cu_seqlens``
     (T x T, one head per query head), for ``fmha.attention(..., causal=True)``."""
-    total, heads_k, slots = selected.shape
+    total, heads_k, _ = selected.shape
     group = heads_q // heads_k
     device = selected.device
     where = token_positions(cu_seqlens, total)

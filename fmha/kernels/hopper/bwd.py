@@ -63,7 +63,6 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-
 from ..common import sequence_descriptors as seq_desc
 from ..common.layouts import bshd_to_sdhb, mma_operand_smem_layout, rows_first
 from ..common.device_tile_list import COST_BINS, DeviceWorkTileList, cost_bins_bytes
@@ -411,7 +410,6 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
                           window_right, cfg.bottom_right, imin=cutlass.min, imax=cutlass.max,
                           compression=cfg.compression, select=cutlass.select_)
         return walk.start, walk.end
-
 
     @cute.jit
     def producer(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, tma_lse, mLSE2, tma_delta, mDelta,

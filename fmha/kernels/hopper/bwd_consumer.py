@@ -105,11 +105,13 @@ class BackwardConsumer:
         dp_scale = out_scale * score_scale if const_expr(cfg.ds_prescaled) else out_scale
         inv_scale_log2 = Float32(1.0) / scale_log2 if const_expr(cfg.softcap) else None
 
-        # the score mod's slope per score, where it is not a constant of the mod
+        # the score mod's slope: a constant of the mod (1.0 without one), else one per score
+        constant_slope = FragmentMask.of(cfg, seqlen_q, seqlen_k, window_left, window_right, softcap_factor,
+                                         ScoreMods.of(cfg.mods, mModTensors, batch, head_kv,
+                                                      scale_log2)).constant_slope()
         slopes = None
-        if const_expr(cfg.mods is not None and cfg.mods.score_mod is not None):
-            if const_expr(not ScoreMods.of(cfg.mods, mModTensors, batch, head_kv, scale_log2).constant_slope()):
-                slopes = as_rows_cols(cute.make_rmem_tensor(s_shape, Float32))
+        if const_expr(constant_slope is None):
+            slopes = as_rows_cols(cute.make_rmem_tensor(s_shape, Float32))
         kv_handle = kv_consumer.wait_and_advance()
         tile_parity = Int32(0)
         for g in cutlass.range(group, unroll=1):
@@ -196,9 +198,9 @@ class BackwardConsumer:
                     if const_expr(slopes is not None):  # through the score mod
                         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                             dp[r, j] = dp[r, j] * slopes[r, j]
-                    elif const_expr(head_mask.constant_slope() not in (None, 1.0)):
+                    elif const_expr(constant_slope != 1.0):
                         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                            dp[r, j] = dp[r, j] * Float32(head_mask.constant_slope())
+                            dp[r, j] = dp[r, j] * Float32(constant_slope)
                 ds16 = cute.make_rmem_tensor(s_shape, self.dtype)
                 store_as_16bit_pairs(ds16, acc_dp)
                 # dS^T of both warpgroups (all the tile's keys) for the dQ product; the buffer
