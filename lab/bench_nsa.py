@@ -24,6 +24,7 @@ fla travels as wheels (DEVICE.md): ``python3 -m pip install -q --no-index --no-d
 """
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -72,7 +73,11 @@ def main(argv=None):
     ap.add_argument("--rep", type=int, default=200)
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new points after this")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--table", metavar="JSON", help="print the markdown table of a results file and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table(json.load(open(args.table))["rows"]))
+        return
     impls = args.impls.split(",")
     start, rows = time.time(), []
     d, dtype = 128, torch.bfloat16
@@ -124,6 +129,28 @@ def main(argv=None):
                         row["error"] = f"{type(e).__name__}: {e}"[:300]
                     keep_row(rows, row, args.out)
     print(f"done in {time.time() - start:.0f} s")
+
+
+def table(rows) -> str:
+    """Markdown: per point and direction, each impl's TFLOP/s and its time against fmha's kernel
+    form and dense causal fmha."""
+    done = {(r["T"], r["H_q"], r["H_k"], r["direction"], r["impl"]): r for r in rows if "ms" in r}
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    head = ["T", "H_q/H_k", "direction"] + [f"{i} TFLOP/s" for i in impls]
+    head += ["fmha / fla", "fmha / fmha_causal", "fla / fmha_causal"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for point in dict.fromkeys((r["T"], r["H_q"], r["H_k"], r["direction"]) for r in rows):
+        got = {i: done.get(point + (i,)) for i in impls}
+        if not any(got.values()):
+            continue
+
+        def ratio(a, b):
+            return f"{got[b]['ms'] / got[a]['ms']:.2f}x" if got.get(a) and got.get(b) else "-"
+        cells = [str(point[0]), f"{point[1]}/{point[2]}", point[3]]
+        cells += [f"{got[i]['tflops']}" if got[i] else "-" for i in impls]
+        cells += [ratio("fmha", "fla"), ratio("fmha", "fmha_causal"), ratio("fla", "fmha_causal")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _call(impl, q, k, v, sel, cu, total, hq, hk, args, direction):

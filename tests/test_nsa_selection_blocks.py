@@ -97,3 +97,27 @@ def test_unchecked_lists_with_duplicates_and_indices_past_every_block():
     aux_a, aux_b = selection_mask(odd, cu, 16, 2)[1], selection_mask(once, cu, 16, 2)[1]
     assert torch.equal(aux_a[1], aux_b[1])
 
+
+
+def test_auto_tries_the_kernel_form_and_falls_back_where_it_is_refused(monkeypatch):
+    """'auto' on CUDA runs the kernel form; where fmha refuses it (UnsupportedError, before any
+    launch) the PyTorch path answers, forward and backward; 'kernel' raises the refusal."""
+    q, k, v, sel, cu = _case([70, 5], 4, 2, 16, 3, seed=3)
+    q.requires_grad_(True)
+    calls, try_kernels = [], S._try_kernels
+
+    def refused(*args):
+        calls.append(len(args))
+        raise fmha.UnsupportedError(["no kernel here"])
+
+    monkeypatch.setattr(S, "_try_kernels", lambda backend, q: backend in ("auto", "kernel"))
+    monkeypatch.setattr(S, "_selection_forward_kernels", refused)
+    monkeypatch.setattr(S, "_selection_backward_kernels", refused)
+    o, lse = S.selection_attention(q, k, v, sel, cu, 16, backend="auto")
+    o.sum().backward()
+    assert len(calls) == 2  # the forward and the backward each tried the kernels first
+    want_o, _ = S._selection_forward_torch(q.detach(), k, v, sel, cu, 16, 32 ** -0.5)
+    torch.testing.assert_close(o.detach(), want_o, atol=1e-12, rtol=1e-12)
+    with pytest.raises(fmha.UnsupportedError, match="no kernel here"):
+        S.selection_attention(q, k, v, sel, cu, 16, backend="kernel")
+    assert not try_kernels("auto", torch.zeros(1)) and not try_kernels("reference", torch.zeros(1))

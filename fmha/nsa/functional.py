@@ -66,7 +66,7 @@ def _check_call(q, k, v, gates, cu_seqlens, block, stride, select_block, select_
     if backend == "kernel" and selected is None:
         raise UnsupportedError(["fmha.nsa has no top-k kernel yet: backend='kernel' needs selected= (the block "
                                 "indices); backend='auto' runs the top-k in PyTorch and every attention branch on "
-                                "fmha's kernels"])
+                                "fmha's kernels where they serve it"])
     check_qkv(q, k, v, packed=cu_seqlens is not None)
     for name, g in zip(("g_cmp", "g_slc", "g_win"), gates):
         check_like_q(name, g, q, q.shape[:-1], "one gate per query token and head")
@@ -89,8 +89,8 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
     q's dtype; with ``return_branches``, ``(o, NSABranches)``. Differentiable in q, k, v, the
     gates, and k_cmp/v_cmp (or through the mean pooling); the top-k's choice is not.
     ``backend`` goes to fmha for the window and compression branches and to
-    ``selection_attention`` ("kernel": the lists as a block mask on fmha's kernels); the top-k
-    runs in PyTorch, so "kernel" needs ``selected``.
+    ``selection_attention`` (on CUDA, "auto" and "kernel" run the lists as a block mask on fmha's
+    kernels); the top-k runs in PyTorch, so "kernel" needs ``selected``.
     """
     gates = (g_cmp, g_slc, g_win)
     _check_call(q, k, v, gates, cu_seqlens, block, stride, select_block, select_count, window, backend, selected)

@@ -4,8 +4,9 @@ to the keys ``s <= t`` of the selection blocks listed in ``selected[t, h]`` (blo
 union. Returns o and the LSE like fmha's attention.
 
 Runs as the custom ops ``fmha_nsa::selection_forward`` / ``selection_backward`` (opaque to
-torch.compile, with autograd): with ``backend="kernel"`` on fmha's attention kernels, the lists as
-a block mask and a mask mod (``selection_blocks.py``); else in PyTorch: each chunk of queries
+torch.compile, with autograd): on fmha's attention kernels, the lists as a block mask and a mask
+mod (``selection_blocks.py``), for ``backend="kernel"`` and for "auto" on CUDA tensors the kernels
+serve; else in PyTorch: each chunk of queries
 gathers its listed blocks' keys and values (``_gather``), so memory stays bounded by
 ``CHUNK_BYTES`` and the backward recomputes P from the LSE as a kernel would.
 
@@ -21,7 +22,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backends import check_backend_name
+from ..backends import UnsupportedError, check_backend_name
 from ..problem import accumulate_dtype
 from .checks import check_int, check_qkv, check_scale, check_selected, read_seqlens
 from .layout import token_positions
@@ -30,7 +31,6 @@ __all__ = ["selection_attention"]
 
 #: budget of one chunk of gathered keys, values and scores
 CHUNK_BYTES = 256 << 20
-
 
 
 def _chunk(q, k, v, selected, select_block) -> int:
@@ -131,11 +131,20 @@ def _selection_backward_kernels(dout, q, k, v, out, lse, dlse, selected, cu, sel
     return dq[0], dk[0], dv[0]
 
 
+def _try_kernels(backend: str, q: Tensor) -> bool:
+    """Whether to try the kernel form first; "auto" falls back to PyTorch where it is refused."""
+    return backend == "kernel" or (backend == "auto" and q.is_cuda)
+
+
 @torch.library.custom_op("fmha_nsa::selection_forward", mutates_args=())
 def _forward_op(q: Tensor, k: Tensor, v: Tensor, selected: Tensor, cu_seqlens: Tensor, select_block: int,
                 softmax_scale: float, backend: str) -> Tuple[Tensor, Tensor]:
-    if backend == "kernel":  # fmha's attention raises with the reasons where its kernels cannot serve it
-        return _selection_forward_kernels(q, k, v, selected, cu_seqlens, select_block, softmax_scale)
+    if _try_kernels(backend, q):
+        try:
+            return _selection_forward_kernels(q, k, v, selected, cu_seqlens, select_block, softmax_scale)
+        except UnsupportedError:  # raised before any launch, with the reasons
+            if backend == "kernel":
+                raise
     return _selection_forward_torch(q, k, v, selected, cu_seqlens, select_block, softmax_scale)
 
 
@@ -149,9 +158,13 @@ def _forward_fake(q, k, v, selected, cu_seqlens, select_block, softmax_scale, ba
 def _backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
                  selected: Tensor, cu_seqlens: Tensor, select_block: int, softmax_scale: float,
                  backend: str) -> Tuple[Tensor, Tensor, Tensor]:
-    if backend == "kernel":
-        return _selection_backward_kernels(dout, q, k, v, out, lse, dlse, selected, cu_seqlens, select_block,
-                                           softmax_scale)
+    if _try_kernels(backend, q):
+        try:
+            return _selection_backward_kernels(dout, q, k, v, out, lse, dlse, selected, cu_seqlens, select_block,
+                                               softmax_scale)
+        except UnsupportedError:
+            if backend == "kernel":
+                raise
     return _selection_backward_torch(dout, q, k, v, out, lse, dlse, selected, cu_seqlens, select_block,
                                      softmax_scale)
 
@@ -187,8 +200,9 @@ def selection_attention(q: Tensor, k: Tensor, v: Tensor, selected: Tensor, cu_se
     ``cu_seqlens``; ``selected`` (T, H_k, n) int32 (``select_blocks``' output, or your own).
     Returns o (T, H_q, D_v) in q's dtype and lse (H_q, T) fp32 (fp64 for fp64); a query whose
     list keeps no key gets 0 and -inf. Differentiable in q, k, v. ``backend``: "kernel" runs
-    fmha's attention kernels with the lists as a block mask (``selection_blocks``); "auto" and
-    "reference" run the PyTorch path (docs/nsa.md says what the kernel form has been checked on).
+    fmha's attention kernels with the lists as a block mask (``selection_blocks``), raising where
+    they cannot serve the call; "auto" does so for CUDA tensors and else, or where the kernels
+    refuse, runs the PyTorch path; "reference" always runs the PyTorch path.
     ``check_selected_values=False`` skips reading ``selected`` on the host (range, no
     duplicates): a duplicate would then count its keys twice."""
     check_int("select_block", select_block)
