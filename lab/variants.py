@@ -34,8 +34,6 @@ VARIANTS = {
     # fp8 at D=256 with the 64-key tile (8 K/V stages) it had before 128 keys were adopted
     "fmha_fp8_d256_n64": dict(tile_n=64, fp8_only=True, head_dims=(256,)),
     "fmha_fp8_d256_n96": dict(tile_n=96, fp8_only=True, head_dims=(256,)),  # 5 K/V stages beside O's buffer
-    # e of each 8 probabilities exponentiated on the FMA pipe, the rest on the MUFU (lab/tune_exp2.py)
-    **{f"fmha_exp2_fma{e}": dict(exp2_on_fma_eighths=e) for e in range(9)},
 }
 
 

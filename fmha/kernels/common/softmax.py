@@ -24,8 +24,6 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .fragments import as_rows_cols
 
@@ -37,31 +35,6 @@ SUM_CHAINS = 2
 # How far (log2 units) a row's max may be stale: probabilities stay <= 256, which bf16, fp16 and
 # e4m3 (max 448) all hold, and an fp32 row sum of 2^8 per key cannot overflow.
 MAX_SLACK = 8.0
-
-
-#: 2^f ~ 1 + f (C1 + f (C2 + f C3)) on [-1/2, 1/2], relative error 1.0e-4 (below bf16's and fp16's
-#: rounding of P); the constant term is exactly 1 so that 2^-127 comes out as exactly 0
-_EXP2_POLY = ("0f3F317AFD", "0f3E7805FF", "0f3D6150AE")
-
-
-@dsl_user_op
-def exp2_on_fma(x: Float32, *, loc=None, ip=None) -> Float32:
-    """``2^x`` for x < 128 on the FMA and integer pipes instead of the MUFU: x = n + f with n the
-    nearest integer (from the bits of x + 1.5 * 2^23), a cubic for 2^f, n added to its exponent.
-    Below -127 (masked scores: -inf) the result is exactly 0, as ``ex2.approx.ftz`` gives."""
-    c1, c2, c3 = _EXP2_POLY
-    text = ("{ .reg .f32 x, n, f, p; .reg .b32 e, b;\n"
-            " max.ftz.f32 x, $1, 0fC2FE0000;\n"  # -127
-            " add.rn.ftz.f32 n, x, 0f4B400000;\n"  # 1.5 * 2^23 + round(x)
-            " sub.rn.ftz.f32 f, n, 0f4B400000;\n"
-            " sub.rn.ftz.f32 f, x, f;\n"
-            f" fma.rn.ftz.f32 p, f, {c3}, {c2};\n"
-            f" fma.rn.ftz.f32 p, p, f, {c1};\n"
-            " fma.rn.ftz.f32 p, p, f, 0f3F800000;\n"
-            " mov.b32 e, n;\n shl.b32 e, e, 23;\n mov.b32 b, p;\n add.s32 b, b, e;\n mov.b32 $0, b; }")
-    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], text, "=f,f",
-                                   has_side_effects=False, is_align_stack=False,
-                                   asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 def _add(a, b):
@@ -85,14 +58,10 @@ class OnlineSoftmax:
     max_chains: int = MAX_CHAINS
     sum_chains: int = SUM_CHAINS
     max_slack: float = 0.0
-    #: of every 8 columns, how many a thread exponentiates with ``exp2_on_fma`` (the rest on the
-    #: MUFU): where the MUFU has more to do than the FMA pipe (softcap's tanh shares it)
-    exp2_on_fma_eighths: int = 0
 
     @staticmethod
     def create(scale_log2: Float32, num_rows: int, max_chains: int = MAX_CHAINS,
-               sum_chains: int = SUM_CHAINS, max_slack: float = 0.0,
-               exp2_on_fma_eighths: int = 0) -> "OnlineSoftmax":
+               sum_chains: int = SUM_CHAINS, max_slack: float = 0.0) -> "OnlineSoftmax":
         return OnlineSoftmax(
             scale_log2,
             cute.make_rmem_tensor(num_rows, Float32),
@@ -100,7 +69,6 @@ class OnlineSoftmax:
             max_chains,
             sum_chains,
             max_slack,
-            exp2_on_fma_eighths,
         )
 
     @cute.jit
@@ -167,11 +135,7 @@ class OnlineSoftmax:
         sum_chains = min(self.sum_chains, num_cols)
         part = [None] * sum_chains
         for c in range(num_cols):
-            x = s[r, c] * self.scale_log2 + neg_max_scaled
-            if c % 8 < self.exp2_on_fma_eighths:
-                p = exp2_on_fma(x)
-            else:
-                p = cute.math.exp2(x, fastmath=True)
+            p = cute.math.exp2(s[r, c] * self.scale_log2 + neg_max_scaled, fastmath=True)
             s[r, c] = p
             k = c % sum_chains
             part[k] = p if c < sum_chains else part[k] + p

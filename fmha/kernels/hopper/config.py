@@ -308,12 +308,6 @@ class HopperForwardConfig:
         return element_bytes(self.dtype) == 2 and self.head_dim_v >= 128
 
     @property
-    def exp2_on_fma_eighths(self) -> int:
-        """Of each 8 probabilities, how many are exponentiated on the FMA pipe
-        (``OnlineSoftmax``): softcap's tanh doubles the MUFU's work per score."""
-        return 0
-
-    @property
     def v_staged(self) -> bool:
         """fp8: the P.V product needs V key-major; V goes through ``stage_v_fp8`` first."""
         return self.dtype == torch.float8_e4m3fn

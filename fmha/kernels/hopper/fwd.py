@@ -403,7 +403,7 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
         tOcO = thr_pv.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim_v)))
 
         num_rows = cute.size(as_rows_cols(acc_o), mode=[0])
-        softmax = OnlineSoftmax.create(scale_log2, num_rows, *cfg.softmax_chains, self.max_slack, cfg.exp2_on_fma_eighths)
+        softmax = OnlineSoftmax.create(scale_log2, num_rows, *cfg.softmax_chains, self.max_slack)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
         lse_rows = cute.make_rmem_tensor(num_rows, Float32)
         sinks_log2 = cute.make_rmem_tensor(num_rows, Float32) if const_expr(cfg.has_sinks) else None
