@@ -327,7 +327,8 @@ def attention_with_kvcache(
     lse.fill_(-math.inf)
     for b, (rows, cols) in enumerate(positions):
         k, v = k_cache[rows, cols], v_cache[rows, cols]  # (L, H_k, D)
-        o_b, lse_b = attention_reference(q[b:b + 1], k[None], v[None], mask=mask, sinks=sinks, **scales)
+        o_b, lse_b = attention_reference(q[b:b + 1], k[None], v[None], mask=mask, sinks=sinks,
+                                         compute_dtype=accumulate_dtype(q.dtype), **scales)
         out[b] = cast_output(o_b[0], out_dtype)
         lse[b] = lse_b[0]
     return (out, lse) if return_lse else out

@@ -189,3 +189,66 @@ def test_selection_on_fmha_kernels_forward_and_backward(hq, hk):
     want_o.backward(dout.double())
     for name, a, b in zip("qkv", leaves, slow):
         assert rel_l2(a.grad, b.grad) < 2e-2, f"d{name}: {rel_l2(a.grad, b.grad):.3g}"
+
+
+def _decode_case(hq, hk, s_q, seed=7):
+    """Caches of three sequences (their tokens before the step), the step's rows and new keys, and
+    the fp64 reference's branches over the whole sequences."""
+    lens, d, l, s = [2048 + 77, 3, 1531], 128, PAPER["block"], PAPER["stride"]
+    q, k, v, gates, cu = bf16_inputs(lens, hq, hk, d, "cuda", seed=seed)
+    s_max = max(lens) + 64
+    n_cmp = nsa.num_compressed_blocks(s_max, l, s)
+    b = len(lens)
+    kc, vc = (torch.zeros(b, s_max, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kcmp, vcmp = (torch.zeros(b, n_cmp, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    idx = []
+    for i, (a, n) in enumerate(zip(cu[:-1].tolist(), lens)):
+        kc[i, :n - s_q], vc[i, :n - s_q] = k[a:a + n - s_q], v[a:a + n - s_q]
+        pooled_k, _ = nsa.mean_pool(k[a:a + n - s_q], cu_of([n - s_q], "cuda"), l, s)
+        pooled_v, _ = nsa.mean_pool(v[a:a + n - s_q], cu_of([n - s_q], "cuda"), l, s)
+        kcmp[i, :pooled_k.shape[0]], vcmp[i, :pooled_v.shape[0]] = pooled_k, pooled_v
+        idx.append([a + n - s_q + r for r in range(s_q)])
+    idx = torch.tensor(idx, device="cuda")
+    step = dict(q=q[idx], k_cache=kc, v_cache=vc, k_cmp_cache=kcmp, v_cmp_cache=vcmp,
+                cache_seqlens=torch.tensor([n - s_q for n in lens], dtype=torch.int32, device="cuda"),
+                g_cmp=gates[0][idx], g_slc=gates[1][idx], g_win=gates[2][idx], k_new=k[idx], v_new=v[idx])
+    return step, (q, k, v, gates, cu), idx
+
+
+@pytest.mark.skipif(not _HOPPER, reason="fmha's decode kernels need an SM90 GPU")
+@pytest.mark.parametrize("hq,hk,s_q", [(16, 2, 1), (32, 8, 1), (16, 2, 3)])
+def test_decode_step_in_bf16_on_the_kernels(hq, hk, s_q):
+    """``nsa_decode`` with its two attention calls on fmha's decode kernels: each step row against
+    the fp64 reference's last rows of the whole sequences, given the lists the step chose (which
+    must be the reference's own for nearly every row and group: a broken ranking would not be)."""
+    step, full, idx = _decode_case(hq, hk, s_q)
+    o, got = nsa.nsa_decode(**step, backend="kernel", return_branches=True, **PAPER)
+    q, k, v, gates, cu = full
+    _, want_br = ref.nsa_reference(q, k, v, *gates, cu_seqlens=cu, return_branches=True, **PAPER)
+    same = (got.selected == want_br.selected[idx]).all(-1).float().mean().item()
+    assert same > 0.9, f"only {same:.2%} of the lists equal the reference's"
+    sel = want_br.selected.clone()
+    sel[idx] = got.selected
+    want = ref.nsa_reference(q, k, v, *gates, cu_seqlens=cu, selected=sel, **PAPER)[idx]
+    assert o.dtype == torch.bfloat16 and not o.isnan().any() and rel_l2(o, want) < 1e-2
+    for name in ("o_cmp", "o_win"):
+        assert rel_l2(getattr(got, name), getattr(want_br, name)[idx]) < 1e-2, name
+
+
+@pytest.mark.skipif(not _HOPPER, reason="fmha's decode kernels need an SM90 GPU")
+def test_decode_step_replays_in_a_cuda_graph():
+    """A step captured once replays to the eager step's output, bit for bit."""
+    step, _, _ = _decode_case(16, 2, 1, seed=9)
+    eager = nsa.nsa_decode(**step, backend="kernel", **PAPER)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        nsa.nsa_decode(**step, backend="kernel", **PAPER)  # warm: every kernel compiled before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = nsa.nsa_decode(**step, backend="kernel", **PAPER)
+    torch.cuda.current_stream().wait_stream(stream)
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)

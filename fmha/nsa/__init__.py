@@ -8,6 +8,7 @@ the fp64 oracle. This package imports fmha's public modules; fmha's core never i
 """
 
 from .compression import compression_attention
+from .decode import nsa_decode, pool_new_blocks
 from .functional import nsa_attention, window_attention
 from .layout import NSABranches, compressed_cu_seqlens, num_compressed_blocks, num_selection_blocks
 from .module import NativeSparseAttention, apply_rotary
@@ -18,6 +19,8 @@ from .topk import select_blocks
 
 __all__ = [
     "nsa_attention",
+    "nsa_decode",
+    "pool_new_blocks",
     "compression_attention",
     "select_blocks",
     "selection_attention",

@@ -25,7 +25,7 @@ from torch import Tensor
 from ..backends import UnsupportedError, check_backend_name
 from ..problem import accumulate_dtype
 from .checks import check_int, check_qkv, check_scale, check_selected, read_seqlens
-from .layout import token_positions
+from .layout import TokenPositions, token_positions
 
 __all__ = ["selection_attention"]
 
@@ -53,13 +53,19 @@ def _gather(k, v, selected, where, a, z, select_block, cdt):
 
 
 def _selection_forward_torch(q, k, v, selected, cu, select_block, scale):
+    return attend_selected(q, k, v, selected, token_positions(cu, q.shape[0]), select_block, scale)
+
+
+def attend_selected(q, k, v, selected, where: TokenPositions, select_block: int, scale: float):
+    """(o (N, H_q, D_v), lse (H_q, N)) of N queries q (N, H_q, D) over the rows of k (R, H_k, D)
+    that their lists name: query n sits at ``where.position[n]`` of a sequence whose first row
+    in k is ``where.start[n]`` (the packed tokens themselves, or a decode step's rows)."""
     cdt = accumulate_dtype(q.dtype)
     total, heads_q = q.shape[0], q.shape[1]
     heads_k = k.shape[1]
     group = heads_q // heads_k
     o = torch.zeros((total, heads_q, v.shape[-1]), dtype=cdt, device=q.device)
     lse = torch.full((heads_q, total), -math.inf, dtype=cdt, device=q.device)
-    where = token_positions(cu, total)
     step = _chunk(q, k, v, selected, select_block)
     for a in range(0, total, step):
         z = min(a + step, total)
