@@ -59,11 +59,18 @@ def _ints(text: str, count: Optional[int] = None) -> List[int]:
 
 
 def _shape(text):
-    return _ints(text, 4)
+    values = _ints(text, 4)
+    if any(x < 0 for x in values):
+        raise argparse.ArgumentTypeError(f"a shape's sizes must be >= 0 (B,S,H,D), got {text!r}")
+    return values
 
 
 def _pair(text):
     return _ints(text, 2)
+
+
+#: options whose comma-separated values may start with a dash
+_LIST_OPTIONS = ("--window_size", "--q_shape", "--k_shape")
 
 
 def _values_joined(argv: list) -> list:
@@ -71,8 +78,8 @@ def _values_joined(argv: list) -> list:
     a dash (and is not a plain negative number) as an option."""
     out = []
     for i, token in enumerate(argv):
-        if i and argv[i - 1] == "--window_size" and token.startswith("-") and out and out[-1] == "--window_size":
-            out[-1] = f"--window_size={token}"
+        if i and argv[i - 1] in _LIST_OPTIONS and token.startswith("-") and out and out[-1] == argv[i - 1]:
+            out[-1] = f"{argv[i - 1]}={token}"
         else:
             out.append(token)
     return out

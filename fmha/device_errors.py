@@ -6,8 +6,8 @@ instead: offsets that are out of order or out of range, or a sequence longer tha
 are clamped there (so nothing is read or written out of bounds, though that call's results are
 wrong) and raise a flag on the device. ``attention_with_kvcache`` on the kernel path checks its
 cache lengths and block table the same way. After each such call the flag is copied to pinned host
-memory without a sync; the next such call on the device raises the error once that copy has
-landed, and ``fmha.check_device_errors()`` waits for it and raises it at once.
+memory without a sync or an event; the next such call on the device raises the error once that
+copy has landed, and ``fmha.check_device_errors()`` waits for it and raises it at once.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class _DeviceFlag:
     def __init__(self, device: torch.device):
         self.flag = torch.zeros(1, dtype=torch.int32, device=device)
         self.host = torch.zeros(1, dtype=torch.int32).pin_memory()
-        self.copied = torch.cuda.Event()
+        self.host_value = self.host.numpy()  # reads the pinned word without a tensor op
         self.watched = False
 
 
@@ -58,18 +58,18 @@ def flag(device: torch.device) -> torch.Tensor:
 
 
 def watch(device: torch.device) -> None:
-    """After a call whose offsets were checked on the device: start copying the flag back."""
+    """After a call whose offsets were checked on the device: start copying the flag back (no
+    event: the word in pinned memory is 0 until a copy brings a set flag)."""
     if torch.cuda.is_current_stream_capturing():
         return  # a graph replays without the host: check_device_errors() after replays instead
     state = _state(device)
     state.host.copy_(state.flag, non_blocking=True)
-    state.copied.record()
     state.watched = True
 
 
 def _raise_if_set(state: _DeviceFlag) -> None:
     state.watched = False
-    code = int(state.host[0])
+    code = int(state.host_value[0])
     if code:
         state.host.zero_()
         state.flag.zero_()
@@ -78,12 +78,16 @@ def _raise_if_set(state: _DeviceFlag) -> None:
 
 
 def raise_pending(device: torch.device) -> None:
-    """Raise the error of an earlier call on ``device`` if its flag has come back (no waiting)."""
-    if torch.cuda.is_current_stream_capturing():
-        return  # an event query is not allowed while a graph is being captured
+    """Raise the error of an earlier call on ``device`` if its flag has come back (no waiting
+    unless it has: then the copies still in flight land first, so one error raises once)."""
     state = _flags.get(device.index if device.index is not None else torch.cuda.current_device())
-    if state is not None and state.watched and state.copied.query():
-        _raise_if_set(state)
+    if state is None or not state.watched or not state.host_value[0]:
+        return
+    if torch.cuda.is_current_stream_capturing():
+        return  # a synchronization is not allowed while a graph is being captured
+    torch.cuda.synchronize(state.flag.device)
+    state.host.copy_(state.flag)
+    _raise_if_set(state)
 
 
 def check_device_errors() -> None:

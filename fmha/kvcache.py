@@ -146,7 +146,9 @@ def _append_on_device(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table
         valid &= (pages >= 0) & (pages < k_cache.shape[0])
         rows, cols = pages.clamp(0, k_cache.shape[0] - 1), pos % page_size
     valid, rows, cols = valid.flatten(), rows.flatten(), cols.flatten()
-    first = torch.argmax(valid.int())  # the first valid write, or entry 0 if there is none
+    # the first valid write, or entry 0 if there is none; a 1-element index (a 0-dim one would
+    # be read on the host, a sync per call)
+    first = torch.argmax(valid.int()).view(1)
     rows = torch.where(valid, rows, rows[first])
     cols = torch.where(valid, cols, cols[first])
     for cache, new in ((k_cache, k_new), (v_cache, v_new)):

@@ -189,7 +189,8 @@ def _forward_flops(q_shape, k_shape, v_shape, sinks_shape, aux_shapes, block_sta
                    cu_q_shape, cu_k_shape, varlen, max_seqlen_q, max_seqlen_k, *args, **kwargs) -> int:
     """The forward's matmul FLOPs as PyTorch counts SDPA's (the whole score matrix, masks not
     discounted): 2 * H_q * rows * keys * (D + D_v); a packed batch counts each query row against
-    the longest sequence's keys."""
+    ``max_seqlen_k`` keys, or without it against every key row (an upper bound: the counter
+    sees shapes, not the offsets)."""
     d, d_v, heads = q_shape[-1], v_shape[-1], q_shape[-2]
     if varlen:
         rows, keys = q_shape[0], max_seqlen_k if max_seqlen_k is not None else k_shape[0]

@@ -113,7 +113,9 @@ def _check_shapes(q, k, v, varlen: bool) -> None:
         if t.shape[-1] < 1:
             raise ValueError(f"{name} head dim must be at least 1, got {t.shape[-1]}")
     hq, hk = q.shape[-2], k.shape[-2]
-    if hk == 0 or hq % hk != 0:
+    if hk == 0:
+        raise ValueError(f"k has no heads (H_k=0, shape {tuple(k.shape)}); it needs at least one")
+    if hq % hk != 0:
         raise ValueError(
             f"H_q={hq} is not a multiple of H_k={hk}: grouped-query attention needs "
             "H_q % H_k == 0"

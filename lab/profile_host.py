@@ -1,7 +1,8 @@
 """Where an eager call's host time goes (GPU machine): one decode or forward point called in a
 loop, its host time per call (``perf_counter`` over calls that are not synchronized, so the
 GPU's time hides only where the host is faster), its GPU time per call replayed in a CUDA graph,
-any call that synchronizes the host with the GPU (``torch.cuda.set_sync_debug_mode``), and a
+its eager time as ``lab.bench_decode`` takes it (``do_bench``: one call at a time), any call that
+synchronizes the host with the GPU (``torch.cuda.set_sync_debug_mode``), and a
 ``cProfile`` of the loop.
 
     python -m lab.profile_host --point decode --batch 16 --seqlen-q 1 --seqlen-k 8192 --out $OUT/host
@@ -33,16 +34,21 @@ def make_call(args):
     out = torch.empty_like(q)
     if args.point == "forward":
         return lambda: fmha.attention(q, k, v, causal=True, out=out, backend="kernel")
-    lengths = torch.full((b,), sk, dtype=torch.int32, device="cuda")
+    lengths = torch.full((b,), sk - args.append, dtype=torch.int32, device="cuda")
+    new = {}
+    if args.append:  # the step's keys written into the cache first (at the same places every call)
+        new = dict(k_new=torch.randn(b, args.append, hk, d, generator=g, device="cuda", dtype=torch.bfloat16),
+                   v_new=torch.randn(b, args.append, hk, d, generator=g, device="cuda", dtype=torch.bfloat16))
     if not args.page_size:
-        return lambda: fmha.attention_with_kvcache(q, k, v, lengths, out=out, backend="kernel")
+        return lambda: fmha.attention_with_kvcache(q, k, v, lengths, out=out, backend="kernel", **new)
     per_seq = sk // args.page_size
     order = torch.randperm(b * per_seq, device="cuda")
     kp = torch.empty((b * per_seq, args.page_size, hk, d), dtype=k.dtype, device="cuda")
     vp = torch.empty_like(kp)
     kp[order], vp[order] = k.reshape(-1, args.page_size, hk, d), v.reshape(-1, args.page_size, hk, d)
     table = order.view(b, per_seq).to(torch.int32)
-    return lambda: fmha.attention_with_kvcache(q, kp, vp, lengths, block_table=table, out=out, backend="kernel")
+    return lambda: fmha.attention_with_kvcache(q, kp, vp, lengths, block_table=table, out=out, backend="kernel",
+                                               **new)
 
 
 def main(argv=None):
@@ -55,6 +61,7 @@ def main(argv=None):
     ap.add_argument("--heads-k", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=0)
+    ap.add_argument("--append", type=int, default=0, help="decode: new keys per sequence (k_new/v_new)")
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
@@ -83,7 +90,9 @@ def main(argv=None):
     end_ev.record()
     torch.cuda.synchronize()
     gpu_us = start_ev.elapsed_time(end_ev) / args.calls * 1e3
-    syncs = []
+    from triton.testing import do_bench
+
+    eager_us = do_bench(call, warmup=25, rep=200, return_mode="median") * 1e3  # one call at a time, L2 flushed
     torch.cuda.set_sync_debug_mode("warn")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -101,11 +110,11 @@ def main(argv=None):
     stats.sort_stats("tottime").print_stats(30)
     stats.sort_stats("cumulative").print_stats(40)
     row = dict(vars(args), host_us_per_call=round(host_us, 1), graph_gpu_us_per_call=round(gpu_us, 1),
-               synchronizing_calls=syncs)
+               eager_us_per_call=round(eager_us, 1), synchronizing_calls=syncs)
     print(json.dumps(row))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        tag = f"{args.point}_b{args.batch}_sq{args.seqlen_q}_sk{args.seqlen_k}_p{args.page_size}"
+        tag = f"{args.point}_b{args.batch}_sq{args.seqlen_q}_sk{args.seqlen_k}_p{args.page_size}_new{args.append}"
         with open(os.path.join(args.out, tag + ".json"), "w") as f:
             json.dump(row, f, indent=1)
         with open(os.path.join(args.out, tag + "_cprofile.txt"), "w") as f:

@@ -63,6 +63,13 @@ def test_bad_arguments_exit_2():
         assert r.returncode == 2 and "positive multiple of 16" in r.stderr, (page, r.stderr)
     r = fmha_cli("--q_shape", "1,1,2,64", "--page_size", "16")
     assert r.returncode == 2 and "--kvcache" in r.stderr
+    # negative sizes were a traceback (rc 1), and a leading dash an argparse puzzle
+    for flag, shape in (("--q_shape", "1,-5,2,32"), ("--q_shape", "-1,10,2,32"), ("--k_shape", "1,-3,2,32")):
+        args = ("--q_shape", "1,10,2,32", flag, shape) if flag == "--k_shape" else (flag, shape)
+        r = fmha_cli(*args)
+        assert r.returncode == 2 and "sizes must be >= 0" in r.stderr, (shape, r.stderr)
+    r = fmha_cli("--q_shape", "1,10,0,32")
+    assert r.returncode == 2 and "k has no heads" in r.stderr
 
 
 def test_window_with_an_unbounded_left_side_parses():

@@ -251,3 +251,32 @@ def test_dense_calls_with_few_query_rows_run_as_decode(spec, decode_kernels):
     assert (lse[finite] - want_lse[finite]).abs().max().item() < LSE_TOL
     err = (out.float() - want_o.float()).norm().item() / want_o.float().norm().item()
     assert err < O_TOL[torch.bfloat16], err
+
+
+def test_a_decode_step_that_appends_replays_from_a_cuda_graph(decode_kernels):
+    """A step with k_new/v_new (written into a paged cache) and the LSE captures and replays: the
+    append reads nothing back on the host (a sync there would end the capture)."""
+    case = CASES[11]
+    q, k, v, seqlens, table, k_new, v_new = _inputs(case, 11)
+    out = torch.empty_like(q)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device="cuda")
+
+    def step():
+        fmha.attention_with_kvcache(q, k, v, seqlens, block_table=table, k_new=k_new, v_new=v_new, out=out,
+                                    lse=lse, backend="kernel", **_kwargs(case))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    eager, eager_lse = out.clone(), lse.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
+    fmha.check_device_errors()
