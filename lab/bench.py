@@ -7,9 +7,9 @@
     python -m lab.bench --compile-workers 14 ...  # compile the grid's kernels in 14 processes first
 
 Peers: FlashAttention-4 (``flash_attn.cute.flash_attn_func``), PyTorch SDPA with the cuDNN and the
-flash backends; where the ``.device-peers`` bundle is on the path, FlashAttention-3 (``fa3``) and
-cuDNN's fp8 graph (``cudnn_fp8``, fp8 output). (``python -m fmha.bench`` runs the same from a
-checkout.)
+flash backends; where FlashAttention-3's prebuilt forward (``fa3_fwd_interface``) and the cuDNN
+frontend are importable, FlashAttention-3 (``fa3``) and cuDNN's fp8 graph (``cudnn_fp8``, fp8
+output).
 
 Every implementation's output is checked against the fp32 reference on the same
 inputs before it is timed (a wrong answer is reported, not timed). Timing: CUDA events through
@@ -192,7 +192,7 @@ def _implementations(torch, variants: bool = False, peers: bool = True) -> dict[
         impls["fa4"] = fa4
     except Exception as e:  # not importable on this machine
         print(f"FlashAttention-4 not available: {e}", file=sys.stderr)
-    try:  # the .device-peers bundle (../shared/device/make-peers.sh): a second call on the warm machine
+    try:  # FA3's prebuilt forward, where it is importable
         import fa3_fwd_interface as fa3
 
         def fa3_forward(q, k, v, p, cu):

@@ -5,7 +5,7 @@ the peers importable there, side by side in one run.
     python -m lab.bench_decode --impls fmha,fa4      # a subset
 
 Peers: FlashAttention-4 (``flash_attn.cute.flash_attn_func`` on the dense cache, causal: its
-masks align bottom-right), FlashAttention-3 (``fa3_fwd_interface``, from the peers bundle),
+masks align bottom-right), FlashAttention-3 (``fa3_fwd_interface``, where it is importable),
 PyTorch SDPA's flash backend (FA2; S_q = 1 only, where no mask is the bottom-right causal
 mask). Every cache is full (each sequence holds S_k keys), so all read the same bytes. Every
 output is checked against an fp32 reference first (a wrong answer is reported, not timed).

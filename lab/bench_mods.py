@@ -17,8 +17,8 @@ and last 256 query rows), ``err_dq`` (fwd+bwd: dQ on that slice), ``build_ms`` (
 second build after one that compiles; not in ms), ``first_s`` (the first call: compiles), or
 ``error`` / ``skipped`` (the run goes on).
 
-    source .device-bundle/activate.sh && python lab/bench_mods.py --backward --out $OUT/mods.json
-    python lab/plot_mods.py $OUT/mods.json --out $OUT/mods.png
+    python lab/bench_mods.py --backward --out results/bench/mods/mods.json   # FA4 importable for its rows
+    python lab/plot_mods.py results/bench/mods/mods.json --out results/bench/mods/mods.png
 """
 
 import argparse

@@ -17,10 +17,11 @@ for the dense rows): fwd 4*H_q*D*kept, fwd+bwd 3.5x. A row: ms (median, lab/timi
 ``speedup_vs_fmha_causal``, ``err`` (relative L2 error of the output against ``fmha_torch`` in
 fp32 on the first 2048 tokens), or ``error`` / ``skipped``.
 
-fla travels as wheels (DEVICE.md): ``python3 -m pip install -q --no-index --no-deps --target
-/tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH``.
+fla (the ``fla-core`` package) and FlashAttention-4 must be importable, e.g. installed from their
+wheels: ``python3 -m pip install --no-deps --target /tmp/site fla_core-0.6.0-py3-none-any.whl``
+and ``export PYTHONPATH=/tmp/site:$PYTHONPATH``.
 
-    source .device-bundle/activate.sh && python lab/bench_nsa.py --backward --out $OUT/nsa.json
+    python lab/bench_nsa.py --backward --out results/bench/nsa/nsa.json
 """
 
 import argparse

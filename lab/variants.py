@@ -5,7 +5,7 @@ beside the default by ``python -m lab.bench --variants`` to measure what a choic
 A variant overrides fields of ``HopperForwardConfig`` (tile, schedule, Q buffers, O store) or
 its derived properties (softmax chains, lazy rescale); overridden properties live in a subclass
 made here, so the library's config keeps only what production sets. Loops and knobs that were
-measured and dropped are in git history, tag ``kernel-experiments`` (docs/performance.md).
+measured and dropped are in git history, commit a67897b (docs/performance.md).
 """
 
 from __future__ import annotations
