@@ -127,36 +127,6 @@ class DecodeProblem(ScoreScaling):
         return matmul_flops(kept * self.heads_q, self.head_dim, self.head_dim_v)
 
 
-def _append_on_device(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, page_size, capacity) -> None:
-    """Write k_new/v_new at positions ``cache_seqlens[b] ..`` without reading anything back.
-    A position past the cache or on a page that does not exist (the kernel flags the call) writes
-    nothing: it repeats the first valid write of the call (or, if none, rewrites one row's old
-    value), so that duplicate indices in the scatter all carry one value and no other row
-    changes."""
-    batch, s_new = k_new.shape[:2]
-    dev = k_new.device
-    pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=dev)
-    valid = (pos >= 0) & (pos < capacity)
-    pos = pos.clamp(0, capacity - 1)
-    if block_table is None:
-        rows, cols = torch.arange(batch, device=dev)[:, None].expand(batch, s_new), pos
-    else:
-        logical = (pos // page_size).clamp(max=block_table.shape[1] - 1)
-        pages = torch.gather(block_table, 1, logical).long()
-        valid &= (pages >= 0) & (pages < k_cache.shape[0])
-        rows, cols = pages.clamp(0, k_cache.shape[0] - 1), pos % page_size
-    valid, rows, cols = valid.flatten(), rows.flatten(), cols.flatten()
-    # the first valid write, or entry 0 if there is none; a 1-element index (a 0-dim one would
-    # be read on the host, a sync per call)
-    first = torch.argmax(valid.int()).view(1)
-    rows = torch.where(valid, rows, rows[first])
-    cols = torch.where(valid, cols, cols[first])
-    for cache, new in ((k_cache, k_new), (v_cache, v_new)):
-        new = new.flatten(0, 1)
-        stand_in = torch.where(valid[first], new[first], cache[rows[first], cols[first]])
-        cache[rows, cols] = torch.where(valid[:, None, None], new, stand_in)
-
-
 def decode_backend(backend: str, problem: DecodeProblem) -> tuple:
     """(name of what serves ``problem`` under ``backend``, the reasons no kernel does, if any)."""
     from . import backends
@@ -303,7 +273,7 @@ def attention_with_kvcache(
         device_errors.raise_pending(q.device)
         lengths = cache_seqlens
         if s_new:
-            _append_on_device(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, page_size, capacity)
+            runner.append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, capacity)
             lengths = cache_seqlens + s_new
         if lse is None and return_lse:
             lse = torch.empty((batch, heads_q, s_q), dtype=accumulate_dtype(q.dtype), device=q.device)

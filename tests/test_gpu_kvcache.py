@@ -280,3 +280,34 @@ def test_a_decode_step_that_appends_replays_from_a_cuda_graph(decode_kernels):
     torch.cuda.synchronize()
     assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
     fmha.check_device_errors()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_append_pass_writes_valid_positions_only(dtype):
+    """``append_to_cache`` (one launch): a position past the cache, or on a block-table entry that
+    is not a page, writes nothing; every other position gets its new key and value."""
+    from fmha.kernels.hopper.backend import append_to_cache
+
+    dev = "cuda"
+    table = torch.tensor([[1, -1], [2, 3]], dtype=torch.int32, device=dev)  # sequence 0's second page is missing
+    k = torch.zeros(4, 16, 1, 2, dtype=dtype, device=dev)
+    v = torch.zeros_like(k)
+    new = torch.ones(2, 1, 1, 2, dtype=dtype, device=dev)
+    append_to_cache(k, v, new, 2 * new, torch.tensor([16, 5], dtype=torch.int32, device=dev), table, 32)
+    assert torch.all(k[0] == 0) and torch.all(k[1] == 0)  # nothing through the bad entry, nothing to page 0
+    assert torch.all(k[2, 5] == 1) and torch.all(v[2, 5] == 2) and int((k != 0).sum()) == 2
+    k = torch.arange(4 * 16 * 2, device=dev).view(4, 16, 1, 2).to(dtype)
+    before = k.clone()
+    append_to_cache(k, k.clone(), new, new, torch.tensor([40, -3], dtype=torch.int32, device=dev), table, 32)
+    assert torch.equal(k, before)  # nothing fits: nothing changes
+    dense = torch.zeros(2, 8, 1, 2, dtype=dtype, device=dev)
+    three = torch.ones(2, 3, 1, 2, dtype=dtype, device=dev)
+    append_to_cache(dense, dense.clone(), three, three, torch.tensor([6, 1], dtype=torch.int32, device=dev), None, 8)
+    assert dense[0, :, 0, 0].tolist() == [0] * 6 + [1, 1] and dense[1, :, 0, 0].tolist() == [0, 1, 1, 1, 0, 0, 0, 0]
+    # K and V of other head dims, a strided (non-contiguous) new-key view
+    kc, vc = torch.zeros(2, 8, 3, 192, dtype=dtype, device=dev), torch.zeros(2, 8, 3, 128, dtype=dtype, device=dev)
+    kn = torch.randn(2, 6, 3, 192, device=dev).to(dtype)[:, ::2]
+    vn = torch.randn(2, 3, 3, 128, device=dev).to(dtype)
+    append_to_cache(kc, vc, kn, vn, torch.tensor([0, 4], dtype=torch.int32, device=dev), None, 8)
+    assert torch.equal(kc[0, :3], kn[0]) and torch.equal(kc[1, 4:7], kn[1]) and torch.equal(vc[1, 4:7], vn[1])
+    assert not kc[0, 3:].any() and not kc[1, :4].any() and not kc[1, 7:].any()

@@ -72,26 +72,6 @@ def test_packed_rows_visit_the_tiles_of_their_positions(rows_per_query, window):
         assert kept == visited
 
 
-def test_appending_on_the_device_writes_valid_positions_only():
-    from fmha.kvcache import _append_on_device
-
-    table = torch.tensor([[1, -1], [2, 3]], dtype=torch.int32)  # sequence 0's second page does not exist
-    k = torch.zeros(4, 16, 1, 2)
-    v = torch.zeros_like(k)
-    new = torch.ones(2, 1, 1, 2)
-    _append_on_device(k, v, new, 2 * new, torch.tensor([16, 5], dtype=torch.int32), table, 16, 32)
-    assert torch.all(k[0] == 0) and torch.all(k[1] == 0)  # no write through the bad entry, none to page 0
-    assert torch.all(k[2, 5] == 1) and torch.all(v[2, 5] == 2) and int((k != 0).sum()) == 2
-    k = torch.arange(4 * 16 * 2, dtype=torch.float).view(4, 16, 1, 2)
-    before = k.clone()
-    _append_on_device(k, k.clone(), new, new, torch.tensor([40, 40], dtype=torch.int32), table, 16, 32)
-    assert torch.equal(k, before)  # nothing fits: nothing changes
-    dense = torch.zeros(2, 8, 1, 2)
-    _append_on_device(dense, dense.clone(), torch.ones(2, 3, 1, 2), torch.ones(2, 3, 1, 2),
-                      torch.tensor([6, 1], dtype=torch.int32), None, None, 8)
-    assert dense[0, :, 0, 0].tolist() == [0] * 6 + [1, 1] and dense[1, :, 0, 0].tolist() == [0, 1, 1, 1, 0, 0, 0, 0]
-
-
 def test_decode_problems_the_kernel_cannot_serve_say_why():
     from fmha.kernels.hopper.config import why_unsupported_decode
     from fmha.kvcache import decode_problem

@@ -190,6 +190,38 @@ def compile_split_combine(cfg, extra_options: str = ""):
                        extra_options=extra_options)
 
 
+def compile_kv_append(cfg, extra_options: str = ""):
+    """Compile the KV-cache append pass (``kernels/common/kv_append.py``) for sm_90a: any strides
+    (its loads and stores are scalar)."""
+    import cutlass
+    from cutlass import Int32
+
+    from ..common.kv_append import KvAppend
+
+    elem = cutlass_dtype(cfg.dtype)
+    one = elem.width // 8
+    k_new, k = (fake_rows(elem, 4, cfg.head_dim, align_bytes=one) for _ in range(2))
+    v_new, v = (fake_rows(elem, 4, cfg.head_dim_v, align_bytes=one) for _ in range(2))
+    table = fake_rows(cutlass.Int32, 2, None, align_bytes=4) if cfg.paged else None
+    return compile_for(ARCH, KvAppend(cfg), k_new, v_new, k, v, fake_vector(cutlass.Int32), table, Int32(1),
+                       extra_options=extra_options)
+
+
+_kv_appends: dict = {}
+
+
+def append_to_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, capacity: int) -> None:
+    """Write k_new/v_new (B, S_new, H_k, D) at positions ``cache_seqlens[b] ..`` of each sequence
+    (dense or paged cache), one launch; positions that do not fit write nothing."""
+    from ..common.kv_append import KvAppendConfig
+
+    cfg = KvAppendConfig(k_cache.dtype, k_cache.shape[-1], v_cache.shape[-1], block_table is not None)
+    kernel = _kv_appends.get(cfg)
+    if kernel is None:
+        kernel = _kv_appends[cfg] = disk_cache.load_or_compile(cfg, compile_kv_append)
+    kernel(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, capacity)
+
+
 class DecodePlan(NamedTuple):
     """How one ``attention_with_kvcache`` call runs (``HopperDecodeRunner.plan``)."""
 
@@ -286,6 +318,10 @@ class HopperDecodeRunner:
             combine(o_k, lse_k, out, lse, splits, h_q // heads)
         elif plan.packed:
             split_kv.unpack_gqa(o_k, lse_k, s_q, out, lse)
+
+    def append(self, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, capacity: int) -> None:
+        """The call's new keys and values into the cache, before ``__call__`` reads it."""
+        append_to_cache(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, capacity)
 
     def load(self, cfg, compile_fn) -> Callable:
         kernel = self._compiled.get(cfg)
