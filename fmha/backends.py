@@ -24,7 +24,9 @@ A kernel backend is any object with
   A backend without them has no backward; the reference then computes it.
 - optionally, for ``attention_with_kvcache``: ``why_unsupported_decode(problem, options)``,
   ``decode_cache_key(problem, options)`` and ``prepare_decode(problem, options) -> runner`` for a
-  ``fmha.kvcache.DecodeProblem``.
+  ``fmha.kvcache.DecodeProblem``: ``runner(problem, q, k_cache, v_cache, lengths, block_table, out,
+  lse, sinks)``, and ``runner.append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
+  capacity)``, which writes a call's new keys into the cache first.
 
 One selection serves the three (``Kind``: ``FORWARD``, ``BACKWARD``, ``DECODE``): ``select``
 picks the backend, ``runner_for`` its prepared runner.

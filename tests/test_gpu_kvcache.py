@@ -274,10 +274,16 @@ def test_a_decode_step_that_appends_replays_from_a_cuda_graph(decode_kernels):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
+    # where the step writes its new keys: poisoned, so that only a replayed append restores them
+    pos = seqlens.long()[:, None] + torch.arange(k_new.shape[1], device="cuda")
+    pages, slots = table.long().gather(1, pos // case.page_size), pos % case.page_size
+    k[pages, slots] = float("nan")
+    v[pages, slots] = float("nan")
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
+    assert torch.equal(k[pages, slots], k_new) and torch.equal(v[pages, slots], v_new)
     assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
     fmha.check_device_errors()
 
@@ -286,7 +292,7 @@ def test_a_decode_step_that_appends_replays_from_a_cuda_graph(decode_kernels):
 def test_the_append_pass_writes_valid_positions_only(dtype):
     """``append_to_cache`` (one launch): a position past the cache, or on a block-table entry that
     is not a page, writes nothing; every other position gets its new key and value."""
-    from fmha.kernels.hopper.backend import append_to_cache
+    from fmha.kernels.hopper.decode_passes import append_to_cache
 
     dev = "cuda"
     table = torch.tensor([[1, -1], [2, 3]], dtype=torch.int32, device=dev)  # sequence 0's second page is missing

@@ -248,7 +248,12 @@ def test_decode_step_replays_in_a_cuda_graph():
         with torch.cuda.graph(graph, stream=stream):
             captured = nsa.nsa_decode(**step, backend="kernel", **PAPER)
     torch.cuda.current_stream().wait_stream(stream)
+    rows, pos = torch.arange(captured.shape[0], device="cuda"), step["cache_seqlens"].long()
+    step["k_cache"][rows, pos] = float("nan")  # the new key's slot: only a replayed append restores it
+    step["v_cache"][rows, pos] = float("nan")
     captured.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
+    assert torch.equal(step["k_cache"][rows, pos], step["k_new"][:, 0])
+    assert torch.equal(step["v_cache"][rows, pos], step["v_new"][:, 0])
     assert torch.equal(captured, eager)

@@ -42,6 +42,7 @@ def _caches(k, v, cu, lens, s_max, have, geometry):
     ([40, 5, 33], 3, 3, (2, 1)),       # a short prefill of three rows (MTP-style)
     ([50, 17, 9], 2, 5, (6, 3)),       # five new keys, the last two as queries
     ([30, 2], 4, 2, (4, 4)),           # more rows than a sequence has: those see nothing
+    ([41, 7], 2, 0, (4, 2)),           # no new keys: the rows are the cache's last tokens
 ])
 def test_decode_step_equals_the_last_rows_of_prefill_nsa(lens, s_q, s_new, heads):
     gen = torch.Generator().manual_seed(sum(lens) + s_q)
@@ -57,10 +58,8 @@ def test_decode_step_equals_the_last_rows_of_prefill_nsa(lens, s_q, s_new, heads
     k_new, v_new = (torch.zeros(b, s_new, heads_k, 16, dtype=q.dtype) for _ in range(2))
     rows, empty = [], []  # (b, r, packed row) of each query that exists; (b, r) of those that do not
     for i, (a, n) in enumerate(zip(cu[:-1].tolist(), lens)):
-        assert n - have[i] <= s_new
-        new = n - have[i]
-        k_new[i, s_new - new:] = k[a + have[i]:a + n]  # a sequence shorter than s_new: padding first
-        v_new[i, s_new - new:] = v[a + have[i]:a + n]
+        assert n >= s_new  # every sequence holds its S_new new keys
+        k_new[i], v_new[i] = k[a + have[i]:a + n], v[a + have[i]:a + n]
         for r in range(s_q):
             t = n - s_q + r
             if t >= 0:
@@ -70,8 +69,9 @@ def test_decode_step_equals_the_last_rows_of_prefill_nsa(lens, s_q, s_new, heads
                 q_d[i, r], g_d[:, i, r] = torch.randn(heads_q, 16, generator=gen, dtype=q.dtype), 1.0
                 empty.append((i, r))
     seqlens = torch.tensor([n - s_new for n in lens], dtype=torch.int32)
-    o, got = nsa.nsa_decode(q_d, kc, vc, kcmp, vcmp, seqlens, *g_d, k_new=k_new, v_new=v_new,
-                            return_branches=True, backend="reference", **GEOMETRY)
+    new = dict(k_new=k_new, v_new=v_new) if s_new else {}
+    o, got = nsa.nsa_decode(q_d, kc, vc, kcmp, vcmp, seqlens, *g_d, **new, return_branches=True,
+                            backend="reference", **GEOMETRY)
     for i, r, t in rows:
         torch.testing.assert_close(o[i, r], want[t], atol=1e-10, rtol=1e-10)
         assert torch.equal(got.selected[i, r], branches.selected[t])
@@ -121,3 +121,35 @@ def test_bad_caches_are_refused_with_what_to_change():
         nsa.nsa_decode(q, kc, kc, cmp, cmp, torch.zeros(2, dtype=torch.int32), g, g[:, :, :2], g, **GEOMETRY)
     with pytest.raises(ValueError, match="like its cache"):
         nsa.nsa_decode(q, kc, kc, cmp.double(), cmp, torch.zeros(2, dtype=torch.int32), g, g, g, **GEOMETRY)
+
+
+def test_pool_false_leaves_the_compressed_caches_to_the_caller():
+    gen = torch.Generator().manual_seed(11)
+    lens = [36]  # the new key (position 35) completes compressed block 7 ([28, 36))
+    q, k, v, gates, cu = _full(lens, 2, 1, 16, gen)
+    kc, vc, kcmp, vcmp = _caches(k, v, cu, lens, 40, [35], GEOMETRY)
+    before = kcmp.clone()
+    args = (q[None, 35:36], kc, vc, kcmp, vcmp, torch.tensor([35], dtype=torch.int32), *(g[None, 35:36] for g in gates))
+    nsa.nsa_decode(*args, k_new=k[None, 35:36], v_new=v[None, 35:36], pool=False, backend="reference", **GEOMETRY)
+    assert torch.equal(kcmp.nan_to_num(7.0), before.nan_to_num(7.0))  # not pooled: the caller's job
+    assert torch.isnan(kcmp[0, 7]).all()
+    kc, vc, kcmp, vcmp = _caches(k, v, cu, lens, 40, [35], GEOMETRY)
+    nsa.nsa_decode(*args[:1], kc, vc, kcmp, vcmp, *args[5:], k_new=k[None, 35:36], v_new=v[None, 35:36],
+                   backend="reference", **GEOMETRY)
+    torch.testing.assert_close(kcmp[0, 7], k[28:36].mean(0))
+
+
+def test_full_caches_never_write_past_them():
+    """A step that would grow a sequence past its cache: the reference refuses it (the kernels
+    flag it); the compressed pooling of such lengths stays inside the caches."""
+    gen = torch.Generator().manual_seed(12)
+    lens = [40]
+    q, k, v, gates, cu = _full(lens, 2, 1, 16, gen)
+    kc, vc, kcmp, vcmp = _caches(k, v, cu, lens, 40, [40], GEOMETRY)
+    one = (g[None, :1] for g in gates)
+    with pytest.raises(ValueError, match="does not fit"):
+        nsa.nsa_decode(q[None, :1], kc, vc, kcmp, vcmp, torch.tensor([40], dtype=torch.int32), *one,
+                       k_new=k[None, :1], v_new=v[None, :1], backend="reference", **GEOMETRY)
+    before = kcmp.clone()
+    nsa.pool_new_blocks(kc, vc, kcmp, vcmp, torch.tensor([40]), torch.tensor([48]), 8, 4, 8)
+    assert torch.equal(kcmp, before)  # every block of 40 tokens is there; none past the cache

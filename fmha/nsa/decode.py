@@ -8,7 +8,7 @@ window branch), mean-pools the compressed blocks the new keys complete into ``k_
 * compression: ``attention_with_kvcache`` over the compressed cache, row r seeing the blocks
   that end at or before its position (one call per row: rows see different counts);
 * top-k: the compression probabilities summed over the group and mapped onto selection blocks,
-  ranked as the prefill does (``topk._rank``);
+  ranked as the prefill does (``topk.block_scores``, ``topk.rank_blocks``);
 * selection: the listed blocks' keys gathered from the cache (``selection.attend_selected``);
 * window: ``attention_with_kvcache`` with ``window_size=(window - 1, 0)``.
 
@@ -29,7 +29,7 @@ from ..backends import check_backend_name
 from .checks import check_geometry, check_scale
 from .layout import NSABranches, TokenPositions, num_compressed_blocks, num_selection_blocks, visible_compressed_blocks
 from .selection import attend_selected
-from .topk import _rank, overlap_matrix
+from .topk import block_scores, overlap_matrix, rank_blocks
 
 __all__ = ["nsa_decode", "pool_new_blocks"]
 
@@ -69,11 +69,11 @@ def pool_new_blocks(k_cache: Tensor, v_cache: Tensor, k_cmp_cache: Tensor, v_cmp
     tokens ``[i*stride, i*stride + block)``, for ``num_compressed_blocks(old) <= i <
     num_compressed_blocks(new)``. In place; no host read."""
     batch, capacity = k_cache.shape[0], k_cache.shape[1]
-    first = num_compressed_blocks(old_lengths.long(), block, stride)
-    last = num_compressed_blocks(new_lengths.long(), block, stride)
+    first = num_compressed_blocks(old_lengths.long().clamp(0, capacity), block, stride)
+    last = num_compressed_blocks(new_lengths.long().clamp(0, capacity), block, stride)
     slots = max_new // stride + 1  # the most blocks max_new tokens can complete
     index = first[:, None] + torch.arange(slots, device=k_cache.device)  # (B, J)
-    valid = index < last[:, None]
+    valid = (index < last[:, None]) & (index < k_cmp_cache.shape[1])
     # a slot with no new block writes its first new block's value again (or, with none, leaves
     # the first slot as it is), so that no two writes to one place differ
     lead = first.clamp(max=k_cmp_cache.shape[1] - 1)[:, None]
@@ -99,11 +99,9 @@ def _top_k(q, k_cmp_cache, lse_cmp, positions, visible, block, stride, select_bl
     s = torch.einsum("brhgd,bkhd->brhgk", qg, k_cmp_cache.to(acc)) * scale
     lse = lse_cmp.to(acc).transpose(1, 2).reshape(batch, s_q, heads_k, group, 1)  # (B, H_q, S_q) -> rows
     seen = torch.arange(n_cmp, device=q.device) < visible[..., None]  # (B, S_q, C)
-    keep = seen[:, :, None, None, :] & torch.isfinite(lse)
-    p = torch.where(keep, (s - torch.where(keep, lse, torch.zeros_like(lse))).exp(), torch.zeros_like(s))
     overlap = overlap_matrix(n_cmp, n_slc, block, stride, select_block, acc, q.device)
-    scores = (p.sum(3) @ overlap).reshape(batch * s_q, heads_k, n_slc)
-    return _rank(scores, positions.reshape(-1), select_block, select_count, group)
+    scores = block_scores(s, lse, seen[:, :, None, None, :], overlap).reshape(batch * s_q, heads_k, n_slc)
+    return rank_blocks(scores, positions.reshape(-1), select_block, select_count, group)
 
 
 def nsa_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_cmp_cache: Tensor, v_cmp_cache: Tensor,
@@ -119,7 +117,9 @@ def nsa_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_cmp_cache: Tensor,
     with ``pool`` (mean pooling), the blocks they complete into the compressed caches (pass
     ``pool=False`` to keep those up to date yourself). Returns o (B, S_q, H_q, D_v) in q's dtype;
     with ``return_branches``, ``(o, NSABranches)`` (outputs (B, S_q, ...), LSEs (B, H_q, S_q),
-    ``selected`` (B, S_q, H_k, n)). The caller advances ``cache_seqlens`` by S_new afterwards."""
+    ``selected`` (B, S_q, H_k, n)). The caller advances ``cache_seqlens`` by S_new afterwards.
+    The selection branch reads the caches as (B * S_max, H_k, D) rows: a cache that is not
+    contiguous is copied for it every step."""
     gates = (g_cmp, g_slc, g_win)
     check_geometry(block, stride, select_block, select_count, window)
     check_backend_name(backend)
@@ -127,13 +127,13 @@ def nsa_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_cmp_cache: Tensor,
     scale = check_scale(softmax_scale, q.shape[-1])
     batch, s_q, heads_q, _ = q.shape
     s_new = 0 if k_new is None else k_new.shape[1]
-    if s_q > s_new + k_cache.shape[1]:
-        raise ValueError(f"{s_q} query rows cannot all lie in sequences of at most {k_cache.shape[1]} positions")
     # the window branch first: attention_with_kvcache appends (and checks) the new keys
     o_win, lse_win = attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens, k_new=k_new, v_new=v_new, causal=True, window_size=(window - 1, 0),
         softmax_scale=scale, return_lse=True, backend=backend)
-    lengths = cache_seqlens.long() + s_new
+    # a length past the cache was flagged by the kernels (or refused by the reference): no read
+    # or write below may leave the caches
+    lengths = (cache_seqlens.long() + s_new).clamp(0, k_cache.shape[1])
     if pool and s_new:
         pool_new_blocks(k_cache, v_cache, k_cmp_cache, v_cmp_cache, cache_seqlens, lengths, block, stride, s_new)
     positions = lengths[:, None] - s_q + torch.arange(s_q, device=q.device)  # (B, S_q); < 0: no such row

@@ -24,7 +24,7 @@ from ..problem import accumulate_dtype
 from .checks import check_compressed_offsets, check_geometry, check_like_q, check_qkv, check_scale
 from .layout import num_selection_blocks
 
-__all__ = ["select_blocks", "overlap_matrix"]
+__all__ = ["select_blocks", "overlap_matrix", "block_scores", "rank_blocks"]
 
 #: budget of one chunk of scores (C x H_q x T_c)
 CHUNK_BYTES = 128 << 20
@@ -38,7 +38,7 @@ def overlap_matrix(n_cmp: int, n_slc: int, block: int, stride: int, select_block
     return ((i * stride < (j + 1) * select_block) & (i * stride + block > j * select_block)).to(dtype)
 
 
-def _rank(scores: Tensor, positions: Tensor, select_block: int, select_count: int, group: int) -> Tensor:
+def rank_blocks(scores: Tensor, positions: Tensor, select_block: int, select_count: int, group: int) -> Tensor:
     """int32 (C, H_k, select_count) from scores (C, H_k, N_s) of queries at ``positions`` (C,)."""
     n_slc = scores.shape[-1]
     j = torch.arange(n_slc, device=scores.device)[None, :]
@@ -56,6 +56,16 @@ def _rank(scores: Tensor, positions: Tensor, select_block: int, select_count: in
     if chosen.shape[-1] < select_count:
         chosen = torch.cat([chosen, chosen.new_full(chosen.shape[:-1] + (select_count - chosen.shape[-1],), -1)], -1)
     return chosen
+
+
+def block_scores(s: Tensor, lse: Tensor, visible: Tensor, overlap: Tensor) -> Tensor:
+    """Selection-block scores (..., H_k, N_s) from the scaled compression scores s (..., H_k, g,
+    C) of queries whose compression LSE is ``lse`` (..., H_k, g, 1): the probabilities of the
+    compressed blocks each query sees (``visible`` broadcasts against s), summed over the group and
+    mapped onto selection blocks by ``overlap`` (C, N_s)."""
+    keep = visible & torch.isfinite(lse)
+    p = torch.where(keep, (s - torch.where(keep, lse, torch.zeros_like(lse))).exp(), torch.zeros_like(s))
+    return p.sum(-2) @ overlap
 
 
 def _select_blocks_torch(q, k_cmp, lse_cmp, cu, cu_cmp, block, stride, select_block, select_count, scale):
@@ -77,10 +87,8 @@ def _select_blocks_torch(q, k_cmp, lse_cmp, cu, cu_cmp, block, stride, select_bl
             s = torch.einsum("chgd,khd->chgk", qc, kc) * scale
             lse = lse_cmp[:, a:z].to(cdt).T.reshape(z - a, heads_k, group, 1)
             visible = torch.arange(c1 - c0, device=q.device)[None, :] * stride + block - 1 <= positions[:, None]
-            keep = visible[:, None, None, :] & torch.isfinite(lse)
-            p = torch.where(keep, (s - torch.where(keep, lse, torch.zeros_like(lse))).exp(), torch.zeros_like(s))
-            scores = p.sum(2) @ overlap  # (C, H_k, N_s)
-            out[a:z] = _rank(scores, positions, select_block, select_count, group)
+            scores = block_scores(s, lse, visible[:, None, None, :], overlap)  # (C, H_k, N_s)
+            out[a:z] = rank_blocks(scores, positions, select_block, select_count, group)
     return out
 
 

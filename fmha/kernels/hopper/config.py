@@ -20,6 +20,8 @@ import torch
 from fmha.masking import MaskKind, tile_costs_vary
 from fmha.problem import AttentionProblem, KernelOptions, element_bytes, output_dtypes_for
 
+#: the architecture every Hopper kernel is compiled for
+ARCH = "sm_90a"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 #: fp8's head dims (Q, K and V alike); also the decode path's (``why_unsupported_decode``)
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
