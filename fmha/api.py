@@ -84,20 +84,73 @@ def attention(q, k, v, *, sinks=None, return_lse=False, out=None, lse=None, out_
 
 
 @with_public_options
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, sinks=None,
-                     return_lse=False, out=None, lse=None, out_dtype=None, backend="auto", persistent=None,
-                     tile_mn=None, deterministic=False, aux=None, **options):
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, *,
+                     seqused_k=None, block_table=None, sinks=None, return_lse=False, out=None, lse=None,
+                     out_dtype=None, backend="auto", persistent=None, tile_mn=None, deterministic=False, aux=None,
+                     **options):
     """Attention forward on packed THD tensors: q (T_q, H_q, D), k/v (T_k, H_k, D); sequence b is
     rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32, length B + 1, on q's device). Masks apply per
     sequence. ``max_seqlen_*`` may be None (read from cu_seqlens). LSE is (H_q, T_q).
     Otherwise as :func:`attention`. cu_seqlens are checked on the host: one sync per cu_seqlens
     tensor and version, not per call (``fmha.validation``). Mods see each sequence's own
     positions (``q_idx``, ``kv_idx`` from 0) and its index as ``b``.
+
+    Over a KV cache (a serving engine's mixed batch of chunked prefills and decodes): k/v are a
+    paged cache (num_pages, page_size, H_k, D) with ``block_table`` (B, max_pages) int32, or a
+    dense one (B, S_max, H_k, D); ``seqused_k`` (B,) int32 counts sequence b's keys (its new
+    query rows' own keys included) and there is no ``cu_seqlens_k``. Masks are bottom-right
+    aligned (``mask_align="top_left"`` is refused); not differentiable; no mods. This is
+    ``fmha.attention_with_kvcache(q, k, v, seqused_k, cu_seqlens_q=..., block_table=...)``.
     """
+    if seqused_k is not None or block_table is not None:
+        return _varlen_over_cache(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                                  block_table, sinks=sinks, return_lse=return_lse, out=out, lse=lse,
+                                  out_dtype=out_dtype, backend=backend, persistent=persistent, tile_mn=tile_mn,
+                                  deterministic=deterministic, aux=aux, options=options)
+    if cu_seqlens_k is None:
+        raise TypeError("attention_varlen needs cu_seqlens_k for packed k/v (or seqused_k / block_table for a KV "
+                        "cache)")
     return _run(q, k, v, cu_seqlens_q, cu_seqlens_k, varlen=True, max_seqlen_q=max_seqlen_q,
                 max_seqlen_k=max_seqlen_k, sinks=sinks, return_lse=return_lse, out=out, lse=lse,
                 out_dtype=out_dtype, backend=backend, persistent=persistent, tile_mn=tile_mn,
                 deterministic=deterministic, options=options, aux=aux)
+
+
+def _varlen_over_cache(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                       block_table, *, sinks, return_lse, out, lse, out_dtype, backend, persistent, tile_mn,
+                       deterministic, aux, options):
+    """``attention_varlen`` over a KV cache: checked here for what the cache path does not take,
+    then run by ``fmha.attention_with_kvcache``."""
+    from .kvcache import attention_with_kvcache
+
+    parse_cached(**options)  # unknown or bad options raise here, as for every other call
+    if cu_seqlens_k is not None:
+        raise ValueError("a KV cache's keys are counted by seqused_k, not cu_seqlens_k: pass cu_seqlens_k=None")
+    if seqused_k is None:
+        raise ValueError("block_table needs seqused_k, the (B,) int32 count of each sequence's keys in the cache")
+    if options.get("mask_align", "bottom_right") != "bottom_right":
+        raise ValueError("over a KV cache the query rows are each sequence's last: masks are bottom-right aligned; "
+                         "leave mask_align out")
+    unused = [name for name, value in (("compressed_causal", options.get("compressed_causal", False)),
+                                       ("score_mod", options.get("score_mod")), ("mask_mod", options.get("mask_mod")),
+                                       ("aux", aux), ("persistent", persistent), ("tile_mn", tile_mn))
+              if value is not None and value is not False]
+    if unused:
+        raise ValueError(f"{', '.join(unused)}: not served over a KV cache (seqused_k / block_table)")
+    if deterministic is not False and deterministic is not True:
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (q, k_cache, v_cache, sinks)):
+        raise ValueError("attention over a KV cache is not differentiable: call it under torch.no_grad(), or pass "
+                         "packed k/v with cu_seqlens_k to train")
+    if max_seqlen_k is not None and (isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int)):
+        raise TypeError(f"max_seqlen_k must be an int or None, got {max_seqlen_k!r}")  # a bound only: not used
+    kwargs = {name: options[name] for name in ("causal", "window_size", "softmax_scale", "softcap", "scale_q",
+                                               "scale_k", "scale_v", "inv_scale_o") if name in options}
+    kwargs.setdefault("causal", False)  # attention_varlen's default, not the cache function's
+    return attention_with_kvcache(q, k_cache, v_cache, seqused_k, block_table=block_table, cu_seqlens_q=cu_seqlens_q,
+                                  max_seqlen_q=max_seqlen_q, sinks=sinks, return_lse=return_lse, out=out, lse=lse,
+                                  out_dtype=out_dtype, backend=backend, **kwargs)
 
 
 @with_public_options

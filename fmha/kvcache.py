@@ -35,12 +35,18 @@ from .validation import _check_layout, _dtype_name, _require_tensor, check_index
 PAGE_SIZES = tuple(range(16, 257, 16))
 
 
-def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out_dtype):
-    """Checks that need no values; returns (paged, page_size, capacity, out_dtype)."""
+def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out_dtype,
+                     cu_seqlens_q=None):
+    """Checks that need no values; returns (paged, page_size, capacity, out_dtype). With
+    ``cu_seqlens_q`` q holds packed sequences (T_q, H_q, D)."""
+    packed = cu_seqlens_q is not None
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _require_tensor(name, t)
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
+        dim = 3 if packed and name == "q" else 4
+        if t.dim() != dim:
+            raise ValueError(f"{name} must be {dim}-D"
+                             + (" (T_q, H_q, D): packed sequences, as cu_seqlens_q is given" if dim == 3 else "")
+                             + f", got shape {tuple(t.shape)}")
         if t.dtype not in INPUT_DTYPES:
             raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)}; use one of "
                             f"{', '.join(_dtype_name(d) for d in INPUT_DTYPES)}")
@@ -50,7 +56,14 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_n
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise TypeError(f"q, k_cache and v_cache must share a dtype, got {_dtype_name(q.dtype)}, "
                         f"{_dtype_name(k_cache.dtype)}, {_dtype_name(v_cache.dtype)}")
-    batch, _, heads_q, head_dim = q.shape
+    heads_q, head_dim = q.shape[-2:]
+    if packed:
+        check_index_tensor("cu_seqlens_q", cu_seqlens_q, 1, q.device)
+        if cu_seqlens_q.shape[0] < 1:
+            raise ValueError("cu_seqlens_q needs at least one entry (B + 1 offsets)")
+        batch = cu_seqlens_q.shape[0] - 1
+    else:
+        batch = q.shape[0]
     if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[-1] != head_dim:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must agree in "
                          f"their first three dims, and k_cache's head dim must be q's ({head_dim})")
@@ -77,6 +90,9 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_n
         page_size, capacity = None, k_cache.shape[1]
     if (k_new is None) != (v_new is None):
         raise ValueError("pass both k_new and v_new, or neither")
+    if packed and k_new is not None:
+        raise ValueError("k_new/v_new are appended for dense query batches; with cu_seqlens_q write the new keys "
+                         "into the cache first (cache_seqlens then counts them)")
     if k_new is not None:
         for name, t, like in (("k_new", k_new, k_cache), ("v_new", v_new, v_cache)):
             _require_tensor(name, t)
@@ -119,11 +135,17 @@ class DecodeProblem(ScoreScaling):
     softcap: float = 0.0  # as AttentionProblem's
     has_sinks: bool = False
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    #: q holds packed sequences (T_q, H_q, D) at ``cu_seqlens_q`` (a mixed batch of prefills and
+    #: decodes); ``seqlen_q`` is then the longest's bound (``max_seqlen_q``)
+    packed_q: bool = False
 
-    def flops(self, cache_lengths) -> float:
+    def flops(self, cache_lengths, seqlens_q=None) -> float:
         """Matmul FLOPs the bottom-right mask keeps (4 * kept (i, j) pairs * D per head, D and
-        D_v apart), over each sequence's keys (its cache length plus the new keys)."""
-        kept = sum(kept_pairs(self.seqlen_q, int(length) + self.seqlen_new, self.mask) for length in cache_lengths)
+        D_v apart), over each sequence's keys (its cache length plus the new keys);
+        ``seqlens_q``: each sequence's query rows (packed queries), else ``seqlen_q`` each."""
+        rows = seqlens_q if seqlens_q is not None else [self.seqlen_q] * len(cache_lengths)
+        kept = sum(kept_pairs(int(n_q), int(length) + self.seqlen_new, self.mask)
+                   for n_q, length in zip(rows, cache_lengths))
         return matmul_flops(kept * self.heads_q, self.head_dim, self.head_dim_v)
 
 
@@ -168,11 +190,19 @@ def _key_positions(b: int, length: int, block_table, page_size: Optional[int], n
 def decode_problem(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None, v_new=None,
                    causal=True, window_size=(None, None), softmax_scale=None, softcap=0.0, sinks=None, scale_q=1.0,
                    scale_k=1.0, scale_v=1.0, inv_scale_o=1.0, return_lse=False, out_dtype=None,
-                   num_splits=None) -> tuple:
+                   num_splits=None, cu_seqlens_q=None, max_seqlen_q=None) -> tuple:
     """Validate an ``attention_with_kvcache`` call (nothing read from the GPU): its
     ``DecodeProblem`` and the scales as the reference takes them."""
     paged, page_size, capacity, out_dtype = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
-                                                             k_new, v_new, out_dtype)
+                                                             k_new, v_new, out_dtype, cu_seqlens_q)
+    packed = cu_seqlens_q is not None
+    if max_seqlen_q is not None and not packed:
+        raise ValueError("max_seqlen_q is for packed queries (cu_seqlens_q); a dense q's rows are q.shape[1]")
+    if max_seqlen_q is not None and (isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int)
+                                     or max_seqlen_q < 0):
+        raise ValueError(f"max_seqlen_q must be a non-negative int or None, got {max_seqlen_q!r}")
+    if packed and num_splits not in (None, 1):
+        raise ValueError("num_splits: packed queries (cu_seqlens_q) are not split over CTAs yet; leave it None")
     # the public options' one definition; a cache's masks are bottom-right
     options = parse_cached(causal=causal, window_size=window_size, mask_align="bottom_right",
                            softmax_scale=softmax_scale, softcap=softcap, scale_q=scale_q, scale_k=scale_k,
@@ -188,7 +218,11 @@ def decode_problem(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_ne
                                            or v_cache.stride(0) != page_size * v_cache.stride(1)):
         raise ValueError("a paged cache's pages must follow each other in memory (stride(0) == page_size * "
                          "stride(1)); allocate it as one (num_pages, page_size, H_k, D) tensor")
-    batch, s_q, heads_q, head_dim = q.shape
+    heads_q, head_dim = q.shape[-2:]
+    if packed:  # without max_seqlen_q every row may be one sequence's: no host read
+        batch, s_q = cu_seqlens_q.shape[0] - 1, (q.shape[0] if max_seqlen_q is None else max_seqlen_q)
+    else:
+        batch, s_q = q.shape[:2]
     s_new = 0 if k_new is None else k_new.shape[1]
     if s_new > capacity:
         raise ValueError(f"{s_new} new keys do not fit a cache of {capacity} positions per sequence"
@@ -200,13 +234,13 @@ def decode_problem(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_ne
         capacity=capacity, num_pages=k_cache.shape[0], seqlen_new=s_new,
         score_scale=softmax * scales["scale_q"] * scales["scale_k"],
         output_scale=scales["scale_v"] * scales["inv_scale_o"], return_lse=return_lse, num_splits=num_splits,
-        softcap=scales["softcap"], has_sinks=sinks is not None, device=q.device)
+        softcap=scales["softcap"], has_sinks=sinks is not None, device=q.device, packed_q=packed)
     return problem, scales
 
 
-def _check_outputs(problem: DecodeProblem, out, lse) -> None:
-    want_o = (problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim_v)
-    want_l = (problem.batch, problem.heads_q, problem.seqlen_q)
+def _check_outputs(problem: DecodeProblem, q, out, lse) -> None:
+    want_o = q.shape[:-1] + (problem.head_dim_v,)
+    want_l = (problem.heads_q, q.shape[0]) if problem.packed_q else (problem.batch, problem.heads_q, problem.seqlen_q)
     for name, t, shape, dtype in (("out", out, want_o, problem.out_dtype), ("lse", lse, want_l, accumulate_dtype(problem.dtype))):
         if t is None:
             continue
@@ -221,10 +255,10 @@ def _check_outputs(problem: DecodeProblem, out, lse) -> None:
 
 
 def attention_with_kvcache(
-    q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None, v_new=None,
-    causal=True, window_size=(None, None), softmax_scale=None, softcap=0.0, sinks=None, scale_q=1.0, scale_k=1.0,
-    scale_v=1.0, inv_scale_o=1.0, return_lse=False, out_dtype=None, out=None, lse=None, backend="auto",
-    num_splits=None,
+    q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None, v_new=None, cu_seqlens_q=None,
+    max_seqlen_q=None, causal=True, window_size=(None, None), softmax_scale=None, softcap=0.0, sinks=None,
+    scale_q=1.0, scale_k=1.0, scale_v=1.0, inv_scale_o=1.0, return_lse=False, out_dtype=None, out=None, lse=None,
+    backend="auto", num_splits=None,
 ):
     """Attention of the new query rows q (B, S_q, H_q, D) over each sequence's cached keys (and
     ``k_new``/``v_new``, appended to the cache first). ``cache_seqlens`` (B,) int32: valid
@@ -234,20 +268,26 @@ def attention_with_kvcache(
     the new keys. Returns O (B, S_q, H_q, D_v), or (O, LSE (B, H_q, S_q)) with ``return_lse``;
     ``out``/``lse`` preallocated (contiguous) are written in place. ``softcap`` and ``sinks`` as in
     ``fmha.attention``.
+    A mixed batch (chunked prefills and decodes in one call): q (T_q, H_q, D) packed, sequence b's
+    rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` (int32, B + 1), each attending to the first
+    ``cache_seqlens[b]`` keys of its cache (its own new keys already written there); O is
+    (T_q, H_q, D_v), LSE (H_q, T_q); rows past ``cu_seqlens_q[-1]`` (padding to a fixed size)
+    belong to no sequence and are not written. ``max_seqlen_q`` bounds the rows of a sequence
+    (default T_q); no ``k_new``/``v_new``, no split-KV.
     ``num_splits``: how many CTAs share each query tile's keys (split-KV); None lets the kernel
-    choose (``fmha.split_kv.choose_num_splits``). On the kernel path ``cache_seqlens`` and the
-    block table are checked on the GPU: a bad value raises at a later call or at
-    ``fmha.check_device_errors()``."""
+    choose (``fmha.split_kv.choose_num_splits``). On the kernel path ``cache_seqlens``,
+    ``cu_seqlens_q`` and the block table are checked on the GPU: a bad value raises at a later
+    call or at ``fmha.check_device_errors()``."""
     from .dispatch import memo_key, pointers_aligned
     from .backends import check_backend_name, recall_dispatch, remember_dispatch
     from .reference import attention_reference, cast_output
 
-    tensors = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, lse, sinks)
+    tensors = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, lse, sinks, cu_seqlens_q)
     key = None
     if all(t is None or isinstance(t, torch.Tensor) for t in tensors):
         # a decode loop repeats its call: what validation and dispatch decided is reused
         key = memo_key(tensors, ("kvcache", causal, window_size, softmax_scale, softcap, scale_q, scale_k, scale_v,
-                                 inv_scale_o, return_lse, out_dtype, backend, num_splits))
+                                 inv_scale_o, return_lse, out_dtype, backend, num_splits, max_seqlen_q))
     hit = recall_dispatch(key) if key is not None else None
     if hit is not None and pointers_aligned(tensors):
         problem, runner = hit
@@ -258,15 +298,16 @@ def attention_with_kvcache(
         problem, scales = decode_problem(
             q, k_cache, v_cache, cache_seqlens, block_table=block_table, k_new=k_new, v_new=v_new, causal=causal,
             window_size=window_size, softmax_scale=softmax_scale, softcap=softcap, sinks=sinks, scale_q=scale_q,
-            scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o, return_lse=return_lse or lse is not None, out_dtype=out_dtype,
-            num_splits=num_splits)
-        _check_outputs(problem, out, lse)
+            scale_k=scale_k, scale_v=scale_v, inv_scale_o=inv_scale_o, return_lse=return_lse or lse is not None,
+            out_dtype=out_dtype, num_splits=num_splits, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
+        _check_outputs(problem, q, out, lse)
         runner = _decode_runner(backend, problem)
         if key is not None and runner is not None:  # the reference reads the values every call anyway
             remember_dispatch(key, problem, runner)
-    batch, s_q, heads_q, s_new, page_size, capacity = (problem.batch, problem.seqlen_q, problem.heads_q,
-                                                       problem.seqlen_new, problem.page_size, problem.capacity)
+    batch, heads_q, s_new, page_size, capacity = (problem.batch, problem.heads_q, problem.seqlen_new,
+                                                  problem.page_size, problem.capacity)
     paged, out_dtype, mask = block_table is not None, problem.out_dtype, problem.mask
+    lse_shape = (heads_q, q.shape[0]) if problem.packed_q else (batch, heads_q, problem.seqlen_q)
     if out is None:
         out = torch.empty(q.shape[:-1] + (v_cache.shape[-1],), dtype=out_dtype, device=q.device)
     if runner is not None:
@@ -276,11 +317,12 @@ def attention_with_kvcache(
             runner.append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, capacity)
             lengths = cache_seqlens + s_new
         if lse is None and return_lse:
-            lse = torch.empty((batch, heads_q, s_q), dtype=accumulate_dtype(q.dtype), device=q.device)
-        runner(problem, q, k_cache, v_cache, lengths, block_table, out, lse, sinks)
+            lse = torch.empty(lse_shape, dtype=accumulate_dtype(q.dtype), device=q.device)
+        runner(problem, q, k_cache, v_cache, lengths, block_table, out, lse, sinks, cu_seqlens_q)
         device_errors.watch(q.device)
         return (out, lse) if return_lse else out
     lengths = cache_seqlens.tolist()  # host read: the reference walks each sequence
+    rows = _query_rows(problem, q, cu_seqlens_q)
     for b, n in enumerate(lengths):
         if n < 0 or n + s_new > capacity:
             raise ValueError(f"cache_seqlens[{b}] = {n}" + (f" plus {s_new} new keys" if s_new else "")
@@ -291,16 +333,37 @@ def attention_with_kvcache(
     positions = [_key_positions(b, n + s_new, block_table, page_size, num_pages, q.device)
                  for b, n in enumerate(lengths)]
     if s_new:
-        for b, (n, (rows, cols)) in enumerate(zip(lengths, positions)):
-            k_cache[rows[n:], cols[n:]] = k_new[b]
-            v_cache[rows[n:], cols[n:]] = v_new[b]
+        for b, (n, (rows_b, cols)) in enumerate(zip(lengths, positions)):
+            k_cache[rows_b[n:], cols[n:]] = k_new[b]
+            v_cache[rows_b[n:], cols[n:]] = v_new[b]
     if lse is None:
-        lse = torch.empty((batch, heads_q, s_q), dtype=accumulate_dtype(q.dtype), device=q.device)
+        lse = torch.empty(lse_shape, dtype=accumulate_dtype(q.dtype), device=q.device)
     lse.fill_(-math.inf)
-    for b, (rows, cols) in enumerate(positions):
-        k, v = k_cache[rows, cols], v_cache[rows, cols]  # (L, H_k, D)
-        o_b, lse_b = attention_reference(q[b:b + 1], k[None], v[None], mask=mask, sinks=sinks,
+    for b, ((pages, cols), q_rows) in enumerate(zip(positions, rows)):
+        k, v = k_cache[pages, cols], v_cache[pages, cols]  # (L, H_k, D)
+        q_b = q[q_rows] if problem.packed_q else q[b]
+        o_b, lse_b = attention_reference(q_b[None], k[None], v[None], mask=mask, sinks=sinks,
                                          compute_dtype=accumulate_dtype(q.dtype), **scales)
-        out[b] = cast_output(o_b[0], out_dtype)
-        lse[b] = lse_b[0]
+        if problem.packed_q:
+            out[q_rows] = cast_output(o_b[0], out_dtype)
+            lse[:, q_rows] = lse_b[0]
+        else:
+            out[b] = cast_output(o_b[0], out_dtype)
+            lse[b] = lse_b[0]
     return (out, lse) if return_lse else out
+
+
+def _query_rows(problem: DecodeProblem, q, cu_seqlens_q) -> list:
+    """Each sequence's query rows: a slice of packed q (``cu_seqlens_q``, read on the host and
+    checked here), or None per sequence for a dense batch."""
+    if not problem.packed_q:
+        return [None] * problem.batch
+    offsets = cu_seqlens_q.tolist()
+    for b in range(problem.batch):
+        if not 0 <= offsets[b] <= offsets[b + 1] <= q.shape[0] or offsets[0] != 0:
+            raise ValueError(f"cu_seqlens_q must rise from 0 to at most q.shape[0] = {q.shape[0]}; entries {b} and "
+                             f"{b + 1} are {offsets[b]} and {offsets[b + 1]}")
+        if offsets[b + 1] - offsets[b] > problem.seqlen_q:
+            raise ValueError(f"sequence {b} has {offsets[b + 1] - offsets[b]} query rows, more than max_seqlen_q = "
+                             f"{problem.seqlen_q}")
+    return [slice(offsets[b], offsets[b + 1]) for b in range(problem.batch)]

@@ -13,6 +13,8 @@ Mixed into a kernel class that has ``listed_tiles(seq)`` (how many tiles sequenc
 and ``listed_tile_cost(tile, seq, window_left, window_right)``.
 """
 
+from typing import Optional
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
@@ -41,11 +43,13 @@ def cost_bins_bytes() -> int:
 class DeviceWorkTileList:
 
     @cute.kernel
-    def list_work_tiles(self, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, total_q: Int32, total_k: Int32,
-                        max_seqlen_q: Int32, max_seqlen_k, window_left, window_right, mTileTable: cute.Tensor,
-                        mTileCount: cute.Tensor):
+    def list_work_tiles(self, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: Optional[cute.Tensor], total_q: Int32,
+                        total_k: Int32, max_seqlen_q: Int32, max_seqlen_k, window_left, window_right,
+                        mTileTable: cute.Tensor, mTileCount: cute.Tensor, mCacheSeqlens: Optional[cute.Tensor] = None):
         """One CTA of ``COST_BINS`` threads: ``mTileTable[:count]`` = (batch, tile) by cost,
-        ``mTileCount[0]`` = count. ``max_seqlen_k``: None where the kernel does not clamp to it."""
+        ``mTileCount[0]`` = count. ``max_seqlen_k``: None where the kernel does not clamp to it.
+        ``mCacheSeqlens``: queries over a KV cache (``SequenceInfo.create``), ``total_k`` its
+        capacity per sequence, no ``mCuSeqlensK``."""
         tidx = cute.arch.thread_idx()[0]
         storage = SmemAllocator().allocate(_bins_struct())
         counts = storage.counts.get_tensor(cute.make_layout(COST_BINS))
@@ -53,7 +57,7 @@ class DeviceWorkTileList:
         counts[tidx] = Int32(0)
         cute.arch.sync_threads()
         self.visit_tiles(mCuSeqlensQ, mCuSeqlensK, total_q, total_k, max_seqlen_q, max_seqlen_k, window_left,
-                         window_right, counts, None, tidx)
+                         window_right, counts, None, tidx, mCacheSeqlens)
         cute.arch.sync_threads()
         # bin r holds cost COST_BINS - 1 - r: an exclusive prefix sum over r puts costlier first
         mine = counts[tidx]
@@ -63,17 +67,18 @@ class DeviceWorkTileList:
             mTileCount[0] = total
         cute.arch.sync_threads()
         self.visit_tiles(mCuSeqlensQ, mCuSeqlensK, total_q, total_k, max_seqlen_q, max_seqlen_k, window_left,
-                         window_right, counts, mTileTable, tidx)
+                         window_right, counts, mTileTable, tidx, mCacheSeqlens)
 
     @cute.jit
     def visit_tiles(self, mCuSeqlensQ, mCuSeqlensK, total_q, total_k, max_seqlen_q, max_seqlen_k, window_left,
-                    window_right, counts: cute.Tensor, mTileTable, tidx):
+                    window_right, counts: cute.Tensor, mTileTable, tidx, mCacheSeqlens=None):
         """Every tile, sequences dealt over the threads: count it in its cost bin, or
         (``mTileTable`` given) write it to its bin's next slot."""
         num_batches = mCuSeqlensQ.shape[0] - 1
         for batch in cutlass.range(tidx, num_batches, COST_BINS, unroll=1):
             # clamped as the attention kernel's descriptor pass clamps them
-            seq = SequenceInfo.create(batch, total_q, total_k, mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, max_seqlen_k)
+            seq = SequenceInfo.create(batch, total_q, total_k, mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, max_seqlen_k,
+                                      mCacheSeqlens)
             for tile in cutlass.range(self.listed_tiles(seq), unroll=1):
                 cost = self.listed_tile_cost(tile, seq, window_left, window_right)
                 slot = counts.iterator + (COST_BINS - 1 - cutlass.min(cost, COST_BINS - 1))

@@ -29,10 +29,8 @@ class KvCache:
     paged: bool
 
     def capacity(self, mK_tma: cute.Tensor):
-        """Keys a sequence can hold: the dense cache's rows, or the block table's pages."""
-        if cutlass.const_expr(self.paged):
-            return self.block_table.shape[1] * self.page_size
-        return mK_tma.shape[0]
+        """Keys a sequence can hold (``cache_capacity``)."""
+        return cache_capacity(self.block_table if self.paged else None, self.page_size, mK_tma)
 
     @cute.jit
     def flag_bad_length(self, batch: Int32, mK_tma: cute.Tensor):
@@ -55,3 +53,11 @@ class KvCache:
             flag_error(self.errors, BAD_BLOCK_TABLE)
         page = cutlass.min(cutlass.max(page, 0), num_pages - 1)
         return page * ps + key % ps
+
+
+def cache_capacity(block_table: Optional[cute.Tensor], page_size, mK: cute.Tensor):
+    """Keys a sequence can hold: the block table's pages, or the dense cache's rows (mode 0 of
+    ``mK``, keys first)."""
+    if cutlass.const_expr(block_table is not None):
+        return block_table.shape[1] * page_size
+    return mK.shape[0]

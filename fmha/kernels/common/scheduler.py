@@ -219,7 +219,7 @@ class TileTableScheduler(_GridStride):
     def create(table: cute.Tensor, num_heads, count=None) -> "TileTableScheduler":
         """``count``: (1,) int32 in global memory, the number of entries (a list built on the
         GPU fills only the start of its table); None: all of them."""
-        entries = table.shape[0] if count is None else count[0]
+        entries = table.shape[0] if count is None else cutlass.min(count[0], table.shape[0])
         return TileTableScheduler(table, num_heads, entries * num_heads)
 
     def decode(self, idx: Int32) -> WorkTile:

@@ -26,20 +26,32 @@ class SequenceInfo:
 
     @staticmethod
     def create(batch: Int32, seqlen_q_static, seqlen_k_static, cu_seqlens_q: Optional[cute.Tensor] = None,
-               cu_seqlens_k: Optional[cute.Tensor] = None, max_seqlen_q=None, max_seqlen_k=None) -> "SequenceInfo":
-        """``seqlen_*_static``: dense, the sequence lengths; packed, the tensors' row counts."""
+               cu_seqlens_k: Optional[cute.Tensor] = None, max_seqlen_q=None, max_seqlen_k=None,
+               cache_seqlens: Optional[cute.Tensor] = None) -> "SequenceInfo":
+        """``seqlen_*_static``: dense, the sequence lengths; packed, the tensors' row counts.
+        ``cache_seqlens``: packed queries over a KV cache (a mixed batch): the keys are the first
+        ``cache_seqlens[batch]`` of sequence ``batch``'s cache, which holds ``seqlen_k_static``.
+        Packed queries without either: the keys are ``seqlen_k_static`` rows from row 0."""
         if cu_seqlens_q is None:
             return SequenceInfo(Int32(0), seqlen_q_static, Int32(0), seqlen_k_static)
         offset_q, seqlen_q = _rows(cu_seqlens_q, batch, seqlen_q_static, max_seqlen_q)
+        if cutlass.const_expr(cache_seqlens is not None):
+            return SequenceInfo(offset_q, seqlen_q, Int32(0), _cache_length(cache_seqlens, batch, seqlen_k_static))
+        if cutlass.const_expr(cu_seqlens_k is None):
+            return SequenceInfo(offset_q, seqlen_q, Int32(0), seqlen_k_static)
         offset_k, seqlen_k = _rows(cu_seqlens_k, batch, seqlen_k_static, max_seqlen_k)
         return SequenceInfo(offset_q, seqlen_q, offset_k, seqlen_k)
-
 
     @staticmethod
     def with_cache_length(batch: Int32, seqlen_q, cache_seqlens: cute.Tensor, capacity) -> "SequenceInfo":
         """A dense query block over a cache whose sequence ``batch`` holds ``cache_seqlens[batch]``
         keys, clamped to ``[0, capacity]`` (what the cache can hold; the kernel flags the rest)."""
-        return SequenceInfo(Int32(0), seqlen_q, Int32(0), cutlass.min(cutlass.max(cache_seqlens[batch], 0), capacity))
+        return SequenceInfo(Int32(0), seqlen_q, Int32(0), _cache_length(cache_seqlens, batch, capacity))
+
+
+def _cache_length(cache_seqlens: cute.Tensor, batch: Int32, capacity):
+    """Sequence ``batch``'s cached keys, within ``[0, capacity]`` (the kernel flags the rest)."""
+    return cutlass.min(cutlass.max(cache_seqlens[batch], 0), capacity)
 
 
 def _rows(cu_seqlens: cute.Tensor, batch: Int32, total, max_seqlen):

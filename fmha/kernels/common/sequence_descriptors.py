@@ -74,19 +74,25 @@ def sequence_extents(seq: SequenceInfo):
 
 
 @cute.jit
-def flag_bad_offsets(mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, batch, seq: SequenceInfo, total_q,
+def flag_bad_offsets(mCuSeqlensQ: cute.Tensor, mCuSeqlensK: Optional[cute.Tensor], batch, seq: SequenceInfo, total_q,
                      total_k, mErrors: cute.Tensor):
     """Set ``mErrors[0]`` if sequence ``batch``'s offsets are not what ``SequenceInfo`` made of
     them (out of order or of range, longer than the max length the launch was sized by), or if
-    the first offset is not 0 or the last not the tensor's row count."""
+    the first offset is not 0 or the last not the tensor's row count. Without ``mCuSeqlensK``
+    (keys in a KV cache) the query offsets alone, whose last may stop short of the rows (an
+    engine's batch padded to a fixed size)."""
     num_batches = mCuSeqlensQ.shape[0] - 1
-    bad = (mCuSeqlensQ[batch] != seq.offset_q or mCuSeqlensK[batch] != seq.offset_k
-           or mCuSeqlensQ[batch + 1] != seq.offset_q + seq.seqlen_q
-           or mCuSeqlensK[batch + 1] != seq.offset_k + seq.seqlen_k)
+    bad = mCuSeqlensQ[batch] != seq.offset_q or mCuSeqlensQ[batch + 1] != seq.offset_q + seq.seqlen_q
     if batch == 0:
-        bad = bad or mCuSeqlensQ[0] != 0 or mCuSeqlensK[0] != 0
-    if batch == num_batches - 1:
-        bad = bad or mCuSeqlensQ[num_batches] != total_q or mCuSeqlensK[num_batches] != total_k
+        bad = bad or mCuSeqlensQ[0] != 0
+    if const_expr(mCuSeqlensK is not None):
+        if batch == num_batches - 1:
+            bad = bad or mCuSeqlensQ[num_batches] != total_q
+        bad = bad or mCuSeqlensK[batch] != seq.offset_k or mCuSeqlensK[batch + 1] != seq.offset_k + seq.seqlen_k
+        if batch == 0:
+            bad = bad or mCuSeqlensK[0] != 0
+        if batch == num_batches - 1:
+            bad = bad or mCuSeqlensK[num_batches] != total_k
     if bad:
         flag_error(mErrors, BAD_OFFSETS)
 
@@ -97,18 +103,21 @@ class SequenceDescriptors:
     @cute.kernel
     def describe_sequences(self, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
                            tma_o: Optional[cute.CopyAtom], q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,
-                           o: Optional[cute.Tensor], mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                           o: Optional[cute.Tensor], mCuSeqlensQ: cute.Tensor, mCuSeqlensK: Optional[cute.Tensor],
                            mSeqDescriptors: cute.Tensor, mErrors: cute.Tensor, max_seqlen_q: Int32):
         """One warp per sequence. q, k, o: (S, D, H, 1); v: (D, S, H, 1). Staged fp8 V has a batch
         row per sequence already and keeps the atom's descriptor; ``tma_o`` is None where O is
-        stored from registers."""
+        stored from registers. Without ``mCuSeqlensK`` the keys are a KV cache's, read through
+        the atoms' own descriptors: only Q and O get a sequence's."""
         batch = Int32(cute.arch.block_idx()[0])
+        keys_packed = mCuSeqlensK is not None
         seq = SequenceInfo.create(batch, q.shape[0], k.shape[0], mCuSeqlensQ, mCuSeqlensK, max_seqlen_q)
         flag_bad_offsets(mCuSeqlensQ, mCuSeqlensK, batch, seq, q.shape[0], k.shape[0], mErrors)
         offset_q, len_q, offset_k, len_k = sequence_extents(seq)
         write_sequence_descriptor(tma_q, sequence_rows(q, offset_q, len_q, 0), mSeqDescriptors, batch, Q)
-        write_sequence_descriptor(tma_k, sequence_rows(k, offset_k, len_k, 0), mSeqDescriptors, batch, K)
-        if const_expr(not self.cfg.v_staged):
+        if const_expr(keys_packed):
+            write_sequence_descriptor(tma_k, sequence_rows(k, offset_k, len_k, 0), mSeqDescriptors, batch, K)
+        if const_expr(keys_packed and not self.cfg.v_staged):
             write_sequence_descriptor(tma_v, sequence_rows(v, offset_k, len_k, 1), mSeqDescriptors, batch, V)
         if const_expr(tma_o is not None):
             write_sequence_descriptor(tma_o, sequence_rows(o, offset_q, len_q, 0), mSeqDescriptors, batch, O)

@@ -67,16 +67,17 @@ def _fake_arguments(cfg: HopperForwardConfig) -> ForwardArgs:
 
     in_t, out_t = cutlass_dtype(cfg.dtype), cutlass_dtype(cfg.out_dtype)
     rank = 3 if cfg.varlen else 4
+    kv_rank = 3 if cfg.keys_packed else 4  # a KV cache keeps its batch mode
     d = cfg.head_dim
     q = fake_rows(in_t, rank, d)
-    k = fake_rows(in_t, rank, d)
+    k = fake_rows(in_t, kv_rank, d)
     if cfg.v_staged:
         # stage_v_fp8's (B, H_k, D, S_pad): keys contiguous, D static.
         v = cute.runtime.make_fake_tensor(
             in_t, (cute.sym_int(), cute.sym_int(), d, cute.sym_int()),
             stride=tuple(cute.sym_int64(divisibility=16) for _ in range(3)) + (1,), assumed_align=16)
     else:
-        v = fake_rows(in_t, rank, cfg.head_dim_v)
+        v = fake_rows(in_t, kv_rank, cfg.head_dim_v)
     o = fake_rows(out_t, rank, cfg.head_dim_v)
     lse = fake_rows(cutlass.Float32, 2 if cfg.varlen else 3, None, align_bytes=4) if cfg.has_lse else None
     cu_q = cu_k = tiles = count = descriptors = errors = cache_seqlens = block_table = None
@@ -86,7 +87,8 @@ def _fake_arguments(cfg: HopperForwardConfig) -> ForwardArgs:
         block_table = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int()),
                                                     stride=(cute.sym_int(), 1), assumed_align=4)
     if cfg.varlen:
-        cu_q, cu_k = fake_vector(cutlass.Int32), fake_vector(cutlass.Int32)
+        cu_q = fake_vector(cutlass.Int32)
+        cu_k = fake_vector(cutlass.Int32) if cfg.keys_packed else None
         tiles = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=4)
         count = fake_vector(cutlass.Int32, 1) if cfg.tiles_on_device else None
         n = cfg.sequence_descriptors
@@ -201,7 +203,8 @@ class HopperDecodeRunner:
         from fmha import split_kv
 
         group = problem.heads_q // problem.heads_k
-        packed = group > 1 and problem.seqlen_q < self.tile_m  # else the query tiles are full without packing
+        # else the query tiles are full without packing; a mixed batch's decodes need it
+        packed = group > 1 and (problem.seqlen_q < self.tile_m or problem.packed_q)
         rows, heads = (problem.seqlen_q * group, problem.heads_k) if packed else (problem.seqlen_q, problem.heads_q)
         tiles = problem.batch * heads * -(-rows // self.tile_m)
         m = problem.mask
@@ -212,34 +215,28 @@ class HopperDecodeRunner:
             span = min(span, problem.seqlen_q + m.window_right)
         span = max(span, 1)  # negative window sides can leave nothing
         splits = problem.num_splits or split_kv.choose_num_splits(tiles, num_sms, -(-span // self.tile_n))
+        if problem.packed_q:
+            splits = 1  # packed queries list their tiles on the GPU, with no split dimension yet
         if (problem.seqlen_q == 1 and m.kind == MaskKind.WINDOW and m.bottom_right and m.window_left is None
                 and m.window_right >= 0):
             m = MaskSpec(MaskKind.NONE)  # one bottom-right row sees every key up to the last
         cfg = decode_config(problem.dtype, problem.out_dtype, problem.head_dim, m.kind, m.window_left is not None,
                             m.window_right is not None, m.bottom_right, problem.return_lse, group if packed else 1,
                             splits > 1, problem.page_size, problem.capacity, problem.softcap > 0, problem.has_sinks,
-                            problem.head_dim_v)
+                            problem.head_dim_v, packed_q=problem.packed_q)
         return DecodePlan(cfg, packed, rows, heads, splits, m)
 
-    def __call__(self, problem, q, k_cache, v_cache, lengths, block_table, out, lse, sinks=None):
+    def __call__(self, problem, q, k_cache, v_cache, lengths, block_table, out, lse, sinks=None, cu_seqlens_q=None):
         from fmha import split_kv
 
+        if problem.packed_q:
+            return self.run_packed(problem, q, k_cache, v_cache, lengths, block_table, out, lse, sinks, cu_seqlens_q)
         b, s_q, h_q, _ = q.shape
         d = v_cache.shape[-1]  # O's head dim
         if b == 0 or s_q == 0 or h_q == 0 or problem.capacity == 0 or problem.num_pages == 0:
-            out.zero_()
-            if lse is not None:
-                fill_empty_lse(lse, sinks)
-            if b and (problem.capacity == 0 or problem.num_pages == 0):  # any length > 0 cannot be held
-                from fmha.kernels.common.error_bits import BAD_CACHE_LENGTH
-
-                device_errors.flag(q.device).bitwise_or_((lengths > 0).any().int() * BAD_CACHE_LENGTH)
+            self.answer_empty(problem, q, lengths, out, lse, sinks)
             return
-        plan = self._plans.get(problem)
-        if plan is None:
-            if len(self._plans) > 1024:
-                self._plans.clear()
-            plan = self._plans[problem] = self.plan(problem, sm_count(q.device))
+        plan = self.plan_of(problem, q.device)
         kernel = self.load(plan.cfg, compile_forward)
         q_in = split_kv.pack_gqa(q, problem.heads_k) if plan.packed else q
         if problem.page_size:  # the kernel reads the pages as one run of rows
@@ -271,6 +268,68 @@ class HopperDecodeRunner:
             combine(o_k, lse_k, out, lse, splits, h_q // heads)
         elif plan.packed:
             split_kv.unpack_gqa(o_k, lse_k, s_q, out, lse)
+
+    def run_packed(self, problem, q, k_cache, v_cache, lengths, block_table, out, lse, sinks, cu_seqlens_q):
+        """A mixed batch: packed query rows (T_q, H_q, D) at ``cu_seqlens_q`` over the cache. A GQA
+        group's heads are packed into rows (row t * g + j: token t, head h * g + j), the offsets
+        scaled to match on the GPU, and the tiles listed there (nothing is read back)."""
+        from fmha import split_kv
+
+        t_q, h_q, _ = q.shape
+        if t_q == 0 or h_q == 0 or problem.batch == 0 or problem.capacity == 0 or problem.num_pages == 0:
+            self.answer_empty(problem, q, lengths, out, lse, sinks)
+            return
+        plan = self.plan_of(problem, q.device)
+        kernel = self.load(plan.cfg, compile_forward)
+        g = h_q // plan.heads
+        q_in, cu_in, o_k, lse_k = q, cu_seqlens_q, out, lse
+        if g > 1:
+            q_in = split_kv.pack_gqa(q[None], plan.heads)[0]
+            cu_in = cu_seqlens_q * g
+            o_k = torch.empty((t_q * g, plan.heads, out.shape[-1]), dtype=out.dtype, device=q.device)
+            lse_k = torch.empty((plan.heads, t_q * g), dtype=torch.float32, device=q.device) if lse is not None else None
+        if problem.page_size:  # the kernel reads the pages as one run of rows
+            k_cache = k_cache.flatten(0, 1).unsqueeze(0)
+            v_cache = v_cache.flatten(0, 1).unsqueeze(0)
+        rows = plan.rows  # the longest sequence's rows, as the kernel counts them
+        # room for every query tile the offsets can give (clamped to ``rows`` each)
+        capacity = max(1, min(problem.batch * -(-rows // plan.cfg.tile_m), -(-t_q * g // plan.cfg.tile_m) + problem.batch))
+        tiles = torch.empty((capacity, 2), dtype=torch.int32, device=q.device)
+        count = torch.empty(1, dtype=torch.int32, device=q.device)
+        descriptors = torch.empty((problem.batch, plan.cfg.sequence_descriptors, 16), dtype=torch.int64,
+                                  device=q.device)
+        m = plan.mask
+        kernel(*ForwardArgs(
+            mQ=q_in, mK=k_cache, mV=v_cache, mO=o_k, mLSE=lse_k if plan.cfg.has_lse else None, mCuSeqlensQ=cu_in,
+            mTileTable=tiles, mTileCount=count, mSeqDescriptors=descriptors, mErrors=device_errors.flag(q.device),
+            mCacheSeqlens=lengths, mBlockTable=block_table, mSinks=sinks_fp32(sinks) if plan.cfg.has_sinks else None,
+            max_seqlen_q=rows, scale_log2=problem.softmax_scale_log2, output_scale=problem.output_scale,
+            softcap_factor=problem.softcap_factor if plan.cfg.softcap else None, window_left=m.window_left,
+            window_right=m.window_right, num_ctas=sm_count(q.device),
+            page_size=problem.page_size if plan.cfg.page_run else None))
+        if g > 1:
+            split_kv.unpack_gqa(o_k[None], None if lse is None else lse_k[None], t_q, out[None],
+                                None if lse is None else lse[None])
+
+    def plan_of(self, problem, device) -> DecodePlan:
+        plan = self._plans.get(problem)
+        if plan is None:
+            if len(self._plans) > 1024:
+                self._plans.clear()
+            plan = self._plans[problem] = self.plan(problem, sm_count(device))
+        return plan
+
+    @staticmethod
+    def answer_empty(problem, q, lengths, out, lse, sinks) -> None:
+        """No query rows, or a cache that holds no key: O = 0, LSE = -inf (or the sink); a
+        cache of no positions flags every length above 0."""
+        out.zero_()
+        if lse is not None:
+            fill_empty_lse(lse, sinks)
+        if problem.batch and (problem.capacity == 0 or problem.num_pages == 0):  # any length > 0 cannot be held
+            from fmha.kernels.common.error_bits import BAD_CACHE_LENGTH
+
+            device_errors.flag(q.device).bitwise_or_((lengths > 0).any().int() * BAD_CACHE_LENGTH)
 
     def append(self, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, capacity: int) -> None:
         """The call's new keys and values into the cache, before ``__call__`` reads it."""
@@ -399,7 +458,8 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
             cutlass.Int32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
             stride=(cute.sym_int(), cute.sym_int(), 1), assumed_align=4)
     if cfg.varlen:
-        cu_q, cu_k = fake_vector(cutlass.Int32), fake_vector(cutlass.Int32)
+        cu_q = fake_vector(cutlass.Int32)
+        cu_k = fake_vector(cutlass.Int32) if cfg.keys_packed else None
         n = cfg.sequence_descriptors
         descriptors = cute.runtime.make_fake_tensor(cutlass.Int64, (cute.sym_int(), n, 16), stride=(16 * n, 16, 1),
                                                     assumed_align=128)

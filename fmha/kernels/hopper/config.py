@@ -222,9 +222,12 @@ class HopperForwardConfig:
             raise ValueError("O staged in the Q buffer must have the input's type and Q's head dim")
         if self.v_staged and self.head_dim_v != self.head_dim:
             raise ValueError("fp8's staged V has Q's head dim")
-        if (self.cache_lengths or self.split_kv or self.rows_per_query > 1) and (
-                self.varlen or self.dtype == torch.float8_e4m3fn):
-            raise ValueError("the decode options take dense 16-bit batches")
+        if (self.cache_lengths or self.split_kv or self.rows_per_query > 1) and self.dtype == torch.float8_e4m3fn:
+            raise ValueError("the decode options take 16-bit inputs")
+        if self.varlen and (self.split_kv or (self.rows_per_query > 1 and not self.cache_lengths)):
+            raise ValueError("packed queries take GQA packing over a cache only, and no split-KV")
+        if self.varlen and self.cache_lengths and not self.tiles_on_device:
+            raise ValueError("packed queries over a cache list their tiles on the device (no lengths are read)")
         if self.split_kv and (self.out_dtype != torch.float32 or not self.has_lse):
             raise ValueError("split-KV writes fp32 partial outputs with their LSE")
         if self.page_run and (not self.cache_lengths or self.page_run % 16 or self.tile_n % self.page_run):
@@ -324,6 +327,11 @@ class HopperForwardConfig:
         return 4 if self.o_via_tma else 3
 
     @property
+    def keys_packed(self) -> bool:
+        """K and V are packed sequences (varlen without a cache): each sequence's own descriptors."""
+        return self.varlen and not self.cache_lengths
+
+    @property
     def kv_load_rows(self) -> int:
         """Keys per TMA load of K or V: the whole tile, or a paged cache's run."""
         return self.page_run or self.tile_n
@@ -356,11 +364,12 @@ def why_unsupported_decode(problem) -> list:
 def decode_config(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, mask_kind: MaskKind,
                   window_left_bounded: bool, window_right_bounded: bool, bottom_right: bool, has_lse: bool,
                   rows_per_query: int, split_kv: bool, page_size: int, capacity: int, softcap: bool = False,
-                  has_sinks: bool = False, head_dim_v: int = None) -> HopperForwardConfig:
+                  has_sinks: bool = False, head_dim_v: int = None, packed_q: bool = False) -> HopperForwardConfig:
     """The forward kernel's configuration for decode (``attention_with_kvcache``, whose masks are
     bottom-right, and dense calls with few query rows): the smallest tile, a persistent walk (the
     next tile's Q and K/V load under the current one), fp32 partials with their LSE under
-    split-KV."""
+    split-KV. ``packed_q``: the queries are packed sequences (a mixed batch of prefills and
+    decodes), whose tiles the GPU lists."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     tile_m, tile_n = decode_tile(dtype, head_dim, head_dim_v)
     q_stages = q_stages_for(Schedule.PERSISTENT, head_dim, capacity)
@@ -368,11 +377,11 @@ def decode_config(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, mas
     return HopperForwardConfig(
         dtype=dtype, out_dtype=out_dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask_kind=mask_kind,
         window_left_bounded=window_left_bounded, window_right_bounded=window_right_bounded,
-        bottom_right=bottom_right and mask_kind == MaskKind.WINDOW, varlen=False, has_lse=has_lse or split_kv,
+        bottom_right=bottom_right and mask_kind == MaskKind.WINDOW, varlen=packed_q, has_lse=has_lse or split_kv,
         tile_m=tile_m, tile_n=tile_n, schedule=Schedule.PERSISTENT, q_stages=q_stages,
-        o_store=o_store_for(dtype, out_dtype, head_dim, False, mask_kind == MaskKind.NONE, capacity, tile_m, tile_n,
-                            q_stages, head_dim_v),
-        rows_per_query=rows_per_query, split_kv=split_kv, cache_lengths=True,
+        o_store=o_store_for(dtype, out_dtype, head_dim, packed_q, mask_kind == MaskKind.NONE, capacity, tile_m,
+                            tile_n, q_stages, head_dim_v),
+        tiles_on_device=packed_q, rows_per_query=rows_per_query, split_kv=split_kv, cache_lengths=True,
         page_run=math.gcd(page_size, tile_n) if page_size else 0, softcap=softcap, has_sinks=has_sinks,
     )
 

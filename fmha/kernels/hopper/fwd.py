@@ -41,7 +41,7 @@ from ..common.kv_walk import kv_walk, listed_walk, masked_for_mods
 
 from ..common.device_tile_list import COST_BINS, DeviceWorkTileList, cost_bins_bytes
 from ..common import sequence_descriptors as seq_desc
-from ..common.kv_cache import KvCache
+from ..common.kv_cache import KvCache, cache_capacity
 from ..common.fragments import as_rows_cols, fp8_operand_a_shape
 from ..common.layouts import bshd_to_sdhb, ring_layout
 from ..common.mask import FragmentMask, ScoreMods
@@ -102,13 +102,13 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
         self.out_dtype = mO.element_type
         varlen = cfg.varlen
         q = bshd_to_sdhb(mQ, varlen)
-        k = bshd_to_sdhb(mK, varlen)
+        k = bshd_to_sdhb(mK, cfg.keys_packed)  # a KV cache keeps its batch mode (paged: one run of pages)
         if const_expr(cfg.v_staged):
             # (B, H, D, S) -> (D, S, H, B), keys contiguous: the K-major B of P.V (fp8 needs it)
             v = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 3, 1, 0]))
             v_major, v_smem_major = cute.nvgpu.OperandMajorMode.K, LayoutEnum.ROW_MAJOR
         else:
-            v = bshd_to_sdhb(mV, varlen, d_first=True)  # (D, S, H, B): the MN-major B of P.V
+            v = bshd_to_sdhb(mV, cfg.keys_packed, d_first=True)  # (D, S, H, B): the MN-major B of P.V
             v_major, v_smem_major = cute.nvgpu.OperandMajorMode.MN, LayoutEnum.COL_MAJOR
         d, dv = cfg.head_dim, cfg.head_dim_v
         tile_m, tile_n = cfg.tile_m, cfg.tile_n
@@ -196,8 +196,11 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
                 max_seqlen_q,
             ).launch(grid=[num_batches, 1, 1], block=[32, 1, 1], stream=stream)
         if const_expr(cfg.tiles_on_device):
-            self.list_work_tiles(mCuSeqlensQ, mCuSeqlensK, q.shape[0], k.shape[0], max_seqlen_q, None, window_left,
-                                 window_right, mTileTable, mTileCount).launch(
+            # over a cache, a sequence's keys are its cache length, at most the capacity
+            keys = cache_capacity(mBlockTable, page_size, k) if const_expr(cfg.cache_lengths) else k.shape[0]
+            self.list_work_tiles(mCuSeqlensQ, mCuSeqlensK, q.shape[0], keys, max_seqlen_q, None, window_left,
+                                 window_right, mTileTable, mTileCount,
+                                 mCacheSeqlens if const_expr(cfg.cache_lengths) else None).launch(
                 grid=[1, 1, 1], block=[COST_BINS, 1, 1], smem=cost_bins_bytes(), stream=stream)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
@@ -367,7 +370,10 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
         batch, split = tile.batch, None
         if const_expr(cfg.split_kv):
             batch, split = tile.batch % cache.num_batches, tile.batch // cache.num_batches
-        if const_expr(cfg.cache_lengths):
+        if const_expr(cfg.cache_lengths and cfg.varlen):  # a mixed batch: packed queries over a cache
+            seq = SequenceInfo.create(batch, mQ_sdhb.shape[0], cache.capacity(mK_tma), mCuSeqlensQ,
+                                      cache_seqlens=cache.seqlens)
+        elif const_expr(cfg.cache_lengths):
             seq = SequenceInfo.with_cache_length(batch, mQ_sdhb.shape[0], cache.seqlens, cache.capacity(mK_tma))
         else:
             seq = SequenceInfo.create(batch, mQ_sdhb.shape[0], mK_tma.shape[0], mCuSeqlensQ, mCuSeqlensK)

@@ -38,15 +38,17 @@ class ProducerWarp:
                 desc_q = desc_k = desc_v = None  # None: the descriptor built into the TMA atom
                 if const_expr(cfg.varlen):
                     # This sequence's own descriptors: coordinates are relative to its first row
-                    # and TMA stops at its last.
+                    # and TMA stops at its last (a cache's keys have none: they are found by
+                    # batch entry or page).
                     desc_q = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.Q)
-                    desc_k = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.K)
-                    if const_expr(not cfg.v_staged):
+                    if const_expr(cfg.keys_packed):
+                        desc_k = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.K)
+                    if const_expr(cfg.keys_packed and not cfg.v_staged):
                         desc_v = seq_desc.acquire_descriptor(mSeqDescriptors, batch, seq_desc.V)
                 # varlen tensors have one batch row, the packed tokens; staged V has one per
-                # sequence; a paged cache is one run of pages
+                # sequence; a paged cache is one run of pages; a dense cache a row per sequence
                 row_batch = Int32(0) if const_expr(cfg.varlen) else batch
-                kv_batch = Int32(0) if const_expr(cfg.page_run) else row_batch
+                kv_batch = Int32(0) if const_expr(cfg.page_run or cfg.keys_packed) else batch
                 mQ_cur = mQ_tma[None, None, tile.head, row_batch]
                 mK_cur = mK_tma[None, None, head_kv, kv_batch]
                 mV_cur = mV_tma[None, None, head_kv, batch if const_expr(cfg.v_staged) else kv_batch]
