@@ -25,7 +25,8 @@ A kernel backend is any object with
 - optionally, for ``attention_with_kvcache``: ``why_unsupported_decode(problem, options)``,
   ``decode_cache_key(problem, options)`` and ``prepare_decode(problem, options) -> runner`` for a
   ``fmha.kvcache.DecodeProblem``: ``runner(problem, q, k_cache, v_cache, lengths, block_table, out,
-  lse, sinks)``, and ``runner.append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
+  lse, sinks, cu_seqlens_q)`` (``cu_seqlens_q``: packed query rows where ``problem.packed_q``,
+  else None), and ``runner.append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
   capacity)``, which writes a call's new keys into the cache first.
 
 One selection serves the three (``Kind``: ``FORWARD``, ``BACKWARD``, ``DECODE``): ``select``

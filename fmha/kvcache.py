@@ -210,7 +210,7 @@ def decode_problem(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_ne
     mask = options.mask
     scales = dict(softmax_scale=options.softmax_scale, scale_q=options.scale_q, scale_k=options.scale_k,
                   scale_v=options.scale_v, inv_scale_o=options.inv_scale_o, softcap=options.softcap)
-    check_sinks(sinks, q.shape[2], q.device)
+    check_sinks(sinks, q.shape[-2], q.device)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                    or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")

@@ -181,7 +181,7 @@ def run_point(point: DecodePoint, impls: dict, torch, rounds: int) -> list:
 
 def _compile_one(cfg):
     from fmha.jit import disk_cache
-    from fmha.kernels.hopper.backend import compile_forward
+    from fmha.kernels.hopper.forward_runner import compile_forward
 
     disk_cache.load_or_compile(cfg, compile_forward)
 
@@ -192,7 +192,7 @@ def precompile(points, page_sizes, torch, workers: int) -> int:
     import multiprocessing as mp
 
     from fmha.jit.launch import sm_count
-    from fmha.kernels.hopper.backend import HopperDecodeRunner
+    from fmha.kernels.hopper.decode_runner import HopperDecodeRunner
     from fmha.kvcache import decode_problem
 
     configs = set()

@@ -27,7 +27,7 @@ def claimed_tiles_case(dev) -> bool:
     """Persistent CTAs that claim their tiles (``KernelOptions.claim_tiles``): 8 CTAs over 36
     causal tiles, so each claims several and cycles through its Q buffers and the hand-off."""
     from fmha.jit.launch import persistent_grid_of
-    from fmha.kernels.hopper.backend import HopperRunner, compile_forward
+    from fmha.kernels.hopper.forward_runner import HopperRunner, compile_forward
     from fmha.kernels.hopper.config import HopperForwardConfig
     from fmha.problem import KernelOptions
     from fmha.validation import validate

@@ -10,7 +10,7 @@ import argparse
 
 import torch
 
-from fmha.kernels.hopper.backend import HopperRunner, compile_forward
+from fmha.kernels.hopper.forward_runner import HopperRunner, compile_forward
 from fmha.kernels.hopper.config import HopperForwardConfig, OStore
 from fmha.problem import KernelOptions
 from fmha.validation import validate

@@ -109,7 +109,7 @@ def kernel_variant(mask_kwargs: Callable, fp8_only: bool = False, head_dims: tup
                    **overrides) -> Callable:
     """A benchmark implementation ``fn(q, k, v, point, cu_seqlens)``: the library's config for the
     point with ``overrides``, compiled once, called below the public API."""
-    from fmha.kernels.hopper.backend import HopperRunner, compile_forward
+    from fmha.kernels.hopper.forward_runner import HopperRunner, compile_forward
     from fmha.problem import KernelOptions
     from fmha.validation import validate
 

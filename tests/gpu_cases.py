@@ -599,7 +599,8 @@ def _compile_into(cache_dir: str, cfg):
 
     os.environ["FMHA_CACHE_DIR"] = cache_dir
     from fmha.jit import disk_cache
-    from fmha.kernels.hopper.backend import compile_backward, compile_forward
+    from fmha.kernels.hopper.backend import compile_backward
+    from fmha.kernels.hopper.forward_runner import compile_forward
     from fmha.kernels.hopper.config import HopperBackwardConfig
 
     start = time.time()

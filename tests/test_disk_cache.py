@@ -6,7 +6,7 @@ import torch
 pytest.importorskip("cutlass")
 
 from fmha.jit import disk_cache  # noqa: E402
-from fmha.kernels.hopper.backend import compile_forward as compile_kernel  # noqa: E402
+from fmha.kernels.hopper.forward_runner import compile_forward as compile_kernel  # noqa: E402
 from fmha.kernels.hopper.config import Schedule  # noqa: E402
 from kernel_configs import library_config  # noqa: E402
 

@@ -453,8 +453,8 @@ def test_paged_cache(page_size, varlen_q, monkeypatch):
                                           sinks=sink)
             assert_close(out[b], ref_o)
             assert_close(lse[b], ref_l)
-    # a dense query batch over pages fmha's paged cache takes goes to fmha.attention_with_kvcache
-    assert calls == ([1] if (page_size == 16 and not varlen_q) else [])
+    # dense or packed queries over pages fmha's paged cache takes go to fmha.attention_with_kvcache
+    assert calls == ([1] if page_size == 16 else [])
 
 
 def test_paged_without_seqused_uses_every_page_and_checks_pages():

@@ -39,7 +39,7 @@ def pytest_generate_tests(metafunc):
 def runners(request, tmp_path_factory):
     """config -> HopperRunner for every case of the suite, compiled in parallel first."""
     from fmha.jit import disk_cache
-    from fmha.kernels.hopper.backend import HopperRunner, compile_forward
+    from fmha.kernels.hopper.forward_runner import HopperRunner, compile_forward
 
     cases = gpu_cases.build_suite(request.config.getoption("--gpu-suite"))
     configs = sorted({gpu_cases.config_of(c, torch) for c in cases}, key=repr)

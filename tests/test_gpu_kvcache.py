@@ -116,7 +116,7 @@ def _kwargs(case: DecodeCase) -> dict:
 def decode_kernels(request, tmp_path_factory):
     """Every kernel the cases use, compiled in parallel into a fresh disk cache first."""
     from fmha.jit.launch import sm_count
-    from fmha.kernels.hopper.backend import HopperDecodeRunner
+    from fmha.kernels.hopper.decode_runner import HopperDecodeRunner
     from fmha.kvcache import decode_problem
 
     cache_dir = str(tmp_path_factory.mktemp("decode_kernels"))
@@ -219,7 +219,7 @@ DENSE_DECODE = [  # fmha.attention calls with few query rows: served by the deco
 
 def _dense_decode_problem(spec):
     """The DecodeProblem a DENSE_DECODE call becomes (``HopperDenseDecodeRunner``)."""
-    from fmha.kernels.hopper.backend import dense_decode_problem
+    from fmha.kernels.hopper.decode_runner import dense_decode_problem
     from fmha.validation import validate
 
     spec = dict(spec)
@@ -232,7 +232,7 @@ def _dense_decode_problem(spec):
 @pytest.mark.parametrize("spec", DENSE_DECODE, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
 def test_dense_calls_with_few_query_rows_run_as_decode(spec, decode_kernels):
     from fmha import backends
-    from fmha.kernels.hopper.backend import HopperDenseDecodeRunner
+    from fmha.kernels.hopper.decode_runner import HopperDenseDecodeRunner
 
     spec = dict(spec)
     b, sq, hq, hk, d, sk = (spec.pop(k) for k in ("b", "sq", "hq", "hk", "d", "sk"))

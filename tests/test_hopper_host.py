@@ -9,7 +9,7 @@ pytest.importorskip("cutlass")
 from fmha.jit import launch  # noqa: E402
 from fmha.kernels.common.fp8_order import FP8_KEY_ORDER  # noqa: E402
 from fmha.kernels.hopper import config as hc  # noqa: E402
-from fmha.kernels.hopper.backend import HopperRunner  # noqa: E402
+from fmha.kernels.hopper.forward_runner import HopperRunner  # noqa: E402
 from fmha.kernels.hopper.config import HopperForwardConfig, OStore, Schedule  # noqa: E402
 from fmha.kernels.hopper.v_staging import stage_v_fp8, staged_length  # noqa: E402
 from fmha.problem import KernelOptions  # noqa: E402

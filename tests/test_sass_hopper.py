@@ -25,7 +25,7 @@ import torch
 
 pytest.importorskip("cutlass")
 
-from fmha.kernels.hopper.backend import compile_forward as compile_kernel  # noqa: E402
+from fmha.kernels.hopper.forward_runner import compile_forward as compile_kernel  # noqa: E402
 from fmha.kernels.hopper.config import OStore  # noqa: E402
 from kernel_configs import library_config  # noqa: E402
 

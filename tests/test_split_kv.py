@@ -107,7 +107,7 @@ def test_a_repeated_kernel_call_reuses_its_validation(monkeypatch):
         calls["validate"] += 1
         return real(*args, **kwargs)
 
-    def runner(problem, q, k, v, lengths, table, out, lse, sinks=None):
+    def runner(problem, q, k, v, lengths, table, out, lse, sinks=None, cu_seqlens_q=None):
         calls["run"] += 1
         out.zero_()
 

@@ -159,9 +159,10 @@ def _check_varlen_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused
 
 
 def _serves_as_cache(k, cu_seqlens_q, cu_seqlens_k, seqused_q, page_table, grad: bool) -> bool:
-    """Whether fmha.attention_with_kvcache computes the call as it is: dense queries, nothing to
-    differentiate, and a dense cache or one whose page size its paged cache takes."""
-    if cu_seqlens_q is not None or seqused_q is not None or cu_seqlens_k is not None or grad:
+    """Whether fmha.attention_with_kvcache computes the call as it is: dense queries or packed
+    ones (a mixed batch), nothing to differentiate, and a dense cache or one whose page size its
+    paged cache takes."""
+    if seqused_q is not None or cu_seqlens_k is not None or grad:
         return False
     if page_table is None:
         return True
@@ -213,10 +214,14 @@ def flash_attn_varlen_func(
         return _fa4_result(result, want_lse, return_lse)
     if _serves_as_cache(k, cu_seqlens_q, cu_seqlens_k, seqused_q, page_table, needs_grad(q, k, v, learnable_sink)):
         lengths = seqused_k
-        if lengths is None:  # a paged cache without seqused_k: every page of the table is used
+        if lengths is None and page_table is not None:  # every page of the table is used
             lengths = torch.full((batch,), page_table.shape[1] * k.shape[1], dtype=torch.int32, device=q.device)
+        if lengths is None:  # a dense cache without seqused_k: every row of it is used
+            lengths = torch.full((batch,), k.shape[1], dtype=torch.int32, device=q.device)
+        packed = dict(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q) if cu_seqlens_q is not None else \
+            dict(num_splits=_splits_hint(num_splits))
         result = fmha.attention_with_kvcache(q, k, v, lengths, block_table=page_table, causal=False,
-                                             return_lse=want_lse, num_splits=_splits_hint(num_splits), **common)
+                                             return_lse=want_lse, **packed, **common)
         return _fa4_result(result, want_lse, return_lse)
     out, lse = packing.attend_gathered(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
