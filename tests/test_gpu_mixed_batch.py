@@ -235,9 +235,9 @@ def test_a_mixed_step_replays_from_a_cuda_graph_with_new_lengths(mixed_kernels):
     with torch.cuda.graph(graph):
         step()
     # a new batch in the same buffers: other row counts (fewer rows in all, the rest padding) and
-    # keys, the first sequence's keys shortened so that NaN rows follow them
+    # keys (at most each cache's valid ones: NaN follows those)
     rows = [1, 1, 1, 400, 0, 2, 1, 50, 1, 64]
-    keys = [500, 78, 2, 2047, 3000, 6, 65, 129, 301, 64]
+    keys = [500, 77, 1, 2047, 3000, 5, 64, 129, 300, 64]
     cu.copy_(torch.tensor([0] + torch.tensor(rows).cumsum(0).tolist(), dtype=torch.int32))
     seqused.copy_(torch.tensor(keys, dtype=torch.int32))
     out.fill_(float("nan"))

@@ -82,8 +82,7 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
             cutlass.Int32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
             stride=(cute.sym_int(), cute.sym_int(), 1), assumed_align=4)
     if cfg.varlen:
-        cu_q = fake_vector(cutlass.Int32)
-        cu_k = fake_vector(cutlass.Int32) if cfg.keys_packed else None
+        cu_q, cu_k = fake_vector(cutlass.Int32), fake_vector(cutlass.Int32)
         n = cfg.sequence_descriptors
         descriptors = cute.runtime.make_fake_tensor(cutlass.Int64, (cute.sym_int(), n, 16), stride=(16 * n, 16, 1),
                                                     assumed_align=128)
