@@ -239,7 +239,7 @@ def decode_problem(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_ne
 
 
 def _check_outputs(problem: DecodeProblem, q, out, lse) -> None:
-    want_o = q.shape[:-1] + (problem.head_dim_v,)
+    want_o = tuple(q.shape[:-1]) + (problem.head_dim_v,)
     want_l = (problem.heads_q, q.shape[0]) if problem.packed_q else (problem.batch, problem.heads_q, problem.seqlen_q)
     for name, t, shape, dtype in (("out", out, want_o, problem.out_dtype), ("lse", lse, want_l, accumulate_dtype(problem.dtype))):
         if t is None:

@@ -126,3 +126,87 @@ def test_bad_caches_and_block_tables_say_what_to_change():
         fmha.attention_with_kvcache(torch.randn(B, 1, 3, D).to(DT), k, v, lens)
     with pytest.raises(fmha.UnsupportedError):
         fmha.attention_with_kvcache(q, k, v, lens, backend="kernel")
+
+
+# ---- mixed batches: packed query rows over the cache (``cu_seqlens_q``)
+
+ROWS = [3, 0, 1, 45]  # query rows per sequence (LENS keys each): decodes, an empty one, a chunk
+
+
+def _packed_q(rows, pad=0, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(rows) + pad, HQ, D, generator=g).to(DT)
+    cu = torch.tensor([0] + torch.tensor(rows).cumsum(0).tolist(), dtype=torch.int32)
+    return q, cu
+
+
+@pytest.mark.parametrize("kwargs,mask", [
+    ({}, {"kind": "window", "left": None, "right": 0, "bottom_right": True}),
+    ({"causal": False}, {"kind": "none"}),
+    ({"window_size": (7, 0)}, {"kind": "window", "left": 7, "right": 0, "bottom_right": True}),
+    ({"causal": False, "window_size": (None, -2)}, {"kind": "window", "left": None, "right": -2,
+                                                     "bottom_right": True}),
+])
+def test_a_mixed_batch_matches_the_naive_attention_per_sequence(kwargs, mask):
+    """Each sequence's rows attend to its own cached keys, bottom-right aligned (rows before the
+    first key see nothing: sequence 3 has 45 rows and 100 keys, sequence 0 three rows and none);
+    padding rows past cu_seqlens_q[-1] are not written; paged and dense caches agree."""
+    q, cu = _packed_q(ROWS, pad=2)
+    k, v = _dense()
+    lens = torch.tensor(LENS, dtype=torch.int32)
+    sinks = torch.randn(HQ)
+    out = torch.full(q.shape, 7.0, dtype=DT)
+    o, lse = fmha.attention_with_kvcache(q, k, v, lens, cu_seqlens_q=cu, return_lse=True, out=out, sinks=sinks,
+                                         **kwargs)
+    assert o is out and lse.shape == (HQ, q.shape[0]) and torch.all(out[-2:] == 7)
+    kp, vp, table = _paged(k, v, 32)
+    o_paged, lse_paged = fmha.attention_varlen(q, kp, vp, cu, seqused_k=lens, block_table=table, return_lse=True,
+                                               sinks=sinks, **({"causal": True} | kwargs))
+    real = sum(ROWS)
+    assert torch.equal(o_paged[:real], o[:real]) and torch.equal(lse_paged[:, :real], lse[:, :real])
+    for b, (n_q, n_k) in enumerate(zip(ROWS, LENS)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        want_o, want_lse = naive_sequence(q[rows].double(), k[b, :n_k].double(), v[b, :n_k].double(), mask,
+                                          sinks=sinks)
+        assert torch.allclose(o[rows].double(), want_o, atol=TOL)
+        assert torch.allclose(lse[:, rows].double(), want_lse, atol=1e-4)
+
+
+def test_attention_varlen_over_a_cache_refuses_what_it_cannot_do():
+    q, cu = _packed_q(ROWS)
+    k, v = _dense()
+    kp, vp, table = _paged(k, v, 16)
+    lens = torch.tensor(LENS, dtype=torch.int32)
+    call = fmha.attention_varlen
+    with pytest.raises(ValueError, match="counted by seqused_k, not cu_seqlens_k"):
+        call(q, kp, vp, cu, cu, seqused_k=lens, block_table=table)
+    with pytest.raises(ValueError, match="block_table needs seqused_k"):
+        call(q, kp, vp, cu, block_table=table)
+    with pytest.raises(ValueError, match="bottom-right aligned"):
+        call(q, kp, vp, cu, seqused_k=lens, block_table=table, mask_align="top_left")
+    with pytest.raises(ValueError, match="score_mod: not served over a KV cache"):
+        call(q, kp, vp, cu, seqused_k=lens, block_table=table, score_mod=lambda s, b, h, i, j: s)
+    with pytest.raises(TypeError, match="unknown option"):
+        call(q, kp, vp, cu, seqused_k=lens, block_table=table, casual=True)
+    with pytest.raises(ValueError, match="not differentiable"):
+        call(q.clone().requires_grad_(), kp, vp, cu, seqused_k=lens, block_table=table)
+    with pytest.raises(TypeError, match="needs cu_seqlens_k"):
+        call(q, k, v, cu)
+    with pytest.raises(ValueError, match="k_new/v_new are appended for dense query batches"):
+        fmha.attention_with_kvcache(q, k, v, lens, cu_seqlens_q=cu, k_new=k[:, :1].clone(), v_new=v[:, :1].clone())
+    with pytest.raises(ValueError, match="num_splits"):
+        fmha.attention_with_kvcache(q, k, v, lens, cu_seqlens_q=cu, num_splits=4)
+    with pytest.raises(ValueError, match="max_seqlen_q is for packed queries"):
+        fmha.attention_with_kvcache(q[None], k[:1], v[:1], lens[:1], max_seqlen_q=3)
+    with pytest.raises(ValueError, match=r"q must be 3-D \(T_q, H_q, D\)"):
+        fmha.attention_with_kvcache(q[None], k, v, lens, cu_seqlens_q=cu)
+    with pytest.raises(ValueError, match="cache_seqlens has 4 entries for a batch of 3"):
+        fmha.attention_with_kvcache(q, k, v, lens, cu_seqlens_q=cu[:4])
+    with pytest.raises(ValueError, match="more than max_seqlen_q = 10"):
+        fmha.attention_with_kvcache(q, k, v, lens, cu_seqlens_q=cu, max_seqlen_q=10)
+    backwards = cu.clone()
+    backwards[2] = 0
+    with pytest.raises(ValueError, match="cu_seqlens_q must rise from 0"):
+        fmha.attention_with_kvcache(q, k, v, lens, cu_seqlens_q=backwards)
+    with pytest.raises(ValueError, match=r"out must be a \(49, 4, 32\)"):
+        fmha.attention_with_kvcache(q, k, v, lens, cu_seqlens_q=cu, out=torch.empty(B, 3, HQ, D, dtype=DT))
