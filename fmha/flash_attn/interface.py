@@ -5,9 +5,9 @@ none), computed by fmha.
 Each call is checked, FlashAttention's conventions are mapped onto fmha's
 (``conventions``), and the call goes to the fmha entry point that computes it exactly:
 ``fmha.attention`` for dense batches, ``fmha.attention_varlen`` for packed ones,
-``fmha.attention_with_kvcache`` for a dense query batch over a dense or paged cache, and, for
-the layouts fmha has no entry point for (``seqused_q``, packed queries over a paged cache,
-page sizes fmha's paged cache does not take), ``fmha.attention_varlen`` on the rows gathered
+``fmha.attention_with_kvcache`` for dense or packed queries over a dense or paged cache, and,
+for the layouts fmha has no entry point for (``seqused_q``, page sizes fmha's paged cache does
+not take, anything requiring grad over a cache), ``fmha.attention_varlen`` on the rows gathered
 into a packed batch (``packing``). FlashAttention features fmha does not have raise
 ``NotImplementedError`` naming the argument.
 """
@@ -188,7 +188,8 @@ def flash_attn_varlen_func(
     requires grad (else None). Bottom-right masks per sequence; windows, sinks, softcap as in
     ``flash_attn_func``. ``max_seqlen_*``, ``min_seqlen_k``, ``num_splits``, ``pack_gqa`` and the
     scheduler arguments are hints. Query rows that ``seqused_q`` or ``cu_seqlens_q`` leave out come
-    back as zeros (LSE -inf); FlashAttention leaves them unwritten."""
+    back as zeros (LSE -inf) on the gather path; FlashAttention leaves them unwritten, as the
+    cache path does (packed queries over a cache: unspecified)."""
     _refuse_fa4_features(qv, gather_kv_indices, score_mod, score_mod_bwd, mask_mod, aux_tensors, aux_scalars,
                          block_sparse_tensors)
     _check_gather_backward_options(gather_bwd_recompute_p, gather_bwd_token_chunk)
