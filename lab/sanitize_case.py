@@ -1,9 +1,12 @@
 """Small cases through the kernel (dense causal at D 64/128, persistent CTAs claiming causal
-tiles, varlen, fp8, D 32/256), for compute-sanitizer (``--claim-only``: the claiming case alone):
+tiles, varlen, fp8, D 32/256), for compute-sanitizer (``--claim-only``: the claiming case alone;
+``--mixed-only``: mixed batches over a paged cache, valid and with bad block tables, lengths and
+offsets, whose clamps must keep every access in bounds):
 
     compute-sanitizer --tool racecheck python -m lab.sanitize_case
     compute-sanitizer --tool memcheck  python -m lab.sanitize_case
     compute-sanitizer --tool racecheck python -m lab.sanitize_case --claim-only
+    compute-sanitizer --tool memcheck  python -m lab.sanitize_case --mixed-only
 
 Exits 1 if the output disagrees with the reference (the sanitizer reports its own findings).
 
@@ -47,11 +50,57 @@ def claimed_tiles_case(dev) -> bool:
     return err < 1e-2
 
 
+def mixed_batch_cases(dev) -> bool:
+    """Packed query rows (decodes, a chunk, an empty sequence) over a paged cache of 16-key pages:
+    the valid call against the reference, then calls with a block-table entry that is no page, a
+    length past the block table, offsets out of order and past the rows: each raises the device
+    flag, and none may read or write out of bounds (what memcheck checks)."""
+    rows, keys, page, hq, hk, d = [1, 40, 0, 3], [17, 100, 5, 64], 16, 8, 2, 64
+    pages = [-(-n // page) for n in keys]
+    cu = torch.tensor([0] + torch.tensor(rows).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    q = torch.randn(sum(rows), hq, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(sum(pages), page, hk, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    table = torch.full((len(rows), max(pages)), -1, dtype=torch.int32, device=dev)
+    order = torch.randperm(sum(pages), device=dev).to(torch.int32)
+    at = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = order[at:at + n]
+        at += n
+    lens = torch.tensor(keys, dtype=torch.int32, device=dev)
+    call = lambda cu_q, used, tab: fmha.attention_varlen(q, k, v, cu_q, seqused_k=used, block_table=tab,  # noqa: E731
+                                                          causal=True, backend="kernel", max_seqlen_q=max(rows))
+    o = call(cu, lens, table)
+    ref = fmha.attention_varlen(q, k, v, cu, seqused_k=lens, block_table=table, causal=True, backend="reference")
+    err = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
+    print(f"mixed batch over 16-key pages: rel L2 {err:.2e}")
+    ok = err < 1e-2
+    bad_table, too_long, backwards, past_end = table.clone(), lens.clone(), cu.clone(), cu.clone()
+    bad_table[1, 2] = 10_000
+    too_long[3] = max(pages) * page + 50
+    backwards[2] = 0
+    past_end[4] = sum(rows) + 100
+    for name, args in (("a block-table entry that is no page", (cu, lens, bad_table)),
+                       ("a length past the block table", (cu, too_long, table)),
+                       ("offsets out of order", (backwards, lens, table)),
+                       ("offsets past the rows", (past_end, lens, table))):
+        call(*args)
+        try:
+            fmha.check_device_errors()
+            print(f"{name}: NOT flagged")
+            ok = False
+        except ValueError as e:
+            print(f"{name}: flagged ({str(e)[:60]}...)")
+    return ok
+
+
 def main():
     torch.manual_seed(0)
     dev = torch.device("cuda")
     if "--claim-only" in sys.argv:
         return 0 if claimed_tiles_case(dev) else 1
+    if "--mixed-only" in sys.argv:
+        return 0 if mixed_batch_cases(dev) else 1
     ok = True
     q = torch.randn(1, 200, 2, 64, device=dev, dtype=torch.bfloat16)
     k = torch.randn(1, 200, 1, 64, device=dev, dtype=torch.bfloat16)
