@@ -20,15 +20,18 @@ from .kernels.common.error_bits import BAD_BLOCK_TABLE, BAD_CACHE_LENGTH, BAD_OF
 
 _MESSAGES = {
     BAD_OFFSETS: "an earlier varlen call on this GPU had invalid cu_seqlens (checked on the device because "
-                 "max_seqlen_q and max_seqlen_k were given): offsets must start at 0, never decrease, end at "
-                 "the number of rows, and no sequence may be longer than its max_seqlen. That call's outputs "
-                 "are wrong; leave out max_seqlen_q/max_seqlen_k to have cu_seqlens checked on the host",
-    BAD_CACHE_LENGTH: "an earlier attention_with_kvcache call on this GPU had a cache_seqlens entry below 0, or "
-                      "one that with the new keys did not fit the cache (its rows, or block_table columns x "
-                      "page size). That call's outputs are wrong",
-    BAD_BLOCK_TABLE: "an earlier attention_with_kvcache call on this GPU had a block_table entry that is not a "
-                     "page of the cache (0 .. num_pages - 1) for a position below the sequence's length. That "
-                     "call's outputs are wrong",
+                 "max_seqlen_q and max_seqlen_k were given, or the keys were in a KV cache): offsets must start "
+                 "at 0, never decrease, end at the number of rows (packed queries over a cache: at most that), "
+                 "and no sequence may be longer than its max_seqlen. That call's outputs are wrong; leave out "
+                 "max_seqlen_q/max_seqlen_k of a packed call to have cu_seqlens checked on the host",
+    BAD_CACHE_LENGTH: "an earlier call over a KV cache on this GPU (attention_with_kvcache, or attention_varlen "
+                      "with seqused_k) had a cache_seqlens / seqused_k entry below 0, or one that with the new "
+                      "keys did not fit the cache (its rows, or block_table columns x page size). That call's "
+                      "outputs are wrong",
+    BAD_BLOCK_TABLE: "an earlier call over a paged KV cache on this GPU (attention_with_kvcache, or "
+                     "attention_varlen with block_table) had a block_table entry that is not a page of the cache "
+                     "(0 .. num_pages - 1) for a position below the sequence's length. That call's outputs are "
+                     "wrong",
 }
 
 
