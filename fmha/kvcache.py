@@ -272,7 +272,7 @@ def attention_with_kvcache(
     rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` (int32, B + 1), each attending to the first
     ``cache_seqlens[b]`` keys of its cache (its own new keys already written there); O is
     (T_q, H_q, D_v), LSE (H_q, T_q); rows past ``cu_seqlens_q[-1]`` (padding to a fixed size)
-    belong to no sequence and are not written. ``max_seqlen_q`` bounds the rows of a sequence
+    belong to no sequence: their O and LSE are unspecified. ``max_seqlen_q`` bounds the rows of a sequence
     (default T_q); no ``k_new``/``v_new``, no split-KV.
     ``num_splits``: how many CTAs share each query tile's keys (split-KV); None lets the kernel
     choose (``fmha.split_kv.choose_num_splits``). On the kernel path ``cache_seqlens``,

@@ -770,3 +770,25 @@ def test_harness_swaps_samples_and_reports(pytester):
                               "--fa-report", str(report), "test_fake.py")
     late.assert_outcomes(skipped=8, deselected=6)
     assert json.loads((report / "fa_report.json").read_text())["totals"]["not_run"] == 8
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_with_packed_queries_over_a_cache(paged):
+    """FlashAttention-3's ``flash_attn_with_kvcache`` with packed queries (``cu_seqlens_q``), no
+    new keys: each sequence's rows attend to its cached keys, bottom-right (a mixed batch)."""
+    batch, s_cache = 3, 32
+    lens = [32, 1, 17]
+    kd, vd = _randn(batch, s_cache, 2, 16, seed=1), _randn(batch, s_cache, 2, 16, seed=2)
+    q, cu_q, qs = _pack([3, 0, 20], 4, 16, seed=0)
+    k, v, table = kd, vd, None
+    if paged:
+        k, table = _paged_cache(kd, 16, seed=3)
+        v, _ = _paged_cache(vd, 16, seed=3)
+    out, lse = flash_attn_with_kvcache(q, k, v, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+                                       page_table=table, cu_seqlens_q=cu_q, causal=True, return_softmax_lse=True)
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0])
+    for b in range(batch):
+        ref_o, ref_l = naive_sequence(qs[b], kd[b, :lens[b]], vd[b, :lens[b]], fa_mask(True))
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        assert_close(out[rows], ref_o)
+        assert_close(lse[:, rows], ref_l)

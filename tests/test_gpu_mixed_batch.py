@@ -177,9 +177,10 @@ def test_a_mixed_batch_matches_the_reference(index, mixed_kernels):
     _check(case, out, lse, want_o, want_lse, sum(case.rows))
 
 
-def test_the_mixed_path_is_the_kernel_and_reads_nothing_back(mixed_kernels):
-    """The call runs the mixed-batch kernel configuration (packed queries over the cache) and
-    leaves no host sync behind: it captures in a CUDA graph below; here, the runner's plan."""
+def test_the_plan_is_the_mixed_batch_configuration(mixed_kernels):
+    """The decode runner plans a mixed batch as packed queries over the cache: varlen Q, cache
+    lengths, tiles listed on the GPU, pages, GQA rows packed (the calls above force the kernel
+    with backend="kernel"; the graph test below shows that nothing is read back)."""
     from fmha.jit.launch import sm_count
     from fmha.kernels.hopper.decode_runner import HopperDecodeRunner
 

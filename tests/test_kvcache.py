@@ -130,7 +130,7 @@ def test_bad_caches_and_block_tables_say_what_to_change():
 
 # ---- mixed batches: packed query rows over the cache (``cu_seqlens_q``)
 
-ROWS = [3, 0, 1, 45]  # query rows per sequence (LENS keys each): decodes, an empty one, a chunk
+ROWS = [3, 0, 40, 45]  # query rows per sequence (LENS keys each): decodes, an empty one, chunks
 
 
 def _packed_q(rows, pad=0, seed=5):
@@ -149,7 +149,7 @@ def _packed_q(rows, pad=0, seed=5):
 ])
 def test_a_mixed_batch_matches_the_naive_attention_per_sequence(kwargs, mask):
     """Each sequence's rows attend to its own cached keys, bottom-right aligned (rows before the
-    first key see nothing: sequence 3 has 45 rows and 100 keys, sequence 0 three rows and none);
+    first key see nothing: sequence 2 has 40 rows and 37 keys, sequence 0 three rows and none);
     padding rows past cu_seqlens_q[-1] are not written; paged and dense caches agree."""
     q, cu = _packed_q(ROWS, pad=2)
     k, v = _dense()
@@ -208,5 +208,5 @@ def test_attention_varlen_over_a_cache_refuses_what_it_cannot_do():
     backwards[2] = 0
     with pytest.raises(ValueError, match="cu_seqlens_q must rise from 0"):
         fmha.attention_with_kvcache(q, k, v, lens, cu_seqlens_q=backwards)
-    with pytest.raises(ValueError, match=r"out must be a \(49, 4, 32\)"):
+    with pytest.raises(ValueError, match=r"out must be a \(88, 4, 32\)"):
         fmha.attention_with_kvcache(q, k, v, lens, cu_seqlens_q=cu, out=torch.empty(B, 3, HQ, D, dtype=DT))

@@ -128,7 +128,9 @@ class HopperDecodeRunner:
         q_in, cu_in, o_k, lse_k = q, cu_seqlens_q, out, lse
         if g > 1:
             q_in = split_kv.pack_gqa(q[None], plan.heads)[0]
-            cu_in = cu_seqlens_q * g
+            # clamped first, so that no bad offset wraps around int32 into a valid one: the
+            # kernel still flags every clamped value (-1 and T_q + 1 are never valid)
+            cu_in = cu_seqlens_q.clamp(-1, t_q + 1) * g
             o_k = torch.empty((t_q * g, plan.heads, out.shape[-1]), dtype=out.dtype, device=q.device)
             lse_k = torch.empty((plan.heads, t_q * g), dtype=torch.float32, device=q.device) if lse is not None else None
         if problem.page_size:  # the kernel reads the pages as one run of rows
