@@ -170,22 +170,6 @@ def _serves_as_cache(k, cu_seqlens_q, cu_seqlens_k, seqused_q, page_table, grad:
     return page_size in PAGE_SIZES and (k.shape[0] < 2 or k.stride(0) == page_size * k.stride(1))
 
 
-def _kernel_serves_cache_call(q, k, v, lengths, call: dict) -> bool:
-    """Whether a kernel serves packed queries over a cache as ``fmha.attention_with_kvcache`` (the
-    decode kernels), or no kernel could serve the call at all (not on a GPU): else the gathered
-    rows go to ``fmha.attention_varlen``, whose kernels may still serve them (another
-    architecture, fp8), rather than to the reference."""
-    from fmha.kvcache import decode_backend, decode_problem
-
-    if q.device.type != "cuda":
-        return True
-    try:
-        problem, _ = decode_problem(q, k, v, lengths, **call)
-    except (TypeError, ValueError):
-        return False  # the gather path reports what is wrong, in its own terms
-    return decode_backend("auto", problem)[0] != "reference"
-
-
 def flash_attn_varlen_func(
     q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
     min_seqlen_k=None, seqused_q=None, seqused_k=None, gather_kv_indices=None, page_table=None,
@@ -237,10 +221,16 @@ def flash_attn_varlen_func(
             lengths = torch.full((batch,), k.shape[1], dtype=torch.int32, device=q.device)
         packed = dict(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q) if cu_seqlens_q is not None else \
             dict(num_splits=_splits_hint(num_splits))
-        call = dict(block_table=page_table, causal=False, **packed, **common)
-        if cu_seqlens_q is None or _kernel_serves_cache_call(q, k, v, lengths, call):
-            result = fmha.attention_with_kvcache(q, k, v, lengths, return_lse=want_lse, **call)
+        # packed queries on a GPU take the cache only where a kernel serves it (decided before any
+        # launch, remembered by its dispatch memo); else the gathered rows go to
+        # fmha.attention_varlen, whose kernels may still serve them (another architecture, fp8)
+        backend = "kernel" if cu_seqlens_q is not None and q.device.type == "cuda" else "auto"
+        try:
+            result = fmha.attention_with_kvcache(q, k, v, lengths, block_table=page_table, causal=False,
+                                                 return_lse=want_lse, backend=backend, **packed, **common)
             return _fa4_result(result, want_lse, return_lse)
+        except fmha.UnsupportedError:
+            pass
     out, lse = packing.attend_gathered(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
         page_table=page_table, batch=batch, want_lse=want_lse, mask_align="bottom_right",

@@ -80,11 +80,7 @@ class HopperDecodeRunner:
             self.answer_empty(problem, q, lengths, out, lse, sinks)
             return
         plan = self.plan_of(problem, q.device)
-        kernel = self.load(plan.cfg, compile_forward)
         q_in = split_kv.pack_gqa(q, problem.heads_k) if plan.packed else q
-        if problem.page_size:  # the kernel reads the pages as one run of rows
-            k_cache = k_cache.flatten(0, 1).unsqueeze(0)
-            v_cache = v_cache.flatten(0, 1).unsqueeze(0)
         rows, heads, splits = plan.rows, plan.heads, plan.splits
         if splits > 1:
             o_k = torch.empty((splits * b, rows, heads, d), dtype=torch.float32, device=q.device)
@@ -94,16 +90,8 @@ class HopperDecodeRunner:
             lse_k = torch.empty((b, heads, rows), dtype=torch.float32, device=q.device) if lse is not None else None
         else:
             o_k, lse_k = out, lse
-        m = plan.mask
-        kernel(*ForwardArgs(
-            mQ=q_in, mK=k_cache, mV=v_cache, mO=o_k, mLSE=lse_k if plan.cfg.has_lse else None,
-            mErrors=device_errors.flag(q.device), mCacheSeqlens=lengths, mBlockTable=block_table,
-            mSinks=sinks_fp32(sinks) if plan.cfg.has_sinks else None, max_seqlen_q=rows,
-            scale_log2=problem.softmax_scale_log2, output_scale=problem.output_scale,
-            softcap_factor=problem.softcap_factor if plan.cfg.softcap else None, window_left=m.window_left,
-            window_right=m.window_right, num_ctas=sm_count(q.device),
-            num_splits=splits if plan.cfg.split_kv else None,
-            page_size=problem.page_size if plan.cfg.page_run else None))
+        self.launch(plan, problem, q_in, k_cache, v_cache, o_k, lse_k, lengths, block_table, sinks,
+                    num_splits=splits if plan.cfg.split_kv else None)
         if splits > 1:  # merged, and unpacked on the way
             from ..common.split_combine import SplitCombineConfig
 
@@ -123,7 +111,6 @@ class HopperDecodeRunner:
             self.answer_empty(problem, q, lengths, out, lse, sinks)
             return
         plan = self.plan_of(problem, q.device)
-        kernel = self.load(plan.cfg, compile_forward)
         g = h_q // plan.heads
         q_in, cu_in, o_k, lse_k = q, cu_seqlens_q, out, lse
         if g > 1:
@@ -133,9 +120,6 @@ class HopperDecodeRunner:
             cu_in = cu_seqlens_q.clamp(-1, t_q + 1) * g
             o_k = torch.empty((t_q * g, plan.heads, out.shape[-1]), dtype=out.dtype, device=q.device)
             lse_k = torch.empty((plan.heads, t_q * g), dtype=torch.float32, device=q.device) if lse is not None else None
-        if problem.page_size:  # the kernel reads the pages as one run of rows
-            k_cache = k_cache.flatten(0, 1).unsqueeze(0)
-            v_cache = v_cache.flatten(0, 1).unsqueeze(0)
         rows = plan.rows  # the longest sequence's rows, as the kernel counts them
         # room for every query tile the offsets can give (clamped to ``rows`` each)
         capacity = max(1, min(problem.batch * -(-rows // plan.cfg.tile_m), -(-t_q * g // plan.cfg.tile_m) + problem.batch))
@@ -143,18 +127,29 @@ class HopperDecodeRunner:
         count = torch.empty(1, dtype=torch.int32, device=q.device)
         descriptors = torch.empty((problem.batch, plan.cfg.sequence_descriptors, 16), dtype=torch.int64,
                                   device=q.device)
-        m = plan.mask
-        kernel(*ForwardArgs(
-            mQ=q_in, mK=k_cache, mV=v_cache, mO=o_k, mLSE=lse_k if plan.cfg.has_lse else None, mCuSeqlensQ=cu_in,
-            mTileTable=tiles, mTileCount=count, mSeqDescriptors=descriptors, mErrors=device_errors.flag(q.device),
-            mCacheSeqlens=lengths, mBlockTable=block_table, mSinks=sinks_fp32(sinks) if plan.cfg.has_sinks else None,
-            max_seqlen_q=rows, scale_log2=problem.softmax_scale_log2, output_scale=problem.output_scale,
-            softcap_factor=problem.softcap_factor if plan.cfg.softcap else None, window_left=m.window_left,
-            window_right=m.window_right, num_ctas=sm_count(q.device),
-            page_size=problem.page_size if plan.cfg.page_run else None))
+        self.launch(plan, problem, q_in, k_cache, v_cache, o_k, lse_k, lengths, block_table, sinks,
+                    mCuSeqlensQ=cu_in, mTileTable=tiles, mTileCount=count, mSeqDescriptors=descriptors)
         if g > 1:
             split_kv.unpack_gqa(o_k[None], None if lse is None else lse_k[None], t_q, out[None],
                                 None if lse is None else lse[None])
+
+    def launch(self, plan: DecodePlan, problem, q, k_cache, v_cache, o, lse, lengths, block_table, sinks,
+               **arguments) -> None:
+        """The forward kernel of ``plan`` on the call's tensors as the kernel sees them (q and O
+        packed where GQA rows are); ``arguments``: the launch's other ``ForwardArgs`` (split
+        count, packed queries' offsets and tile list)."""
+        cfg, m = plan.cfg, plan.mask
+        if problem.page_size:  # the kernel reads the pages as one run of rows
+            k_cache = k_cache.flatten(0, 1).unsqueeze(0)
+            v_cache = v_cache.flatten(0, 1).unsqueeze(0)
+        self.load(cfg, compile_forward)(*ForwardArgs(
+            mQ=q, mK=k_cache, mV=v_cache, mO=o, mLSE=lse if cfg.has_lse else None,
+            mErrors=device_errors.flag(q.device), mCacheSeqlens=lengths, mBlockTable=block_table,
+            mSinks=sinks_fp32(sinks) if cfg.has_sinks else None, max_seqlen_q=plan.rows,
+            scale_log2=problem.softmax_scale_log2, output_scale=problem.output_scale,
+            softcap_factor=problem.softcap_factor if cfg.softcap else None, window_left=m.window_left,
+            window_right=m.window_right, num_ctas=sm_count(q.device),
+            page_size=problem.page_size if cfg.page_run else None, **arguments))
 
     def plan_of(self, problem, device) -> DecodePlan:
         plan = self._plans.get(problem)
