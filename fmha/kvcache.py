@@ -53,9 +53,10 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_n
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
         _check_layout(name, t)
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"q, k_cache and v_cache must share a dtype, got {_dtype_name(q.dtype)}, "
-                        f"{_dtype_name(k_cache.dtype)}, {_dtype_name(v_cache.dtype)}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in cache_dtypes_for(q.dtype):
+        raise TypeError(f"k_cache and v_cache must share a dtype, q's or (under a float16/bfloat16 q) "
+                        f"float8_e4m3fn; got q {_dtype_name(q.dtype)}, k_cache {_dtype_name(k_cache.dtype)}, "
+                        f"v_cache {_dtype_name(v_cache.dtype)}")
     heads_q, head_dim = q.shape[-2:]
     if packed:
         check_index_tensor("cu_seqlens_q", cu_seqlens_q, 1, q.device)
@@ -96,10 +97,11 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_n
     if k_new is not None:
         for name, t, like in (("k_new", k_new, k_cache), ("v_new", v_new, v_cache)):
             _require_tensor(name, t)
-            if t.dim() != 4 or t.shape[0] != batch or t.shape[2:] != like.shape[2:] or t.dtype != like.dtype:
+            dtypes = (like.dtype,) if like.dtype == q.dtype else (q.dtype, like.dtype)
+            if t.dim() != 4 or t.shape[0] != batch or t.shape[2:] != like.shape[2:] or t.dtype not in dtypes:
                 raise ValueError(f"{name} must be (B, S_new, H_k, D) = ({batch}, S_new, {like.shape[2]}, "
-                                 f"{like.shape[3]}) in {_dtype_name(like.dtype)}, got {tuple(t.shape)} "
-                                 f"{_dtype_name(t.dtype)}")
+                                 f"{like.shape[3]}) in {' or '.join(_dtype_name(d) for d in dtypes)}, got "
+                                 f"{tuple(t.shape)} {_dtype_name(t.dtype)}")
             if t.device != q.device:
                 raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
         if k_new.shape[1] != v_new.shape[1]:
@@ -109,6 +111,23 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_n
     if out_dtype not in output_dtypes_for(q.dtype):
         raise TypeError(f"unsupported out_dtype {_dtype_name(out_dtype)} for {_dtype_name(q.dtype)} input")
     return paged, page_size, capacity, out_dtype
+
+
+def cache_dtypes_for(q_dtype: torch.dtype) -> tuple:
+    """The K/V cache dtypes a query dtype can attend to: its own, and fp8 (e4m3) under a 16-bit
+    query (values = stored values x ``scale_k`` / ``scale_v``)."""
+    if q_dtype in (torch.float16, torch.bfloat16):
+        return (q_dtype, torch.float8_e4m3fn)
+    return (q_dtype,)
+
+
+def quantize_for_cache(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
+    """New keys or values as a cache of ``cache_dtype`` stores them: unchanged in their own dtype;
+    a 16-bit tensor for an fp8 cache divided by the cache's dequantization ``scale`` and rounded
+    to nearest, saturating at e4m3's largest finite value (448), NaN kept."""
+    if x.dtype == cache_dtype:
+        return x
+    return (x.float() * (1.0 / scale)).to(cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -138,6 +157,8 @@ class DecodeProblem(ScoreScaling):
     #: q holds packed sequences (T_q, H_q, D) at ``cu_seqlens_q`` (a mixed batch of prefills and
     #: decodes); ``seqlen_q`` is then the longest's bound (``max_seqlen_q``)
     packed_q: bool = False
+    #: the cache's dtype where it is not ``dtype`` (float8_e4m3fn under a 16-bit query)
+    kv_dtype: Optional[torch.dtype] = None
 
     def flops(self, cache_lengths, seqlens_q=None) -> float:
         """Matmul FLOPs the bottom-right mask keeps (4 * kept (i, j) pairs * D per head, D and
@@ -234,7 +255,8 @@ def decode_problem(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_ne
         capacity=capacity, num_pages=k_cache.shape[0], seqlen_new=s_new,
         score_scale=softmax * scales["scale_q"] * scales["scale_k"],
         output_scale=scales["scale_v"] * scales["inv_scale_o"], return_lse=return_lse, num_splits=num_splits,
-        softcap=scales["softcap"], has_sinks=sinks is not None, device=q.device, packed_q=packed)
+        softcap=scales["softcap"], has_sinks=sinks is not None, device=q.device, packed_q=packed,
+        kv_dtype=None if k_cache.dtype == q.dtype else k_cache.dtype)
     return problem, scales
 
 
@@ -314,7 +336,8 @@ def attention_with_kvcache(
         device_errors.raise_pending(q.device)
         lengths = cache_seqlens
         if s_new:
-            runner.append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, capacity)
+            runner.append(k_cache, v_cache, quantize_for_cache(k_new, scale_k, k_cache.dtype),
+                          quantize_for_cache(v_new, scale_v, v_cache.dtype), cache_seqlens, block_table, capacity)
             lengths = cache_seqlens + s_new
         if lse is None and return_lse:
             lse = torch.empty(lse_shape, dtype=accumulate_dtype(q.dtype), device=q.device)
@@ -334,8 +357,8 @@ def attention_with_kvcache(
                  for b, n in enumerate(lengths)]
     if s_new:
         for b, (n, (rows_b, cols)) in enumerate(zip(lengths, positions)):
-            k_cache[rows_b[n:], cols[n:]] = k_new[b]
-            v_cache[rows_b[n:], cols[n:]] = v_new[b]
+            k_cache[rows_b[n:], cols[n:]] = quantize_for_cache(k_new[b], scale_k, k_cache.dtype)
+            v_cache[rows_b[n:], cols[n:]] = quantize_for_cache(v_new[b], scale_v, v_cache.dtype)
     if lse is None:
         lse = torch.empty(lse_shape, dtype=accumulate_dtype(q.dtype), device=q.device)
     lse.fill_(-math.inf)

@@ -18,6 +18,7 @@ Bandwidth = bytes of K and V read / time. Writes ``decode.json``, ``decode.md`` 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -25,6 +26,10 @@ import sys
 from dataclasses import asdict, dataclass
 
 REL_L2_LIMIT = 2e-2
+#: fp8-cache rows are checked against the bf16 cache they were quantized from (e4m3 keeps 3
+#: mantissa bits)
+REL_L2_LIMIT_FP8 = 6e-2
+E4M3_MAX = 448.0
 
 
 @dataclass(frozen=True)
@@ -86,9 +91,36 @@ def _implementations(torch, page_sizes) -> dict:
         out = torch.empty_like(q)
         return lambda: fmha.attention(q, k, v, causal=True, mask_align="bottom_right", out=out, backend="kernel")
 
+    def quantized(t):
+        """t in e4m3 with one per-tensor dequantization factor (values = stored x scale)."""
+        scale = max(t.abs().max().item(), 1e-30) / E4M3_MAX
+        return (t.float() / scale).to(torch.float8_e4m3fn), scale
+
+    def ours_fp8(page_size):
+        """fmha over an fp8 (e4m3) copy of the cache: the same call, half the bytes."""
+        def setup(point, q, k, v):
+            (k8, scale_k), (v8, scale_v) = quantized(k), quantized(v)
+            lengths = torch.full((point.batch,), point.seqlen_k, dtype=torch.int32, device=q.device)
+            table = None
+            if page_size:
+                per_seq = point.seqlen_k // page_size
+                order = torch.randperm(point.batch * per_seq, device=q.device)
+                kp = torch.empty((point.batch * per_seq, page_size) + k.shape[2:], dtype=k8.dtype, device=k.device)
+                vp = torch.empty_like(kp)
+                kp[order] = k8.reshape(-1, page_size, *k.shape[2:])
+                vp[order] = v8.reshape(-1, page_size, *v.shape[2:])
+                k8, v8, table = kp, vp, order.view(point.batch, per_seq).to(torch.int32)
+            out = torch.empty_like(q)
+            return lambda: fmha.attention_with_kvcache(q, k8, v8, lengths, block_table=table, out=out,
+                                                       scale_k=scale_k, scale_v=scale_v, backend="kernel")
+        return setup
+
     impls = {"fmha": ours, "fmha_attention": ours_dense_api}
     for ps in page_sizes:
         impls[f"fmha_paged{ps}"] = ours_paged(ps)
+    impls["fmha_fp8"] = ours_fp8(0)
+    for ps in page_sizes:
+        impls[f"fmha_fp8_paged{ps}"] = ours_fp8(ps)
     try:
         from flash_attn.cute import flash_attn_func
 
@@ -162,14 +194,15 @@ def run_point(point: DecodePoint, impls: dict, torch, rounds: int) -> list:
             torch.cuda.synchronize()
             err = ((out.float() - want).norm() / want.norm()).item()
             row["rel_l2"] = err
-            if not err < REL_L2_LIMIT:
+            if not err < (REL_L2_LIMIT_FP8 if "fp8" in name else REL_L2_LIMIT):
                 row["error"] = f"wrong answer (rel L2 {err:.3g})"
             else:
                 eager = [do_bench(call, warmup=25, rep=100, return_mode="median") for _ in range(rounds)]
                 graph = [do_bench_cudagraph(call, rep=100, return_mode="median") for _ in range(rounds)]
                 row["eager_us"] = 1e3 * statistics.median(eager)
                 row["graph_us"] = 1e3 * statistics.median(graph)
-                row["graph_tb_s"] = point.kv_bytes() / (row["graph_us"] * 1e-6) / 1e12
+                kv_bytes = point.kv_bytes() // (2 if "fp8" in name else 1)
+                row["graph_tb_s"] = kv_bytes / (row["graph_us"] * 1e-6) / 1e12
         except Exception as e:  # a peer that cannot run a point records why
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
@@ -205,7 +238,8 @@ def precompile(points, page_sizes, torch, workers: int) -> int:
             per_seq = p.seqlen_k // ps
             caches.append((torch.empty(p.batch * per_seq, ps, p.heads_k, p.head_dim, dtype=torch.bfloat16,
                                        device="meta"), torch.empty(p.batch, per_seq, dtype=torch.int32, device="meta")))
-        for k, table in caches:
+        for (k, table), cache_dtype in itertools.product(caches, (torch.bfloat16, torch.float8_e4m3fn)):
+            k = torch.empty(k.shape, dtype=cache_dtype, device="meta")
             problem, _ = decode_problem(q, k, k, lengths, block_table=table)
             problem = problem.__class__(**{**problem.__dict__, "device": torch.device("cuda")})
             configs.add(HopperDecodeRunner(problem).plan(problem, sm_count(torch.device("cuda"))).cfg)
@@ -223,9 +257,10 @@ def write_reports(rows: list, out_dir: str, meta: dict) -> str:
     by = {(r["label"], r["impl"]): r for r in rows}
     peers = [i for i in impls if i in ("fa3", "fa4")]
     lines = [f"# Decode, {meta.get('device', '')}: microseconds per call in a CUDA graph (eager in brackets)", "",
-             "| point | " + " | ".join(impls) + " | fmha TB/s | fmha / best of FA3, FA4 |",
-             "|---" * (len(impls) + 3) + "|"]
-    ratios = []
+             "| point | " + " | ".join(impls) + " | fmha TB/s | fmha / best of FA3, FA4 | fp8 cache: TB/s, "
+             "speed / bf16 |",
+             "|---" * (len(impls) + 4) + "|"]
+    ratios, fp8_speedups = [], []
     for label in labels:
         cells = []
         for impl in impls:
@@ -239,9 +274,17 @@ def write_reports(rows: list, out_dir: str, meta: dict) -> str:
             ratios.append(ratio_v)
             ratio = f"{ratio_v:.2f}x"
         tbs = f"{ours['graph_tb_s']:.2f}" if "graph_tb_s" in ours else "-"
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {tbs} | {ratio} |")
+        fp8 = by.get((label, "fmha_fp8"), {})
+        fp8_cell = "-"
+        if "graph_us" in fp8 and "graph_us" in ours:
+            fp8_speedups.append(ours["graph_us"] / fp8["graph_us"])
+            fp8_cell = f"{fp8['graph_tb_s']:.2f}, {fp8_speedups[-1]:.2f}x"
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {tbs} | {ratio} | {fp8_cell} |")
     if ratios:
         lines += ["", f"Median fmha speed / the faster of FA3 and FA4 (graph times): {statistics.median(ratios):.2f}x"]
+    if fp8_speedups:
+        lines += [f"Median speed of the fp8 cache / the bf16 cache (dense, graph times): "
+                  f"{statistics.median(fp8_speedups):.2f}x"]
     errors = [f"- {r['label']} {r['impl']}: {r['error']}" for r in rows if "error" in r]
     if errors:
         lines += ["", "Not timed:"] + errors

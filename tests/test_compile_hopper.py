@@ -518,3 +518,24 @@ def test_v_staging_kernel_addresses_match_the_torch_staging(head_dim, seqlen):
     got = torch.tensor(staged, dtype=torch.int64).to(torch.int32).view(torch.uint8)
     want = stage_v_fp8_torch(v.view(torch.float8_e4m3fn), None, seqlen).view(torch.uint8)
     assert torch.equal(got.reshape(want.shape), want)
+
+
+@pytest.mark.parametrize("q_dtype,head_dim,page_size,packed", [
+    (torch.bfloat16, 128, 0, False), (torch.float16, 64, 16, False), (torch.bfloat16, 256, 0, False),
+    (torch.bfloat16, 128, 32, True)])
+def test_an_fp8_cache_is_staged_then_converted_for_16_bit_products(q_dtype, head_dim, page_size, packed, tmp_path):
+    """An fp8 cache under a 16-bit query (``kv_convert.py``): the cache is TMA-loaded as e4m3, the
+    producer warpgroup's other warps convert it (cvt from e4m3 pairs) into the K/V ring, and both
+    products stay 16-bit wgmmas; dense, paged and packed-query configurations compile."""
+    from fmha.kernels.hopper.config import decode_config
+    from fmha.masking import MaskKind
+
+    cfg = decode_config(q_dtype, q_dtype, head_dim, MaskKind.WINDOW, False, True, True, True, 4, False, page_size,
+                        4096, packed_q=packed, kv_dtype=FP8)
+    assert cfg.kv_converted and cfg.tile_m == 64 and cfg.kv_stages >= 2 and cfg.kv_staging_stages >= 2
+    ptx = _ptx(cfg, tmp_path)
+    kernel = next(entry for entry in ptx.split(".entry")[1:] if "wgmma" in entry)
+    assert "cvt.rn.f16x2.e4m3x2" in kernel
+    assert ".e4m3.e4m3" not in kernel  # no fp8 product: Q is never rounded to fp8
+    name = "bf16" if q_dtype == torch.bfloat16 else "f16"
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.{name}\.{name}", kernel)

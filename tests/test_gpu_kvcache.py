@@ -39,9 +39,11 @@ class DecodeCase:
     window: tuple = (None, None)
     num_splits: Optional[int] = None
     dtype: torch.dtype = torch.bfloat16
+    fp8_cache: bool = False  # the cache in float8_e4m3fn, quantized with SCALE_K / SCALE_V
 
     def name(self) -> str:
         cache = f"paged{self.page_size}" if self.page_size else "dense"
+        cache += "-fp8" if self.fp8_cache else ""
         mask = "causal" if self.causal else f"win{self.window}" if self.window != (None, None) else "none"
         return (f"{cache}-q{self.seqlen_q}-h{self.heads_q}/{self.heads_k}-d{self.head_dim}-L{list(self.lengths)}"
                 f"-new{self.seqlen_new}-{mask}-splits{self.num_splits}-{str(self.dtype)[6:]}")
@@ -66,7 +68,21 @@ CASES = [
     DecodeCase(2, 16, 4, 128, (300, 45), 320, page_size=80, causal=False, window=(20, 3), dtype=torch.float16),
     DecodeCase(300, 16, 4, 128, (1000, 301), 1024, page_size=64),  # chunked prefill: full query tiles
     DecodeCase(100, 8, 2, 64, (500, 100), 512, page_size=32, num_splits=2),  # 400 packed rows, split
+    # fp8 caches under a 16-bit query (converted in shared memory)
+    DecodeCase(1, 32, 8, 128, (0, 1, 513, 1000), 1000, fp8_cache=True),
+    DecodeCase(4, 8, 8, 64, (777, 300, 5), 777, num_splits=3, fp8_cache=True),
+    DecodeCase(1, 16, 2, 256, (333, 1000), 1000, fp8_cache=True),
+    DecodeCase(1, 32, 8, 128, (0, 15, 16, 17, 700), 704, page_size=16, fp8_cache=True),
+    DecodeCase(3, 8, 2, 64, (48 * 5 + 7, 1), 48 * 8, page_size=48, num_splits=1, fp8_cache=True),
+    DecodeCase(2, 32, 8, 128, (129, 0, 300), 512, page_size=128, seqlen_new=2, fp8_cache=True),
+    DecodeCase(2, 16, 4, 128, (300, 45), 320, page_size=80, causal=False, window=(20, 3), dtype=torch.float16,
+               fp8_cache=True),
+    DecodeCase(300, 16, 4, 128, (1000, 301), 1024, page_size=64, fp8_cache=True),
+    DecodeCase(1, 32, 8, 128, (65000,), 65536, fp8_cache=True),
 ]
+#: an fp8 cache's dequantization factors (values = stored x scale); unit-normal keys and values
+#: stay well inside e4m3's range
+SCALE_K, SCALE_V = 0.05, 0.02
 
 
 def _inputs(case: DecodeCase, seed: int):
@@ -101,6 +117,9 @@ def _inputs(case: DecodeCase, seed: int):
                 table[b, i] = page
                 k_cache[page] = dense_k[b, i * case.page_size:(i + 1) * case.page_size]
                 v_cache[page] = dense_v[b, i * case.page_size:(i + 1) * case.page_size]
+    if case.fp8_cache:  # NaN stays NaN
+        k_cache = (k_cache.float() / SCALE_K).to(torch.float8_e4m3fn)
+        v_cache = (v_cache.float() / SCALE_V).to(torch.float8_e4m3fn)
     k_new = v_new = None
     if case.seqlen_new:
         k_new = rand(batch, case.seqlen_new, case.heads_k, case.head_dim)
@@ -109,7 +128,13 @@ def _inputs(case: DecodeCase, seed: int):
 
 
 def _kwargs(case: DecodeCase) -> dict:
-    return dict(causal=case.causal, window_size=case.window)
+    scales = dict(scale_k=SCALE_K, scale_v=SCALE_V) if case.fp8_cache else {}
+    return dict(causal=case.causal, window_size=case.window, **scales)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A cache as raw bytes (compared bit for bit, NaN included; fp8 has no nan_to_num)."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16)
 
 
 @pytest.fixture(scope="session")
@@ -160,8 +185,8 @@ def test_decode_matches_the_reference(index, decode_kernels):
         err = (out.float() - want_o).norm().item() / want_o.norm().item()
         assert err < O_TOL[case.dtype], err
     if case.seqlen_new:  # the appended keys landed where the reference put them, and only there
-        assert torch.equal(k.nan_to_num(7.0), k_ref.nan_to_num(7.0))
-        assert torch.equal(v.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+        assert torch.equal(_bytes(k), _bytes(k_ref))
+        assert torch.equal(_bytes(v), _bytes(v_ref))
 
 
 def test_bad_lengths_and_block_tables_raise_through_the_device_flag(decode_kernels):

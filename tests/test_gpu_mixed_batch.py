@@ -41,6 +41,7 @@ class MixedCase:
     sinks: bool = False
     pad_rows: int = 0  # query rows past cu_seqlens_q[-1] (an engine's fixed-size batch)
     dtype: torch.dtype = torch.bfloat16
+    fp8_cache: bool = False  # the cache in float8_e4m3fn, quantized with SCALE_K / SCALE_V
 
     @property
     def capacity(self) -> int:
@@ -51,7 +52,7 @@ class MixedCase:
         cache = f"paged{self.page_size}" if self.page_size else "dense"
         mask = "causal" if self.causal else f"win{self.window}" if self.window != (None, None) else "none"
         dv = f"/{self.head_dim_v}" if self.head_dim_v else ""
-        extra = "".join(f"-{k}" for k, on in (("softcap", self.softcap), ("sinks", self.sinks),
+        extra = "".join(f"-{k}" for k, on in (("softcap", self.softcap), ("sinks", self.sinks), ("fp8", self.fp8_cache),
                                                (f"pad{self.pad_rows}", self.pad_rows)) if on)
         return (f"{cache}-h{self.heads_q}/{self.heads_k}-d{self.head_dim}{dv}-rows{list(self.rows)}"
                 f"-keys{list(self.keys)}-{mask}{extra}-{str(self.dtype)[6:]}")
@@ -75,7 +76,15 @@ CASES = [
     MixedCase((9, 1), (45, 300), heads_q=12, heads_k=4, head_dim=64, page_size=16, dtype=torch.float16,
               window=(20, 3), causal=False),
     MixedCase(DECODES + (256,), tuple(range(5, 1205, 100)) + (256,), page_size=128, sinks=True),
+    MixedCase((300, 1, 1, 517, 1, 0, 1, 129, 1, 64), (1000, 77, 1, 2047, 4000, 5, 64, 129, 300, 1500),
+              fp8_cache=True),
+    MixedCase((33, 1, 2), (90, 450, 2), heads_q=8, heads_k=2, head_dim=64, page_size=48, causal=False,
+              dtype=torch.float16, fp8_cache=True),
+    MixedCase((130, 1), (2000, 900), heads_q=16, heads_k=16, page_size=0, softcap=30.0, sinks=True,
+              fp8_cache=True),
 ]
+#: an fp8 cache's dequantization factors (values = stored x scale)
+SCALE_K, SCALE_V = 0.05, 0.02
 
 
 def _inputs(case: MixedCase, seed: int):
@@ -112,13 +121,17 @@ def _inputs(case: MixedCase, seed: int):
                 table[b, i] = page
                 k_cache[page] = dense_k[b, i * case.page_size:(i + 1) * case.page_size]
                 v_cache[page] = dense_v[b, i * case.page_size:(i + 1) * case.page_size]
+    if case.fp8_cache:  # NaN stays NaN
+        k_cache = (k_cache.float() / SCALE_K).to(torch.float8_e4m3fn)
+        v_cache = (v_cache.float() / SCALE_V).to(torch.float8_e4m3fn)
     sinks = torch.randn(case.heads_q, generator=g, device=dev) if case.sinks else None
     return q, k_cache, v_cache, cu, seqused, table, sinks
 
 
 def _kwargs(case: MixedCase) -> dict:
+    scales = dict(scale_k=SCALE_K, scale_v=SCALE_V) if case.fp8_cache else {}
     return dict(causal=case.causal, window_size=case.window, softcap=case.softcap,
-                max_seqlen_q=max(case.rows + (1,)))
+                max_seqlen_q=max(case.rows + (1,)), **scales)
 
 
 def _problem(case: MixedCase, index: int):

@@ -210,3 +210,86 @@ def test_attention_varlen_over_a_cache_refuses_what_it_cannot_do():
         fmha.attention_with_kvcache(q, k, v, lens, cu_seqlens_q=backwards)
     with pytest.raises(ValueError, match=r"out must be a \(88, 4, 32\)"):
         fmha.attention_with_kvcache(q, k, v, lens, cu_seqlens_q=cu, out=torch.empty(B, 3, HQ, D, dtype=DT))
+
+
+# ---- fp8 caches under a 16-bit query
+
+E4M3 = torch.float8_e4m3fn
+SCALE_K, SCALE_V = 0.05, 0.02  # dequantization factors: values = stored x scale
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+def test_an_fp8_cache_is_attended_as_its_dequantized_values(q_dtype):
+    q = torch.randn(B, 2, HQ, D).to(q_dtype)
+    k, v = _dense()
+    k8, v8 = (k.float() / SCALE_K).to(E4M3), (v.float() / SCALE_V).to(E4M3)
+    lens = torch.tensor(LENS, dtype=torch.int32)
+    o, lse = fmha.attention_with_kvcache(q, k8, v8, lens, scale_k=SCALE_K, scale_v=SCALE_V, return_lse=True)
+    assert o.dtype == q_dtype and lse.dtype == torch.float32
+    mask = {"kind": "window", "left": None, "right": 0, "bottom_right": True}
+    want_o, want_lse = _want(q, k8.double() * SCALE_K, v8.double() * SCALE_V, LENS, mask)
+    assert torch.allclose(o.double(), want_o, atol=TOL)
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    assert torch.allclose(lse.double()[finite], want_lse[finite], atol=1e-4)
+    kp, vp, table = _paged(k, v, 16)  # quantized page by page: the same values
+    paged = fmha.attention_with_kvcache(q, (kp.float() / SCALE_K).to(E4M3), (vp.float() / SCALE_V).to(E4M3), lens,
+                                        block_table=table, scale_k=SCALE_K, scale_v=SCALE_V)
+    assert torch.equal(paged, o)
+
+
+def test_new_keys_are_quantized_into_an_fp8_cache_with_its_scales():
+    """16-bit k_new/v_new go in divided by the cache's scales, rounded to nearest and saturated at
+    e4m3's 448 (NaN stays NaN); fp8 ones go in as they are."""
+    s_new = 2
+    q = torch.randn(B, s_new, HQ, D).to(DT)
+    k, v = _dense()
+    k8, v8 = (k.float() / SCALE_K).to(E4M3), (v.float() / SCALE_V).to(E4M3)
+    k_new, v_new = torch.randn(B, s_new, HK, D).to(DT), torch.randn(B, s_new, HK, D).to(DT)
+    k_new[0, 0, 0, :3] = torch.tensor([1e4, -1e4, float("nan")])  # beyond e4m3 after the scale
+    lens = torch.tensor(LENS, dtype=torch.int32)
+    fmha.attention_with_kvcache(q, k8, v8, lens, k_new=k_new, v_new=v_new, scale_k=SCALE_K, scale_v=SCALE_V)
+    for b, n in enumerate(LENS):
+        want_k = (k_new[b].float() / SCALE_K).to(E4M3)
+        assert torch.equal(k8[b, n:n + s_new].view(torch.uint8), want_k.view(torch.uint8))
+        assert torch.equal(v8[b, n:n + s_new].view(torch.uint8), (v_new[b].float() / SCALE_V).to(E4M3).view(torch.uint8))
+    assert k8[0, 0, 0, :2].float().tolist() == [448.0, -448.0] and k8[0, 0, 0, 2].float().isnan()
+    fp8_new = (k_new.float() / SCALE_K).to(E4M3)
+    k8b = (k.float() / SCALE_K).to(E4M3)
+    fmha.attention_with_kvcache(q, k8b, v8.clone(), lens, k_new=fp8_new, v_new=(v_new.float() / SCALE_V).to(E4M3),
+                                scale_k=SCALE_K, scale_v=SCALE_V)
+    assert torch.equal(k8b[1, 1:1 + s_new].view(torch.uint8), fp8_new[1].view(torch.uint8))
+
+
+def test_cache_and_query_dtypes_that_do_not_go_together_say_so():
+    q = torch.randn(B, 1, HQ, D).to(DT)
+    k, v = _dense()
+    k8, v8 = k.to(E4M3), v.to(E4M3)
+    lens = torch.tensor(LENS, dtype=torch.int32)
+    with pytest.raises(TypeError, match="k_cache and v_cache must share a dtype"):
+        fmha.attention_with_kvcache(q, k8, v, lens)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        fmha.attention_with_kvcache(q.to(E4M3), k, v, lens)  # an fp8 query needs an fp8 cache
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        fmha.attention_with_kvcache(q.float(), k8, v8, lens)  # fp8 caches are for 16-bit queries
+    with pytest.raises(ValueError, match="k_new must be .* in bfloat16 or float8_e4m3fn"):
+        fmha.attention_with_kvcache(q, k8, v8, lens, k_new=k[:, :1].half(), v_new=v[:, :1].half())
+
+
+def test_the_decode_kernel_is_planned_with_the_cache_converted():
+    """Where the Hopper kernel serves it (nothing here runs it): the decode configuration with
+    the cache's dtype, a staging ring beside the K/V ring, and no reason to refuse."""
+    from fmha.kernels.hopper.config import why_unsupported_decode
+    from fmha.kernels.hopper.decode_runner import HopperDecodeRunner
+    from fmha.kvcache import decode_problem
+
+    q = torch.randn(2, 1, 32, 128).to(DT)
+    k8 = torch.zeros(2, 1000, 8, 128, dtype=E4M3)
+    problem, _ = decode_problem(q, k8, k8, torch.tensor([5, 999], dtype=torch.int32), scale_k=0.5)
+    assert problem.kv_dtype == E4M3 and problem.dtype == DT
+    assert why_unsupported_decode(problem) == []
+    cfg = HopperDecodeRunner(problem).plan(problem, 132).cfg
+    assert cfg.kv_converted and cfg.kv_dtype == E4M3 and cfg.dtype == DT
+    assert cfg.kv_stages >= 2 and cfg.kv_staging_stages >= 2
+    plain, _ = decode_problem(q, k8.to(DT), k8.to(DT), torch.tensor([5, 999], dtype=torch.int32))
+    assert not HopperDecodeRunner(plain).plan(plain, 132).cfg.kv_converted

@@ -113,6 +113,19 @@ def kv_stages_for(dtype: torch.dtype, head_dim: int, tile_m: int, tile_n: int, q
     return int(max(2, min(MAX_KV_STAGES, stages)))
 
 
+def converted_ring_stages(head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, q_stages: int) -> tuple:
+    """(K/V ring stages, staging ring stages) for a converted fp8 cache under a 16-bit query:
+    three 16-bit stages let the converter fill one while the consumers hold K_n and V_n-1, and
+    the 8-bit staging ring takes the rest (it keeps the loads in flight)."""
+    stage16 = tile_n * max(head_dim, head_dim_v) * 2
+    free = SMEM_BYTES - q_stages * tile_m * head_dim * 2
+    for stages16 in (3, 2):
+        stages8 = min(MAX_KV_STAGES, (free - stages16 * stage16) // (stage16 // 2))
+        if stages8 >= 2:
+            return stages16, int(stages8)
+    return 2, 2  # too large: the kernel's shared-memory check says so
+
+
 def choose_schedule(problem: AttentionProblem, options: KernelOptions) -> Schedule:
     """Persistent by default. Tiles of differing cost (causal-like masks, block masks) are
     claimed, last query tile first (the longest under causal-like masks), when the problem's K/V
@@ -195,6 +208,10 @@ class HopperForwardConfig:
     #: paged K/V (key p of sequence b is row p % page_size of page block_table[b, p // page_size]):
     #: keys per TMA load, gcd(page size, tile_n), so that a load never crosses a page; 0: dense
     page_run: int = 0
+    #: the cache's K/V dtype where it differs from Q's (float8_e4m3fn under a 16-bit query): TMA
+    #: loads it into a staging ring and the producer warpgroup's other warps convert it into the
+    #: K/V ring (``kv_convert.py``)
+    kv_dtype: Optional[torch.dtype] = None
     # ---- variants (``common/mask.py``, ``common/softmax.py``)
     #: scores capped at softcap * tanh(s / softcap)
     softcap: bool = False
@@ -230,6 +247,9 @@ class HopperForwardConfig:
             raise ValueError("packed queries over a cache list their tiles on the device (no lengths are read)")
         if self.split_kv and (self.out_dtype != torch.float32 or not self.has_lse):
             raise ValueError("split-KV writes fp32 partial outputs with their LSE")
+        if self.kv_dtype is not None and (self.kv_dtype != torch.float8_e4m3fn or element_bytes(self.dtype) != 2
+                                          or not self.cache_lengths or self.claims_tiles or self.mods is not None):
+            raise ValueError("converted K/V are an fp8 cache under a 16-bit query, on a static or listed tile walk")
         if self.page_run and (not self.cache_lengths or self.page_run % 16 or self.tile_n % self.page_run):
             raise ValueError("a paged cache has lengths per sequence, and loads runs of a multiple of 16 keys "
                              "that divide the key tile")
@@ -282,10 +302,23 @@ class HopperForwardConfig:
         return tile_costs_vary(self.mask_kind, self.window_left_bounded, self.mods is not None and self.mods.block_sparse)
 
     @property
+    def kv_converted(self) -> bool:
+        return self.kv_dtype is not None
+
+    @property
     def kv_stages(self) -> int:
+        if self.kv_converted:
+            return converted_ring_stages(self.head_dim, self.head_dim_v, self.tile_m, self.tile_n, self.q_stages)[0]
         reserved = o_buffer_reserved(self.dtype, self.out_dtype, self.varlen, self.tile_m, self.head_dim_v)
         return kv_stages_for(self.dtype, self.head_dim, self.tile_m, self.tile_n, self.q_stages, reserved,
                              self.head_dim_v)
+
+    @property
+    def kv_staging_stages(self) -> int:
+        """Stages of the converted cache's staging ring (0: K/V are loaded into the K/V ring)."""
+        if not self.kv_converted:
+            return 0
+        return converted_ring_stages(self.head_dim, self.head_dim_v, self.tile_m, self.tile_n, self.q_stages)[1]
 
     @property
     def num_consumer_warpgroups(self) -> int:
@@ -296,6 +329,8 @@ class HopperForwardConfig:
         """(producer, consumer) registers per thread after ``setmaxnreg``: the totals are what the
         CTA gets at launch (384 threads x 168 = 128 * 24 + 256 * 240; a larger total would leave a
         warpgroup's increase waiting forever)."""
+        if self.kv_converted:  # the converting warps hold a staged vector and its conversion
+            return {1: (56, 256), 2: (56, 224), 3: (56, 152)}[self.num_consumer_warpgroups]
         return {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_consumer_warpgroups]
 
     @property
@@ -346,7 +381,10 @@ def why_unsupported_decode(problem) -> list:
     """Every reason the decode configuration cannot serve a ``fmha.kvcache.DecodeProblem``."""
     reasons = []
     if problem.dtype not in (torch.float16, torch.bfloat16):
-        reasons.append(f"the Hopper decode kernel takes float16/bfloat16 caches, not {problem.dtype}")
+        reasons.append(f"the Hopper decode kernel takes float16/bfloat16 queries, not {problem.dtype}")
+    if problem.kv_dtype not in (None, torch.float8_e4m3fn):
+        reasons.append(f"the Hopper decode kernel takes caches in the query's dtype or float8_e4m3fn, "
+                       f"not {problem.kv_dtype}")
     if not head_dims_served(problem.dtype, problem.head_dim, problem.head_dim_v):
         reasons.append(f"the Hopper decode kernel takes head dims (of q/k and of v) that are multiples of "
                        f"{HEAD_DIM_STEP} up to {MAX_HEAD_DIM}, got {problem.head_dim} and {problem.head_dim_v}")
@@ -364,25 +402,35 @@ def why_unsupported_decode(problem) -> list:
 def decode_config(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, mask_kind: MaskKind,
                   window_left_bounded: bool, window_right_bounded: bool, bottom_right: bool, has_lse: bool,
                   rows_per_query: int, split_kv: bool, page_size: int, capacity: int, softcap: bool = False,
-                  has_sinks: bool = False, head_dim_v: int = None, packed_q: bool = False) -> HopperForwardConfig:
+                  has_sinks: bool = False, head_dim_v: int = None, packed_q: bool = False,
+                  kv_dtype: Optional[torch.dtype] = None) -> HopperForwardConfig:
     """The forward kernel's configuration for decode (``attention_with_kvcache``, whose masks are
     bottom-right, and dense calls with few query rows): the smallest tile, a persistent walk (the
     next tile's Q and K/V load under the current one), fp32 partials with their LSE under
     split-KV. ``packed_q``: the queries are packed sequences (a mixed batch of prefills and
-    decodes), whose tiles the GPU lists."""
+    decodes), whose tiles the GPU lists. ``kv_dtype``: the cache's, where it is not ``dtype``
+    (an fp8 cache, converted in shared memory)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     tile_m, tile_n = decode_tile(dtype, head_dim, head_dim_v)
     q_stages = q_stages_for(Schedule.PERSISTENT, head_dim, capacity)
     out_dtype = torch.float32 if split_kv else out_dtype
+    kv_dtype = None if kv_dtype in (None, dtype) else kv_dtype
+    if kv_dtype is not None:
+        # one consumer warpgroup: the converting warps need the issue slots a second one's
+        # (mostly empty) query rows would take
+        tile_m = 64
+    o_store = o_store_for(dtype, out_dtype, head_dim, packed_q, mask_kind == MaskKind.NONE, capacity, tile_m, tile_n,
+                          q_stages, head_dim_v)
+    if kv_dtype is not None and o_store == OStore.TMA_OWN_BUFFER:
+        o_store = OStore.DIRECT  # the staging ring takes O's buffer
     return HopperForwardConfig(
         dtype=dtype, out_dtype=out_dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask_kind=mask_kind,
         window_left_bounded=window_left_bounded, window_right_bounded=window_right_bounded,
         bottom_right=bottom_right and mask_kind == MaskKind.WINDOW, varlen=packed_q, has_lse=has_lse or split_kv,
         tile_m=tile_m, tile_n=tile_n, schedule=Schedule.PERSISTENT, q_stages=q_stages,
-        o_store=o_store_for(dtype, out_dtype, head_dim, packed_q, mask_kind == MaskKind.NONE, capacity, tile_m,
-                            tile_n, q_stages, head_dim_v),
-        tiles_on_device=packed_q, rows_per_query=rows_per_query, split_kv=split_kv, cache_lengths=True,
-        page_run=math.gcd(page_size, tile_n) if page_size else 0, softcap=softcap, has_sinks=has_sinks,
+        o_store=o_store, tiles_on_device=packed_q, rows_per_query=rows_per_query, split_kv=split_kv, cache_lengths=True,
+        page_run=math.gcd(page_size, tile_n) if page_size else 0, kv_dtype=kv_dtype, softcap=softcap,
+        has_sinks=has_sinks,
     )
 
 

@@ -66,7 +66,7 @@ class HopperDecodeRunner:
         cfg = decode_config(problem.dtype, problem.out_dtype, problem.head_dim, m.kind, m.window_left is not None,
                             m.window_right is not None, m.bottom_right, problem.return_lse, group if packed else 1,
                             splits > 1, problem.page_size, problem.capacity, problem.softcap > 0, problem.has_sinks,
-                            problem.head_dim_v, packed_q=problem.packed_q)
+                            problem.head_dim_v, packed_q=problem.packed_q, kv_dtype=problem.kv_dtype)
         return DecodePlan(cfg, packed, rows, heads, splits, m)
 
     def __call__(self, problem, q, k_cache, v_cache, lengths, block_table, out, lse, sinks=None, cu_seqlens_q=None):

@@ -61,15 +61,16 @@ def _fake_arguments(cfg: HopperForwardConfig) -> ForwardArgs:
     rank = 3 if cfg.varlen else 4
     kv_rank = 3 if cfg.keys_packed else 4  # a KV cache keeps its batch mode
     d = cfg.head_dim
+    kv_t = cutlass_dtype(cfg.kv_dtype) if cfg.kv_converted else in_t
     q = fake_rows(in_t, rank, d)
-    k = fake_rows(in_t, kv_rank, d)
+    k = fake_rows(kv_t, kv_rank, d)
     if cfg.v_staged:
         # stage_v_fp8's (B, H_k, D, S_pad): keys contiguous, D static.
         v = cute.runtime.make_fake_tensor(
             in_t, (cute.sym_int(), cute.sym_int(), d, cute.sym_int()),
             stride=tuple(cute.sym_int64(divisibility=16) for _ in range(3)) + (1,), assumed_align=16)
     else:
-        v = fake_rows(in_t, kv_rank, cfg.head_dim_v)
+        v = fake_rows(kv_t, kv_rank, cfg.head_dim_v)
     o = fake_rows(out_t, rank, cfg.head_dim_v)
     lse = fake_rows(cutlass.Float32, 2 if cfg.varlen else 3, None, align_bytes=4) if cfg.has_lse else None
     cu_q = cu_k = tiles = count = descriptors = errors = cache_seqlens = block_table = None

@@ -20,7 +20,9 @@ cache switches on compile-time options (``config.decode_config``): a GQA group's
 the rows of one tile, key counts per sequence, a query tile's keys split over CTAs (fp32 partials
 for ``common/split_combine.py``), paged K/V read through the block table (``load_kv_paged``). Varlen loads go
 through per-sequence TMA descriptors (``sequence_descriptors.py``). fp8: V arrives key-major
-from ``v_staging`` and P is fed to the P.V product in the fp8 A-operand order.
+from ``v_staging`` and P is fed to the P.V product in the fp8 A-operand order. An fp8 cache under
+a 16-bit query is loaded into a staging ring and converted into the K/V ring by the producer
+warpgroup's other warps (``kv_convert.py``).
 """
 
 import math
@@ -52,11 +54,13 @@ from .barriers import NamedBarrier
 from .config import SMEM_LIMIT, HopperForwardConfig, OStore
 from .epilogue import drain_o_stores, store_lse, store_o_direct, store_o_tma, wg_slice_layout
 from .fwd_producer import ProducerWarp
+from .kv_convert import CONVERTER_THREADS, CONVERTER_WARPS, CacheConverter
 from .mainloop import ConsumerFragments, ConsumerMainloop
 from .wgmma import WARPGROUP_THREADS as _WG
 
 
-class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDescriptors, DeviceWorkTileList):
+class HopperAttentionForward(ProducerWarp, CacheConverter, ConsumerMainloop, seq_desc.SequenceDescriptors,
+                             DeviceWorkTileList):
     """The kernel for one ``HopperForwardConfig``; call it (through ``cute.compile``) with the
     tensors and sizes of ``__call__``."""
 
@@ -100,6 +104,7 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
         cfg = self.cfg
         self.dtype = mQ.element_type
         self.out_dtype = mO.element_type
+        kv_dtype = mK.element_type  # the query's, or an fp8 cache's (``cfg.kv_converted``)
         varlen = cfg.varlen
         q = bshd_to_sdhb(mQ, varlen)
         k = bshd_to_sdhb(mK, cfg.keys_packed)  # a KV cache keeps its batch mode (paged: one run of pages)
@@ -107,6 +112,10 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
             # (B, H, D, S) -> (D, S, H, B), keys contiguous: the K-major B of P.V (fp8 needs it)
             v = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 3, 1, 0]))
             v_major, v_smem_major = cute.nvgpu.OperandMajorMode.K, LayoutEnum.ROW_MAJOR
+        elif const_expr(cfg.kv_converted):
+            # (S, D, H, B) as K: staged as the cache stores it, converted into the MN-major B of P.V
+            v = bshd_to_sdhb(mV, cfg.keys_packed)
+            v_major, v_smem_major = cute.nvgpu.OperandMajorMode.MN, LayoutEnum.COL_MAJOR
         else:
             v = bshd_to_sdhb(mV, cfg.keys_packed, d_first=True)  # (D, S, H, B): the MN-major B of P.V
             v_major, v_smem_major = cute.nvgpu.OperandMajorMode.MN, LayoutEnum.COL_MAJOR
@@ -132,18 +141,34 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
             sm90_utils.make_smem_layout_b(v_smem_major, (tile_m, dv, tile_n), self.dtype, 1),
             cfg.kv_stages, stage_elems)
 
+        # a converted cache's staging ring: K and V tiles (keys, head dim) in the cache's type
+        staged_elems = tile_n * max(d, dv)
+        sK_staged_layout = sV_staged_layout = None
+        if const_expr(cfg.kv_converted):
+            sK_staged_layout, sV_staged_layout = (
+                ring_layout(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, width), kv_dtype, 1),
+                            cfg.kv_staging_stages, staged_elems) for width in (d, dv))
+
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(
             load_op, q, cute.select(sQ_layout, mode=[0, 1]), (tile_m, d))
         # A paged cache loads each K/V tile in runs of ``kv_load_rows`` keys (``load_kv_paged``).
         kv_rows = cfg.kv_load_rows
-        sK_box = cute.select(sK_layout, mode=[0, 1])
-        sV_box = cute.select(sV_layout, mode=[0, 1])
+        if const_expr(cfg.kv_converted):
+            k_loaded, v_loaded = sK_staged_layout, sV_staged_layout
+        else:
+            k_loaded, v_loaded = sK_layout, sV_layout
+        sK_box = cute.select(k_loaded, mode=[0, 1])
+        sV_box = cute.select(v_loaded, mode=[0, 1])
+        v_box = (kv_rows, dv) if const_expr(cfg.kv_converted) else (dv, kv_rows)
         if const_expr(kv_rows != tile_n):
             sK_box = cute.composition(sK_box, cute.make_layout((kv_rows, d), stride=(1, tile_n)))
-            sV_box = cute.composition(sV_box, cute.make_layout((dv, kv_rows), stride=(1, dv)))
+            if const_expr(cfg.kv_converted):
+                sV_box = cute.composition(sV_box, cute.make_layout((kv_rows, dv), stride=(1, tile_n)))
+            else:
+                sV_box = cute.composition(sV_box, cute.make_layout((dv, kv_rows), stride=(1, dv)))
         tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(load_op, k, sK_box, (kv_rows, d))
-        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load_op, v, sV_box, (dv, kv_rows))
+        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(load_op, v, sV_box, v_box)
         # O as staged for the TMA store: the Q tile's layout, in the output type.
         sO_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, dv), self.out_dtype, 1)
         tma_o = tma_tensor_o = o = None
@@ -153,8 +178,9 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
             tma_o, tma_tensor_o = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), o, o_wg_layout,
                                                               (64, dv))
         self.q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
-        self.k_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
-        self.v_bytes = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
+        # what each K or V load brings (the TMA pipeline's byte counts)
+        self.k_bytes = cute.size_in_bytes(kv_dtype, cute.select(k_loaded, mode=[0, 1]))
+        self.v_bytes = cute.size_in_bytes(kv_dtype, cute.select(v_loaded, mode=[0, 1]))
 
         ring_elems = cfg.kv_stages * stage_elems
         o_elems = cute.cosize(sO_layout) if const_expr(cfg.o_store == OStore.TMA_OWN_BUFFER) else 0
@@ -164,9 +190,11 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
         class SharedStorage:
             q_mbar: cute.struct.MemRange[cutlass.Int64, cfg.q_stages * 2]
             kv_mbar: cute.struct.MemRange[cutlass.Int64, cfg.kv_stages * 2]
+            staged_mbar: cute.struct.MemRange[cutlass.Int64, cfg.kv_staging_stages * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, ring_elems], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.out_dtype, o_elems], 1024]
+            sKV_staged: cute.struct.Align[cute.struct.MemRange[kv_dtype, cfg.kv_staging_stages * staged_elems], 1024]
             # claimed tiles on their way from the producer to the consumers
             tile_mbar: cute.struct.MemRange[cutlass.Int64, hand_off_stages * 2]
             next_tile: cute.struct.MemRange[Int32, hand_off_stages]
@@ -213,7 +241,7 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
             num_splits,
             page_size,
             scale_log2, output_scale, softcap_factor, window_left, window_right,
-            sQ_layout, sK_layout, sV_layout, sO_layout,
+            sQ_layout, sK_layout, sV_layout, sO_layout, sK_staged_layout, sV_staged_layout,
         ).launch(
             grid=[grid_x, 1, 1],
             block=[self.num_threads, 1, 1],
@@ -264,6 +292,8 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
+        sK_staged_layout: Optional[cute.ComposedLayout],
+        sV_staged_layout: Optional[cute.ComposedLayout],
     ):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -285,10 +315,26 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
             num_stages=cfg.q_stages, producer_group=one_thread, consumer_group=q_releasers,
             tx_count=self.q_bytes, barrier_storage=storage.q_mbar.data_ptr(), defer_sync=True,
         ).make_participants()
-        kv_producer, kv_consumer = pipeline.PipelineTmaAsync.create(
-            num_stages=cfg.kv_stages, producer_group=one_thread, consumer_group=consumer_warps,
-            tx_count=min(self.k_bytes, self.v_bytes), barrier_storage=storage.kv_mbar.data_ptr(), defer_sync=True,
-        ).make_participants()
+        staged_producer = staged_consumer = None
+        if const_expr(cfg.kv_converted):
+            # TMA -> staging ring -> converting warps -> K/V ring -> consumers
+            staged_producer, staged_consumer = pipeline.PipelineTmaAsync.create(
+                num_stages=cfg.kv_staging_stages, producer_group=one_thread,
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONVERTER_WARPS),
+                tx_count=min(self.k_bytes, self.v_bytes), barrier_storage=storage.staged_mbar.data_ptr(),
+                defer_sync=True,
+            ).make_participants()
+            kv_producer, kv_consumer = pipeline.PipelineAsync.create(
+                num_stages=cfg.kv_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONVERTER_THREADS),
+                consumer_group=consumer_warps, barrier_storage=storage.kv_mbar.data_ptr(), defer_sync=True,
+            ).make_participants()
+        else:
+            kv_producer, kv_consumer = pipeline.PipelineTmaAsync.create(
+                num_stages=cfg.kv_stages, producer_group=one_thread, consumer_group=consumer_warps,
+                tx_count=min(self.k_bytes, self.v_bytes), barrier_storage=storage.kv_mbar.data_ptr(),
+                defer_sync=True,
+            ).make_participants()
         hand_off = None
         if const_expr(cfg.claims_tiles):
             hand_off = TileHandOff.create(
@@ -300,6 +346,11 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
         sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         # V stages alias K stages: the ring holds whichever the schedule put there.
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+        sK_staged = sV_staged = None
+        if const_expr(cfg.kv_converted):
+            sK_staged = storage.sKV_staged.get_tensor(sK_staged_layout.outer, swizzle=sK_staged_layout.inner)
+            sV_staged = cute.make_tensor(cute.recast_ptr(sK_staged.iterator, sV_staged_layout.inner),
+                                         sV_staged_layout.outer)
         sO = None
         if const_expr(cfg.o_store == OStore.TMA_OWN_BUFFER):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)[None, None, 0]
@@ -310,13 +361,24 @@ class HopperAttentionForward(ProducerWarp, ConsumerMainloop, seq_desc.SequenceDe
         cache = KvCache(mCacheSeqlens, mBlockTable, mErrors, num_batches, num_splits, page_size, cfg.page_run > 0)
         pipeline.pipeline_init_wait()
 
+        # the producer loads a converted cache into the staging ring, others into the K/V ring
+        k_dst, v_dst, load_pipe = sK, sV, kv_producer
+        if const_expr(cfg.kv_converted):
+            k_dst, v_dst, load_pipe = sK_staged, sV_staged, staged_producer
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.register_budgets[0])
             if warp_idx == 0:
                 self.producer(
                     scheduler, cache, mQ_tma, mK_tma, mV_tma, mQ_sdhb, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors,
-                    window_left, window_right, tma_q, tma_k, tma_v, sQ, sK, sV, q_producer, kv_producer, mBlockLists,
+                    window_left, window_right, tma_q, tma_k, tma_v, sQ, k_dst, v_dst, q_producer, load_pipe,
+                    mBlockLists,
                 )
+            if const_expr(cfg.kv_converted):
+                if warp_idx > 0:
+                    self.converter(
+                        scheduler, cache, mQ_sdhb, mK_tma, mCuSeqlensQ, mCuSeqlensK, window_left, window_right,
+                        sK_staged, sV_staged, sK, sV, staged_consumer, kv_producer, mBlockLists, tidx - 32,
+                    )
         else:
             cute.arch.setmaxregister_increase(cfg.register_budgets[1])
             self.consumer(

@@ -65,7 +65,10 @@ class ProducerWarp:
                                                      sK, sV, kv_producer)
                 else:
                     gK = cute.local_tile(mK_cur, (cfg.tile_n, cfg.head_dim), (None, 0))
-                    gV = cute.local_tile(mV_cur, (cfg.head_dim_v, cfg.tile_n), (0, None))
+                    if const_expr(cfg.kv_converted):  # staged as K is: (keys, head dim)
+                        gV = cute.local_tile(mV_cur, (cfg.tile_n, cfg.head_dim_v), (None, 0))
+                    else:
+                        gV = cute.local_tile(mV_cur, (cfg.head_dim_v, cfg.tile_n), (0, None))
                     tKsK, tKgK = tma_tiles(tma_k, sK, gK)
                     tVsV, tVgV = tma_tiles(tma_v, sV, gV)
                     kv_producer = self.load_kv(kv_tiles, (tma_k, tKgK, tKsK, desc_k), (tma_v, tVgV, tVsV, desc_v),
@@ -147,9 +150,10 @@ class ProducerWarp:
         for run in cutlass.range_constexpr(cfg.tile_n // rows):
             row = cute.arch.shuffle_sync(lane_rows, run)
             stage = s_stages[None, None, handle.index]
-            if const_expr(is_k):
-                dst = cute.local_tile(stage, (rows, cfg.head_dim), (run, 0))
-                src = cute.local_tile(m_cur, (rows, cfg.head_dim), (row // rows, 0))
+            if const_expr(is_k or cfg.kv_converted):  # (keys, head dim): K, or a converted cache's V
+                width = cfg.head_dim if const_expr(is_k) else cfg.head_dim_v
+                dst = cute.local_tile(stage, (rows, width), (run, 0))
+                src = cute.local_tile(m_cur, (rows, width), (row // rows, 0))
             else:
                 dst = cute.local_tile(stage, (cfg.head_dim_v, rows), (0, run))
                 src = cute.local_tile(m_cur, (cfg.head_dim_v, rows), (0, row // rows))
