@@ -1,12 +1,14 @@
 """Small cases through the kernel (dense causal at D 64/128, persistent CTAs claiming causal
 tiles, varlen, fp8, D 32/256), for compute-sanitizer (``--claim-only``: the claiming case alone;
 ``--mixed-only``: mixed batches over a paged cache, valid and with bad block tables, lengths and
-offsets, whose clamps must keep every access in bounds):
+offsets, whose clamps must keep every access in bounds; with ``--fp8`` the cache is fp8, staged and
+converted in shared memory):
 
     compute-sanitizer --tool racecheck python -m lab.sanitize_case
     compute-sanitizer --tool memcheck  python -m lab.sanitize_case
     compute-sanitizer --tool racecheck python -m lab.sanitize_case --claim-only
     compute-sanitizer --tool memcheck  python -m lab.sanitize_case --mixed-only
+    compute-sanitizer --tool memcheck  python -m lab.sanitize_case --mixed-only --fp8
 
 Exits 1 if the output disagrees with the reference (the sanitizer reports its own findings).
 
@@ -50,7 +52,7 @@ def claimed_tiles_case(dev) -> bool:
     return err < 1e-2
 
 
-def mixed_batch_cases(dev) -> bool:
+def mixed_batch_cases(dev, fp8: bool = False) -> bool:
     """Packed query rows (decodes, a chunk, an empty sequence) over a paged cache of 16-key pages:
     the valid call against the reference, then calls with a block-table entry that is no page, a
     length past the block table, offsets out of order and past the rows: each raises the device
@@ -68,12 +70,18 @@ def mixed_batch_cases(dev) -> bool:
         table[b, :n] = order[at:at + n]
         at += n
     lens = torch.tensor(keys, dtype=torch.int32, device=dev)
+    scales = {}
+    if fp8:  # an e4m3 cache with its dequantization factors
+        scales = dict(scale_k=0.05, scale_v=0.02)
+        k, v = (k.float() / 0.05).to(torch.float8_e4m3fn), (v.float() / 0.02).to(torch.float8_e4m3fn)
     call = lambda cu_q, used, tab: fmha.attention_varlen(q, k, v, cu_q, seqused_k=used, block_table=tab,  # noqa: E731
-                                                          causal=True, backend="kernel", max_seqlen_q=max(rows))
+                                                          causal=True, backend="kernel", max_seqlen_q=max(rows),
+                                                          **scales)
     o = call(cu, lens, table)
-    ref = fmha.attention_varlen(q, k, v, cu, seqused_k=lens, block_table=table, causal=True, backend="reference")
+    ref = fmha.attention_varlen(q, k, v, cu, seqused_k=lens, block_table=table, causal=True, backend="reference",
+                                **scales)
     err = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
-    print(f"mixed batch over 16-key pages: rel L2 {err:.2e}")
+    print(f"mixed batch over 16-key pages{' (fp8 cache)' if fp8 else ''}: rel L2 {err:.2e}")
     ok = err < 1e-2
     bad_table, too_long, backwards, past_end = table.clone(), lens.clone(), cu.clone(), cu.clone()
     bad_table[1, 2] = 10_000
@@ -100,7 +108,7 @@ def main():
     if "--claim-only" in sys.argv:
         return 0 if claimed_tiles_case(dev) else 1
     if "--mixed-only" in sys.argv:
-        return 0 if mixed_batch_cases(dev) else 1
+        return 0 if mixed_batch_cases(dev, fp8="--fp8" in sys.argv) else 1
     ok = True
     q = torch.randn(1, 200, 2, 64, device=dev, dtype=torch.bfloat16)
     k = torch.randn(1, 200, 1, 64, device=dev, dtype=torch.bfloat16)

@@ -250,6 +250,8 @@ class HopperForwardConfig:
         if self.kv_dtype is not None and (self.kv_dtype != torch.float8_e4m3fn or element_bytes(self.dtype) != 2
                                           or not self.cache_lengths or self.claims_tiles or self.mods is not None):
             raise ValueError("converted K/V are an fp8 cache under a 16-bit query, on a static or listed tile walk")
+        if self.kv_dtype is not None and self.num_consumer_warpgroups != 1:
+            raise ValueError("a converted cache is read by one consumer warpgroup (64-row tiles)")
         if self.page_run and (not self.cache_lengths or self.page_run % 16 or self.tile_n % self.page_run):
             raise ValueError("a paged cache has lengths per sequence, and loads runs of a multiple of 16 keys "
                              "that divide the key tile")
@@ -321,6 +323,11 @@ class HopperForwardConfig:
         return converted_ring_stages(self.head_dim, self.head_dim_v, self.tile_m, self.tile_n, self.q_stages)[1]
 
     @property
+    def converter_warpgroups(self) -> int:
+        """Warpgroups after the consumers that only convert a cache (``kv_convert.py``)."""
+        return 1 if self.kv_converted else 0
+
+    @property
     def num_consumer_warpgroups(self) -> int:
         return self.tile_m // 64
 
@@ -329,8 +336,8 @@ class HopperForwardConfig:
         """(producer, consumer) registers per thread after ``setmaxnreg``: the totals are what the
         CTA gets at launch (384 threads x 168 = 128 * 24 + 256 * 240; a larger total would leave a
         warpgroup's increase waiting forever)."""
-        if self.kv_converted:  # the converting warps hold a staged vector and its conversion
-            return {1: (56, 256), 2: (56, 224), 3: (56, 152)}[self.num_consumer_warpgroups]
+        if self.kv_converted:  # the converting warpgroups (both take the first budget) hold staged vectors
+            return (56, 240)
         return {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_consumer_warpgroups]
 
     @property

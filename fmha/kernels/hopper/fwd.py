@@ -66,7 +66,7 @@ class HopperAttentionForward(ProducerWarp, CacheConverter, ConsumerMainloop, seq
 
     def __init__(self, cfg: HopperForwardConfig):
         self.cfg = cfg
-        self.num_threads = _WG * (1 + cfg.num_consumer_warpgroups)
+        self.num_threads = _WG * (1 + cfg.num_consumer_warpgroups + cfg.converter_warpgroups)
         self.max_slack = MAX_SLACK if cfg.lazy_rescale else 0.0
 
     # ------------------------------------------------------------------ host-side JIT
@@ -380,12 +380,25 @@ class HopperAttentionForward(ProducerWarp, CacheConverter, ConsumerMainloop, seq
                         sK_staged, sV_staged, sK, sV, staged_consumer, kv_producer, mBlockLists, tidx - 32,
                     )
         else:
-            cute.arch.setmaxregister_increase(cfg.register_budgets[1])
-            self.consumer(
-                scheduler, cache, tiled_mma_qk, tiled_mma_pv, mQ_sdhb, mK_tma, mO, mLSE, mSinks, tma_o, mO_tma,
-                mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, scale_log2, output_scale, softcap_factor, window_left,
-                window_right, sQ, sK, sV, sO, q_consumer, kv_consumer, tidx - _WG, mModTensors, mBlockLists,
-            )
+            converting = False
+            if const_expr(cfg.kv_converted):
+                converting = warp_idx >= 4 * (1 + cfg.num_consumer_warpgroups)  # the converting warpgroup
+            if converting:
+                cute.arch.setmaxregister_decrease(cfg.register_budgets[0])
+                if const_expr(cfg.kv_converted):
+                    self.converter(
+                        scheduler, cache, mQ_sdhb, mK_tma, mCuSeqlensQ, mCuSeqlensK, window_left, window_right,
+                        sK_staged, sV_staged, sK, sV, staged_consumer, kv_producer, mBlockLists,
+                        tidx - _WG * (1 + cfg.num_consumer_warpgroups) + 96,
+                    )
+            else:
+                cute.arch.setmaxregister_increase(cfg.register_budgets[1])
+                self.consumer(
+                    scheduler, cache, tiled_mma_qk, tiled_mma_pv, mQ_sdhb, mK_tma, mO, mLSE, mSinks, tma_o, mO_tma,
+                    mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, scale_log2, output_scale, softcap_factor,
+                    window_left, window_right, sQ, sK, sV, sO, q_consumer, kv_consumer, tidx - _WG, mModTensors,
+                    mBlockLists,
+                )
 
     def make_scheduler(self, mTileTable, mTileCount, mTileCounter, hand_off, num_m_blocks, num_heads, num_batches):
         """The tile walk this configuration's schedule asks for (``scheduler.py``)."""

@@ -3,9 +3,9 @@ for an fp8 KV cache under a 16-bit query.
 
 ``wgmma`` multiplies operands of one type, and a bf16/fp16 query must not be rounded to fp8. So the
 producer warp TMA-loads each K and V tile of the cache, in the cache's type, into a staging ring,
-and warps 1..3 of the producer warpgroup (idle otherwise) convert each staged tile into the K/V ring
-the consumers read, in the query's type and the layouts the 16-bit kernel has: the consumers'
-loop does not change. e4m3 values are exact in bf16 and fp16, so the conversion rounds nothing;
+and seven converting warps (warps 1..3 of the producer warpgroup, idle otherwise, and a warpgroup
+of their own after the consumers) convert each staged tile into the K/V ring the consumers read,
+in the query's type and the layouts the 16-bit kernel has: the consumers' loop does not change. e4m3 values are exact in bf16 and fp16, so the conversion rounds nothing;
 the cache's scales stay scalars of the score and output scales.
 
 Both staged tiles are (keys, head dim) with the head dim contiguous, as the cache stores them;
@@ -16,13 +16,13 @@ the last V: ``fwd_producer.load_kv``).
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr, pipeline
+from cutlass import Int32, pipeline
 
 from ..common.kv_cache import KvCache
 from ..common.pipelines import release_by_one_lane
 
-#: warps 1..3 of the producer warpgroup
-CONVERTER_WARPS = 3
+#: warps 1..3 of the producer warpgroup, and the converting warpgroup
+CONVERTER_WARPS = 3 + 4
 CONVERTER_THREADS = 32 * CONVERTER_WARPS
 #: elements a thread converts at a time: 8 bytes read, 16 written
 VECTOR = 8
@@ -43,7 +43,7 @@ class CacheConverter:
                   window_right, sK_staged, sV_staged, sK, sV, staged_consumer: pipeline.PipelineConsumer,
                   kv_producer: pipeline.PipelineProducer, mBlockLists, tidx: Int32):
         """Per work tile: each staged K/V tile of its walk into the K/V ring. ``tidx``: 0 ..
-        ``CONVERTER_THREADS`` - 1."""
+        ``CONVERTER_THREADS`` - 1 over the converting warps."""
         cfg = self.cfg
         sV_rows = keys_first(sV)
         cursor = scheduler.consumer_cursor()
