@@ -7,8 +7,10 @@ the peers importable there, side by side in one run.
 Peers: FlashAttention-4 (``flash_attn.cute.flash_attn_func`` on the dense cache, causal: its
 masks align bottom-right), FlashAttention-3 (``fa3_fwd_interface``, where it is importable),
 PyTorch SDPA's flash backend (FA2; S_q = 1 only, where no mask is the bottom-right causal
-mask). Every cache is full (each sequence holds S_k keys), so all read the same bytes. Every
-output is checked against an fp32 reference first (a wrong answer is reported, not timed).
+mask). Every cache is full (each sequence holds S_k keys), so all read the same bytes, but for
+the ``fmha_fp8`` rows: the same cache quantized to e4m3 (one scale per tensor), half the bytes.
+Every output is checked against an fp32 reference first (a wrong answer is reported, not timed;
+the fp8 rows against the bf16 cache's, with a bound that allows for the quantization).
 Timing: CUDA events through ``triton.testing.do_bench`` (median) on eager calls, and the same
 call captured in a CUDA graph (``do_bench_cudagraph``), as servers replay decode steps.
 Bandwidth = bytes of K and V read / time. Writes ``decode.json``, ``decode.md`` and
