@@ -3,7 +3,8 @@
 * **GQA packing**: the ``g`` query heads that share a K/V head become ``g`` rows of one query
   tile (row ``s * g + j`` is query position s of head ``h_k * g + j``), so each K/V tile is read
   once per group instead of once per query head. ``pack_gqa``/``unpack_gqa`` move q, O and the
-  LSE between the two layouts (copies of the query rows only: small in decode).
+  LSE between the two layouts (copies of the query rows only: small in decode); with one query
+  row the packed layout is a view (``packed_views``), and nothing is copied.
 * **Split-KV** (flash-decoding): when the query tiles of a call cannot fill the GPU, each tile's
   keys are shared out over ``num_splits`` CTAs (``fmha.masking.split_share``), which write fp32
   partial outputs with their LSE; the combine pass (``kernels/common/split_combine.py``) merges
@@ -46,6 +47,21 @@ def pack_gqa(q: torch.Tensor, heads_k: int) -> torch.Tensor:
     b, s, hq, d = q.shape
     g = hq // heads_k
     return q.view(b, s, heads_k, g, d).transpose(2, 3).reshape(b, s * g, heads_k, d)
+
+
+def packed_views(out: torch.Tensor, lse: Optional[torch.Tensor], heads_k: int, seqlen_q: int):
+    """``out`` (B, S_q, H_q, D) and ``lse`` (B, H_q, S_q) or None, viewed in the packed layout
+    ((B, S_q * g, H_k, D) and (B, H_k, S_q * g), as ``pack_gqa`` and ``unpack_gqa`` lay them out),
+    so that a kernel writes them in place; None where their memory does not allow it (more than
+    one query row, unless H_k = 1; strides that do not merge)."""
+    b, s, hq, d = out.shape
+    g = hq // heads_k
+    try:
+        o = out.view(b, s, heads_k, g, d).transpose(2, 3).view(b, s * g, heads_k, d)
+        l_ = None if lse is None else lse.view(b, heads_k, g, s).transpose(2, 3).view(b, heads_k, s * g)
+    except RuntimeError:  # not a view
+        return None
+    return o, l_
 
 
 def unpack_gqa(o: torch.Tensor, lse: Optional[torch.Tensor], seqlen_q: int, out: torch.Tensor,

@@ -293,3 +293,33 @@ def test_the_decode_kernel_is_planned_with_the_cache_converted():
     assert cfg.kv_stages >= 2 and cfg.kv_staging_stages >= 2
     plain, _ = decode_problem(q, k8.to(DT), k8.to(DT), torch.tensor([5, 999], dtype=torch.int32))
     assert not HopperDecodeRunner(plain).plan(plain, 132).cfg.kv_converted
+
+
+def test_a_one_row_gqa_decode_hands_the_kernel_views_of_out_and_lse(monkeypatch):
+    """With one query row, the packed rows of a GQA group are views of the caller's out and lse:
+    the kernel writes them in place and nothing is unpacked after it (with four rows they are a
+    buffer apart, unpacked after). The launch is recorded, not run (no GPU here)."""
+    from fmha.kernels.hopper import decode_runner
+    from fmha.kernels.hopper.forward_runner import ForwardArgs
+    from fmha.kvcache import decode_problem
+
+    monkeypatch.setattr(decode_runner, "sm_count", lambda device: 132)
+    monkeypatch.setattr(fmha.device_errors, "flag", lambda device: torch.zeros(1, dtype=torch.int32))
+    k = torch.zeros(2, 1000, 8, 128, dtype=DT)
+    lens = torch.tensor([5, 999], dtype=torch.int32)
+    for s_q, in_place in ((1, True), (4, False)):
+        q = torch.randn(2, s_q, 32, 128).to(DT)
+        problem, _ = decode_problem(q, k, k, lens, return_lse=True, num_splits=1)
+        runner = decode_runner.HopperDecodeRunner(problem)
+        launches = []
+        monkeypatch.setattr(runner, "load", lambda cfg, compile_fn: lambda *args: launches.append(ForwardArgs(*args)))
+        out, lse = torch.zeros(2, s_q, 32, 128, dtype=DT), torch.zeros(2, 32, s_q)
+        runner(problem, q, k, k, lens, None, out, lse)
+        (args,) = launches
+        assert args.mO.shape == (2, s_q * 4, 8, 128) and args.mLSE.shape == (2, 8, s_q * 4)
+        assert (args.mO.data_ptr() == out.data_ptr()) == in_place
+        assert (args.mLSE.data_ptr() == lse.data_ptr()) == in_place
+        if in_place:  # row j of K/V head h is query head h * 4 + j
+            assert args.mO.stride() == (32 * 128, 128, 4 * 128, 1)
+            args.mO[1, 3, 5].fill_(7.0)
+            assert (out[1, 0, 5 * 4 + 3] == 7.0).all()

@@ -25,6 +25,27 @@ def test_pack_then_unpack_is_the_identity():
     assert lse_out[1, 1 * g + 3, 2] == lse[1, 1, 2 * g + 3]
 
 
+def test_one_query_row_is_packed_as_views_of_the_callers_tensors():
+    """With S_q = 1 the packed O and LSE are views of out and lse (the decode kernel writes them in
+    place): writing packed rows through the views is what unpack_gqa would have written. More
+    rows get None (but for O alone with one K/V head): the runner then packs and unpacks."""
+    b, hk, g, d = 3, 2, 4, 8
+    out, lse = torch.zeros(b, 1, hk * g, d), torch.zeros(b, hk * g, 1)
+    o_view, lse_view = split_kv.packed_views(out, lse, hk, 1)
+    assert o_view.data_ptr() == out.data_ptr() and lse_view.data_ptr() == lse.data_ptr()
+    packed_o, packed_lse = torch.randn(b, g, hk, d), torch.randn(b, hk, g)
+    want_o, want_lse = torch.empty_like(out), torch.empty_like(lse)
+    split_kv.unpack_gqa(packed_o, packed_lse, 1, want_o, want_lse)
+    o_view.copy_(packed_o)
+    lse_view.copy_(packed_lse)
+    assert torch.equal(out, want_o) and torch.equal(lse, want_lse)
+    assert split_kv.packed_views(out, None, hk, 1)[1] is None
+    assert split_kv.packed_views(torch.zeros(b, 2, hk * g, d), None, hk, 2) is None  # two rows
+    wide = torch.zeros(b, 1, hk * g, 2 * d)[..., :d]  # rows of 2D: still a view
+    assert split_kv.packed_views(wide, None, hk, 1) is not None
+    assert split_kv.packed_views(torch.zeros(b, 2, g, d), None, 1, 2) is not None  # one K/V head, no LSE
+
+
 def test_num_splits_fill_the_gpu_only_when_the_tiles_do_not():
     assert split_kv.choose_num_splits(num_tiles=512, num_sms=132, kv_tiles=64) == 1
     n = split_kv.choose_num_splits(num_tiles=8, num_sms=132, kv_tiles=1024)  # B=1, 8 K/V heads, 131k keys

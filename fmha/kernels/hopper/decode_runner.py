@@ -82,12 +82,20 @@ class HopperDecodeRunner:
         plan = self.plan_of(problem, q.device)
         q_in = split_kv.pack_gqa(q, problem.heads_k) if plan.packed else q
         rows, heads, splits = plan.rows, plan.heads, plan.splits
+        unpack = False  # packed rows written apart, then copied into out/lse
         if splits > 1:
             o_k = torch.empty((splits * b, rows, heads, d), dtype=torch.float32, device=q.device)
             lse_k = torch.empty((splits * b, heads, rows), dtype=torch.float32, device=q.device)
         elif plan.packed:
-            o_k = torch.empty((b, rows, heads, d), dtype=out.dtype, device=q.device)
-            lse_k = torch.empty((b, heads, rows), dtype=torch.float32, device=q.device) if lse is not None else None
+            # one query row (decode): the packed rows are a view of out and lse, written in place
+            views = split_kv.packed_views(out, lse, problem.heads_k, s_q)
+            unpack = views is None
+            if unpack:
+                o_k = torch.empty((b, rows, heads, d), dtype=out.dtype, device=q.device)
+                lse_k = torch.empty((b, heads, rows), dtype=torch.float32, device=q.device) if lse is not None \
+                    else None
+            else:
+                o_k, lse_k = views
         else:
             o_k, lse_k = out, lse
         self.launch(plan, problem, q_in, k_cache, v_cache, o_k, lse_k, lengths, block_table, sinks,
@@ -97,7 +105,7 @@ class HopperDecodeRunner:
 
             combine = self.load(SplitCombineConfig(out.dtype, d, lse is not None), compile_split_combine)
             combine(o_k, lse_k, out, lse, splits, h_q // heads)
-        elif plan.packed:
+        elif unpack:
             split_kv.unpack_gqa(o_k, lse_k, s_q, out, lse)
 
     def run_packed(self, problem, q, k_cache, v_cache, lengths, block_table, out, lse, sinks, cu_seqlens_q):
