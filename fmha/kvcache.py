@@ -121,13 +121,44 @@ def cache_dtypes_for(q_dtype: torch.dtype) -> tuple:
     return (q_dtype,)
 
 
-def quantize_for_cache(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
+def quantize_for_cache(x: torch.Tensor, scale, cache_dtype: torch.dtype) -> torch.Tensor:
     """New keys or values as a cache of ``cache_dtype`` stores them: unchanged in their own dtype;
-    a 16-bit tensor for an fp8 cache divided by the cache's dequantization ``scale`` and rounded
-    to nearest, saturating at e4m3's largest finite value (448), NaN kept."""
+    a 16-bit tensor for an fp8 cache divided by the cache's dequantization ``scale`` (a float, or
+    a tensor that broadcasts against ``x``) and rounded to nearest, saturating at e4m3's largest
+    finite value (448), NaN kept."""
     if x.dtype == cache_dtype:
         return x
+    if isinstance(scale, torch.Tensor):
+        return (x.float() / scale).to(cache_dtype)
     return (x.float() * (1.0 / scale)).to(cache_dtype)
+
+
+def check_cache_scales(scale_k, scale_v, batch: int, heads_k: int, cache_dtype: torch.dtype, device, softcap):
+    """Tensor dequantization factors of an fp8 cache: both float32 on the query's device, one
+    per tensor (shape () or (1,)), per K/V head (H_k,) or per sequence and K/V head (B, H_k), as
+    FlashAttention-3's descale tensors. Their values are not read (no host sync)."""
+    for name, t in (("scale_k", scale_k), ("scale_v", scale_v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError("scale_k and scale_v are both floats or both tensors; got a tensor and a "
+                            f"{type(t).__name__}")
+        if cache_dtype != torch.float8_e4m3fn:
+            raise ValueError(f"tensor scales are an fp8 cache's dequantization factors; the cache is "
+                             f"{_dtype_name(cache_dtype)}: pass floats")
+        if t.dtype != torch.float32 or t.device != device:
+            raise TypeError(f"{name} must be a float32 tensor on {device}, got {_dtype_name(t.dtype)} on {t.device}")
+        if tuple(t.shape) not in ((), (1,), (heads_k,), (batch, heads_k)):
+            raise ValueError(f"{name} must have shape (), (1,), (H_k,) = ({heads_k},) or (B, H_k) = ({batch}, "
+                             f"{heads_k}), got {tuple(t.shape)}")
+    if softcap:
+        raise ValueError("softcap with tensor scales is not served (the cap follows the score scale): pass float "
+                         "scales, or no softcap")
+
+
+def cache_scales_2d(scale: torch.Tensor, batch: int, heads_k: int) -> torch.Tensor:
+    """A checked tensor scale (``check_cache_scales``) as a (B, H_k) view (stride 0 where broadcast)."""
+    if scale.dim() == 2:
+        return scale
+    return scale.reshape(1, -1).expand(batch, heads_k)
 
 
 @dataclass(frozen=True)
@@ -159,6 +190,9 @@ class DecodeProblem(ScoreScaling):
     packed_q: bool = False
     #: the cache's dtype where it is not ``dtype`` (float8_e4m3fn under a 16-bit query)
     kv_dtype: Optional[torch.dtype] = None
+    #: the fp8 cache's scale_k / scale_v are tensors ((B, H_k) on the device); the score and
+    #: output scales above then leave them out
+    kv_scale_tensors: bool = False
 
     def flops(self, cache_lengths, seqlens_q=None) -> float:
         """Matmul FLOPs the bottom-right mask keeps (4 * kept (i, j) pairs * D per head, D and
@@ -213,9 +247,15 @@ def decode_problem(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_ne
                    scale_k=1.0, scale_v=1.0, inv_scale_o=1.0, return_lse=False, out_dtype=None,
                    num_splits=None, cu_seqlens_q=None, max_seqlen_q=None) -> tuple:
     """Validate an ``attention_with_kvcache`` call (nothing read from the GPU): its
-    ``DecodeProblem`` and the scales as the reference takes them."""
+    ``DecodeProblem`` and the scales as the reference takes them (tensor ``scale_k``/``scale_v``
+    are checked here and left out of them: 1.0 each)."""
     paged, page_size, capacity, out_dtype = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
                                                              k_new, v_new, out_dtype, cu_seqlens_q)
+    scale_tensors = isinstance(scale_k, torch.Tensor) or isinstance(scale_v, torch.Tensor)
+    if scale_tensors:
+        check_cache_scales(scale_k, scale_v, cache_seqlens.shape[0], k_cache.shape[2], k_cache.dtype, q.device,
+                           softcap)
+        scale_k = scale_v = 1.0
     packed = cu_seqlens_q is not None
     if max_seqlen_q is not None and not packed:
         raise ValueError("max_seqlen_q is for packed queries (cu_seqlens_q); a dense q's rows are q.shape[1]")
@@ -256,7 +296,7 @@ def decode_problem(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_ne
         score_scale=softmax * scales["scale_q"] * scales["scale_k"],
         output_scale=scales["scale_v"] * scales["inv_scale_o"], return_lse=return_lse, num_splits=num_splits,
         softcap=scales["softcap"], has_sinks=sinks is not None, device=q.device, packed_q=packed,
-        kv_dtype=None if k_cache.dtype == q.dtype else k_cache.dtype)
+        kv_dtype=None if k_cache.dtype == q.dtype else k_cache.dtype, kv_scale_tensors=scale_tensors)
     return problem, scales
 
 
@@ -297,18 +337,26 @@ def attention_with_kvcache(
     belong to no sequence: their O and LSE are unspecified. ``max_seqlen_q`` bounds the rows of a sequence
     (default T_q); no ``k_new``/``v_new``, no split-KV.
     ``num_splits``: how many CTAs share each query tile's keys (split-KV); None lets the kernel
-    choose (``fmha.split_kv.choose_num_splits``). On the kernel path ``cache_seqlens``,
+    choose (``fmha.split_kv.choose_num_splits``). An fp8 (e4m3) cache under a bf16/fp16 q holds
+    keys and values divided by ``scale_k``/``scale_v``: floats, or float32 tensors of shape (),
+    (H_k,) or (B, H_k) on q's device (read on the GPU, so they may change between CUDA-graph
+    replays). On the kernel path ``cache_seqlens``,
     ``cu_seqlens_q`` and the block table are checked on the GPU: a bad value raises at a later
     call or at ``fmha.check_device_errors()``."""
     from .dispatch import memo_key, pointers_aligned
     from .backends import check_backend_name, recall_dispatch, remember_dispatch
     from .reference import attention_reference, cast_output
 
+    scale_tensors = isinstance(scale_k, torch.Tensor) or isinstance(scale_v, torch.Tensor)
     tensors = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, lse, sinks, cu_seqlens_q)
     key = None
-    if all(t is None or isinstance(t, torch.Tensor) for t in tensors):
+    if all(t is None or isinstance(t, torch.Tensor) for t in tensors) and (
+            not scale_tensors or all(isinstance(t, torch.Tensor) for t in (scale_k, scale_v))):
         # a decode loop repeats its call: what validation and dispatch decided is reused
-        key = memo_key(tensors, ("kvcache", causal, window_size, softmax_scale, softcap, scale_q, scale_k, scale_v,
+        scale_key = (scale_k, scale_v)
+        if scale_tensors:  # keyed by their layout, as the other tensors are
+            tensors, scale_key = tensors + (scale_k, scale_v), ("tensors",)
+        key = memo_key(tensors, ("kvcache", causal, window_size, softmax_scale, softcap, scale_q, scale_key,
                                  inv_scale_o, return_lse, out_dtype, backend, num_splits, max_seqlen_q))
     hit = recall_dispatch(key) if key is not None else None
     if hit is not None and pointers_aligned(tensors):
@@ -332,16 +380,23 @@ def attention_with_kvcache(
     lse_shape = (heads_q, q.shape[0]) if problem.packed_q else (batch, heads_q, problem.seqlen_q)
     if out is None:
         out = torch.empty(q.shape[:-1] + (v_cache.shape[-1],), dtype=out_dtype, device=q.device)
+    cache_scales = None  # (scale_k, scale_v) as (B, H_k) views
+    if problem.kv_scale_tensors:
+        cache_scales = tuple(cache_scales_2d(t, batch, problem.heads_k) for t in (scale_k, scale_v))
     if runner is not None:
         device_errors.raise_pending(q.device)
         lengths = cache_seqlens
         if s_new:
-            runner.append(k_cache, v_cache, quantize_for_cache(k_new, scale_k, k_cache.dtype),
-                          quantize_for_cache(v_new, scale_v, v_cache.dtype), cache_seqlens, block_table, capacity)
+            new_scales = (scale_k, scale_v) if cache_scales is None else (cache_scales[0][:, None, :, None],
+                                                                          cache_scales[1][:, None, :, None])
+            runner.append(k_cache, v_cache, quantize_for_cache(k_new, new_scales[0], k_cache.dtype),
+                          quantize_for_cache(v_new, new_scales[1], v_cache.dtype), cache_seqlens, block_table,
+                          capacity)
             lengths = cache_seqlens + s_new
         if lse is None and return_lse:
             lse = torch.empty(lse_shape, dtype=accumulate_dtype(q.dtype), device=q.device)
-        runner(problem, q, k_cache, v_cache, lengths, block_table, out, lse, sinks, cu_seqlens_q)
+        runner(problem, q, k_cache, v_cache, lengths, block_table, out, lse, sinks, cu_seqlens_q,
+               **({"cache_scales": cache_scales} if cache_scales is not None else {}))
         device_errors.watch(q.device)
         return (out, lse) if return_lse else out
     lengths = cache_seqlens.tolist()  # host read: the reference walks each sequence
@@ -355,15 +410,24 @@ def attention_with_kvcache(
     # every sequence's key positions are checked before the cache is written
     positions = [_key_positions(b, n + s_new, block_table, page_size, num_pages, q.device)
                  for b, n in enumerate(lengths)]
+    def scales_of(b):  # sequence b's (scale_k, scale_v), broadcasting over (keys, H_k, D)
+        if cache_scales is None:
+            return scale_k, scale_v
+        return cache_scales[0][b][None, :, None], cache_scales[1][b][None, :, None]
+
     if s_new:
         for b, (n, (rows_b, cols)) in enumerate(zip(lengths, positions)):
-            k_cache[rows_b[n:], cols[n:]] = quantize_for_cache(k_new[b], scale_k, k_cache.dtype)
-            v_cache[rows_b[n:], cols[n:]] = quantize_for_cache(v_new[b], scale_v, v_cache.dtype)
+            sk, sv = scales_of(b)
+            k_cache[rows_b[n:], cols[n:]] = quantize_for_cache(k_new[b], sk, k_cache.dtype)
+            v_cache[rows_b[n:], cols[n:]] = quantize_for_cache(v_new[b], sv, v_cache.dtype)
     if lse is None:
         lse = torch.empty(lse_shape, dtype=accumulate_dtype(q.dtype), device=q.device)
     lse.fill_(-math.inf)
     for b, ((pages, cols), q_rows) in enumerate(zip(positions, rows)):
         k, v = k_cache[pages, cols], v_cache[pages, cols]  # (L, H_k, D)
+        if cache_scales is not None:  # dequantized here: ``scales`` holds 1.0 for them
+            sk, sv = scales_of(b)
+            k, v = k.float() * sk, v.float() * sv
         q_b = q[q_rows] if problem.packed_q else q[b]
         o_b, lse_b = attention_reference(q_b[None], k[None], v[None], mask=mask, sinks=sinks,
                                          compute_dtype=accumulate_dtype(q.dtype), **scales)

@@ -520,18 +520,20 @@ def test_v_staging_kernel_addresses_match_the_torch_staging(head_dim, seqlen):
     assert torch.equal(got.reshape(want.shape), want)
 
 
-@pytest.mark.parametrize("q_dtype,head_dim,page_size,packed", [
-    (torch.bfloat16, 128, 0, False), (torch.float16, 64, 16, False), (torch.bfloat16, 256, 0, False),
-    (torch.bfloat16, 128, 32, True)])
-def test_an_fp8_cache_is_staged_then_converted_for_16_bit_products(q_dtype, head_dim, page_size, packed, tmp_path):
+@pytest.mark.parametrize("q_dtype,head_dim,page_size,packed,scale_tensors", [
+    (torch.bfloat16, 128, 0, False, False), (torch.float16, 64, 16, False, True), (torch.bfloat16, 256, 0, False, False),
+    (torch.bfloat16, 128, 32, True, True)])
+def test_an_fp8_cache_is_staged_then_converted_for_16_bit_products(q_dtype, head_dim, page_size, packed,
+                                                                   scale_tensors, tmp_path):
     """An fp8 cache under a 16-bit query (``kv_convert.py``): the cache is TMA-loaded as e4m3, the
     producer warpgroup's other warps convert it (cvt from e4m3 pairs) into the K/V ring, and both
-    products stay 16-bit wgmmas; dense, paged and packed-query configurations compile."""
+    products stay 16-bit wgmmas; dense, paged and packed-query configurations compile, with the
+    scales as launch scalars or read from (B, H_k) tensors."""
     from fmha.kernels.hopper.config import decode_config
     from fmha.masking import MaskKind
 
     cfg = decode_config(q_dtype, q_dtype, head_dim, MaskKind.WINDOW, False, True, True, True, 4, False, page_size,
-                        4096, packed_q=packed, kv_dtype=FP8)
+                        4096, packed_q=packed, kv_dtype=FP8, kv_scale_tensors=scale_tensors)
     assert cfg.kv_converted and cfg.tile_m == 64 and cfg.kv_stages >= 2 and cfg.kv_staging_stages >= 2
     ptx = _ptx(cfg, tmp_path)
     kernel = next(entry for entry in ptx.split(".entry")[1:] if "wgmma" in entry)

@@ -40,10 +40,13 @@ class DecodeCase:
     num_splits: Optional[int] = None
     dtype: torch.dtype = torch.bfloat16
     fp8_cache: bool = False  # the cache in float8_e4m3fn, quantized with SCALE_K / SCALE_V
+    #: the fp8 cache's scales as tensors: "head" (H_k,), "seq_head" (B, H_k) (dense caches)
+    tensor_scales: Optional[str] = None
 
     def name(self) -> str:
         cache = f"paged{self.page_size}" if self.page_size else "dense"
         cache += "-fp8" if self.fp8_cache else ""
+        cache += f"-scales_{self.tensor_scales}" if self.tensor_scales else ""
         mask = "causal" if self.causal else f"win{self.window}" if self.window != (None, None) else "none"
         return (f"{cache}-q{self.seqlen_q}-h{self.heads_q}/{self.heads_k}-d{self.head_dim}-L{list(self.lengths)}"
                 f"-new{self.seqlen_new}-{mask}-splits{self.num_splits}-{str(self.dtype)[6:]}")
@@ -79,6 +82,10 @@ CASES = [
                fp8_cache=True),
     DecodeCase(300, 16, 4, 128, (1000, 301), 1024, page_size=64, fp8_cache=True),
     DecodeCase(1, 32, 8, 128, (65000,), 65536, fp8_cache=True),
+    DecodeCase(1, 32, 8, 128, (0, 1, 513, 1000), 1000, fp8_cache=True, tensor_scales="seq_head"),
+    DecodeCase(4, 8, 8, 64, (777, 300, 5), 777, num_splits=3, fp8_cache=True, tensor_scales="seq_head"),
+    DecodeCase(2, 32, 8, 128, (129, 0, 300), 512, page_size=128, seqlen_new=2, fp8_cache=True,
+               tensor_scales="head"),
 ]
 #: an fp8 cache's dequantization factors (values = stored x scale); unit-normal keys and values
 #: stay well inside e4m3's range
@@ -118,8 +125,13 @@ def _inputs(case: DecodeCase, seed: int):
                 k_cache[page] = dense_k[b, i * case.page_size:(i + 1) * case.page_size]
                 v_cache[page] = dense_v[b, i * case.page_size:(i + 1) * case.page_size]
     if case.fp8_cache:  # NaN stays NaN
-        k_cache = (k_cache.float() / SCALE_K).to(torch.float8_e4m3fn)
-        v_cache = (v_cache.float() / SCALE_V).to(torch.float8_e4m3fn)
+        sk, sv = _cache_scales(case)
+        if case.tensor_scales == "seq_head":  # a dense cache: its rows are its sequences
+            sk, sv = sk[:, None, :, None], sv[:, None, :, None]
+        elif case.tensor_scales == "head":
+            sk, sv = sk[:, None], sv[:, None]
+        k_cache = (k_cache.float() / sk).to(torch.float8_e4m3fn)
+        v_cache = (v_cache.float() / sv).to(torch.float8_e4m3fn)
     k_new = v_new = None
     if case.seqlen_new:
         k_new = rand(batch, case.seqlen_new, case.heads_k, case.head_dim)
@@ -127,8 +139,17 @@ def _inputs(case: DecodeCase, seed: int):
     return q, k_cache, v_cache, seqlens, table, k_new, v_new
 
 
+def _cache_scales(case: DecodeCase):
+    """An fp8 case's (scale_k, scale_v): the floats, or fixed tensors around them."""
+    if case.tensor_scales is None:
+        return SCALE_K, SCALE_V
+    g = torch.Generator(device="cuda").manual_seed(7)
+    shape = (case.heads_k,) if case.tensor_scales == "head" else (len(case.lengths), case.heads_k)
+    return tuple(base * (0.5 + torch.rand(shape, generator=g, device="cuda")) for base in (SCALE_K, SCALE_V))
+
+
 def _kwargs(case: DecodeCase) -> dict:
-    scales = dict(scale_k=SCALE_K, scale_v=SCALE_V) if case.fp8_cache else {}
+    scales = dict(zip(("scale_k", "scale_v"), _cache_scales(case))) if case.fp8_cache else {}
     return dict(causal=case.causal, window_size=case.window, **scales)
 
 

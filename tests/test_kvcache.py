@@ -323,3 +323,64 @@ def test_a_one_row_gqa_decode_hands_the_kernel_views_of_out_and_lse(monkeypatch)
             assert args.mO.stride() == (32 * 128, 128, 4 * 128, 1)
             args.mO[1, 3, 5].fill_(7.0)
             assert (out[1, 0, 5 * 4 + 3] == 7.0).all()
+
+
+def test_fp8_cache_scales_may_be_tensors_per_sequence_and_head():
+    """scale_k/scale_v as float32 tensors ((), (H_k,), (B, H_k)): the same answer as dequantizing
+    each head by hand; a scalar tensor gives what the float gives; appends divide by their own
+    sequence's and head's scale."""
+    q = torch.randn(B, 1, HQ, D).to(DT)
+    k, v = _dense()
+    lens = torch.tensor(LENS, dtype=torch.int32)
+    sk = torch.rand(B, HK) * 0.1 + 0.01
+    sv = torch.rand(B, HK) * 0.1 + 0.01
+    k8 = (k.float() / sk[:, None, :, None]).to(E4M3)
+    v8 = (v.float() / sv[:, None, :, None]).to(E4M3)
+    o = fmha.attention_with_kvcache(q, k8, v8, lens, scale_k=sk, scale_v=sv)
+    mask = {"kind": "window", "left": None, "right": 0, "bottom_right": True}
+    want, _ = _want(q, k8.double() * sk[:, None, :, None].double(), v8.double() * sv[:, None, :, None].double(),
+                    LENS, mask)
+    assert torch.allclose(o.double(), want, atol=TOL)
+    by_head = fmha.attention_with_kvcache(q, k8, v8, lens, scale_k=sk[0], scale_v=sv[0])  # (H_k,): row 0's
+    want0, _ = _want(q, k8.double() * sk[0, None, None, :, None].double(), v8.double() * sv[0, None, None, :, None].double(),
+                     LENS, mask)
+    assert torch.allclose(by_head.double(), want0, atol=TOL)
+    scalar = fmha.attention_with_kvcache(q, k8, v8, lens, scale_k=torch.tensor(SCALE_K), scale_v=torch.tensor(SCALE_V))
+    assert torch.equal(scalar, fmha.attention_with_kvcache(q, k8, v8, lens, scale_k=SCALE_K, scale_v=SCALE_V))
+    k_new = torch.randn(B, 1, HK, D).to(DT)
+    fmha.attention_with_kvcache(q, k8, v8, lens, k_new=k_new, v_new=k_new, scale_k=sk, scale_v=sv)
+    for b, n in enumerate(LENS):
+        want_k = (k_new[b].float() / sk[b][None, :, None]).to(E4M3)
+        assert torch.equal(k8[b, n:n + 1].view(torch.uint8), want_k.view(torch.uint8))
+
+
+def test_bad_fp8_cache_scale_tensors_say_what_to_change():
+    q = torch.randn(B, 1, HQ, D).to(DT)
+    k, v = _dense()
+    k8, v8 = k.to(E4M3), v.to(E4M3)
+    lens = torch.tensor(LENS, dtype=torch.int32)
+    good = torch.ones(HK)
+    with pytest.raises(TypeError, match="both floats or both tensors"):
+        fmha.attention_with_kvcache(q, k8, v8, lens, scale_k=good, scale_v=1.0)
+    with pytest.raises(ValueError, match="shape \\(\\), \\(1,\\), \\(H_k,\\)"):
+        fmha.attention_with_kvcache(q, k8, v8, lens, scale_k=torch.ones(3), scale_v=good)
+    with pytest.raises(TypeError, match="float32 tensor"):
+        fmha.attention_with_kvcache(q, k8, v8, lens, scale_k=good.half(), scale_v=good)
+    with pytest.raises(ValueError, match="fp8 cache's dequantization factors"):
+        fmha.attention_with_kvcache(q, k, v, lens, scale_k=good, scale_v=good)
+    with pytest.raises(ValueError, match="softcap with tensor scales"):
+        fmha.attention_with_kvcache(q, k8, v8, lens, scale_k=good, scale_v=good, softcap=30.0)
+
+
+def test_tensor_scales_plan_a_kernel_that_reads_them():
+    from fmha.kernels.hopper.decode_runner import HopperDecodeRunner
+    from fmha.kvcache import decode_problem
+
+    q = torch.randn(2, 1, 32, 128).to(DT)
+    k8 = torch.zeros(2, 1000, 8, 128, dtype=E4M3)
+    scale = torch.ones(2, 8)
+    problem, scales = decode_problem(q, k8, k8, torch.tensor([5, 999], dtype=torch.int32), scale_k=scale,
+                                     scale_v=scale)
+    assert problem.kv_scale_tensors and scales["scale_k"] == scales["scale_v"] == 1.0
+    cfg = HopperDecodeRunner(problem).plan(problem, 132).cfg
+    assert cfg.kv_converted and cfg.kv_scale_tensors

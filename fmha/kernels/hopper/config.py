@@ -212,6 +212,9 @@ class HopperForwardConfig:
     #: loads it into a staging ring and the producer warpgroup's other warps convert it into the
     #: K/V ring (``kv_convert.py``)
     kv_dtype: Optional[torch.dtype] = None
+    #: the converted cache's dequantization factors are (B, H_k) fp32 tensors read per work tile
+    #: (``scale_k`` into the score scale, ``scale_v`` into the output's), not launch scalars
+    kv_scale_tensors: bool = False
     # ---- variants (``common/mask.py``, ``common/softmax.py``)
     #: scores capped at softcap * tanh(s / softcap)
     softcap: bool = False
@@ -250,6 +253,8 @@ class HopperForwardConfig:
         if self.kv_dtype is not None and (self.kv_dtype != torch.float8_e4m3fn or element_bytes(self.dtype) != 2
                                           or not self.cache_lengths or self.claims_tiles or self.mods is not None):
             raise ValueError("converted K/V are an fp8 cache under a 16-bit query, on a static or listed tile walk")
+        if self.kv_scale_tensors and (self.kv_dtype is None or self.softcap):
+            raise ValueError("scale tensors are an fp8 cache's, without softcap (its cap follows the score scale)")
         if self.kv_dtype is not None and self.num_consumer_warpgroups != 1:
             raise ValueError("a converted cache is read by one consumer warpgroup (64-row tiles)")
         if self.page_run and (not self.cache_lengths or self.page_run % 16 or self.tile_n % self.page_run):
@@ -410,13 +415,13 @@ def decode_config(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, mas
                   window_left_bounded: bool, window_right_bounded: bool, bottom_right: bool, has_lse: bool,
                   rows_per_query: int, split_kv: bool, page_size: int, capacity: int, softcap: bool = False,
                   has_sinks: bool = False, head_dim_v: int = None, packed_q: bool = False,
-                  kv_dtype: Optional[torch.dtype] = None) -> HopperForwardConfig:
+                  kv_dtype: Optional[torch.dtype] = None, kv_scale_tensors: bool = False) -> HopperForwardConfig:
     """The forward kernel's configuration for decode (``attention_with_kvcache``, whose masks are
     bottom-right, and dense calls with few query rows): the smallest tile, a persistent walk (the
     next tile's Q and K/V load under the current one), fp32 partials with their LSE under
     split-KV. ``packed_q``: the queries are packed sequences (a mixed batch of prefills and
     decodes), whose tiles the GPU lists. ``kv_dtype``: the cache's, where it is not ``dtype``
-    (an fp8 cache, converted in shared memory)."""
+    (an fp8 cache, converted in shared memory), with ``kv_scale_tensors`` its scales in tensors."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     tile_m, tile_n = decode_tile(dtype, head_dim, head_dim_v)
     q_stages = q_stages_for(Schedule.PERSISTENT, head_dim, capacity)
@@ -436,7 +441,8 @@ def decode_config(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, mas
         bottom_right=bottom_right and mask_kind == MaskKind.WINDOW, varlen=packed_q, has_lse=has_lse or split_kv,
         tile_m=tile_m, tile_n=tile_n, schedule=Schedule.PERSISTENT, q_stages=q_stages,
         o_store=o_store, tiles_on_device=packed_q, rows_per_query=rows_per_query, split_kv=split_kv, cache_lengths=True,
-        page_run=math.gcd(page_size, tile_n) if page_size else 0, kv_dtype=kv_dtype, softcap=softcap,
+        page_run=math.gcd(page_size, tile_n) if page_size else 0, kv_dtype=kv_dtype,
+        kv_scale_tensors=kv_scale_tensors, softcap=softcap,
         has_sinks=has_sinks,
     )
 

@@ -66,14 +66,18 @@ class HopperDecodeRunner:
         cfg = decode_config(problem.dtype, problem.out_dtype, problem.head_dim, m.kind, m.window_left is not None,
                             m.window_right is not None, m.bottom_right, problem.return_lse, group if packed else 1,
                             splits > 1, problem.page_size, problem.capacity, problem.softcap > 0, problem.has_sinks,
-                            problem.head_dim_v, packed_q=problem.packed_q, kv_dtype=problem.kv_dtype)
+                            problem.head_dim_v, packed_q=problem.packed_q, kv_dtype=problem.kv_dtype,
+                            kv_scale_tensors=problem.kv_scale_tensors)
         return DecodePlan(cfg, packed, rows, heads, splits, m)
 
-    def __call__(self, problem, q, k_cache, v_cache, lengths, block_table, out, lse, sinks=None, cu_seqlens_q=None):
+    def __call__(self, problem, q, k_cache, v_cache, lengths, block_table, out, lse, sinks=None, cu_seqlens_q=None,
+                 cache_scales=None):
+        """``cache_scales``: an fp8 cache's (scale_k, scale_v) as (B, H_k) fp32 tensors, or None."""
         from fmha import split_kv
 
         if problem.packed_q:
-            return self.run_packed(problem, q, k_cache, v_cache, lengths, block_table, out, lse, sinks, cu_seqlens_q)
+            return self.run_packed(problem, q, k_cache, v_cache, lengths, block_table, out, lse, sinks, cu_seqlens_q,
+                                   cache_scales)
         b, s_q, h_q, _ = q.shape
         d = v_cache.shape[-1]  # O's head dim
         if b == 0 or s_q == 0 or h_q == 0 or problem.capacity == 0 or problem.num_pages == 0:
@@ -99,7 +103,7 @@ class HopperDecodeRunner:
         else:
             o_k, lse_k = out, lse
         self.launch(plan, problem, q_in, k_cache, v_cache, o_k, lse_k, lengths, block_table, sinks,
-                    num_splits=splits if plan.cfg.split_kv else None)
+                    num_splits=splits if plan.cfg.split_kv else None, mCacheScales=cache_scales)
         if splits > 1:  # merged, and unpacked on the way
             from ..common.split_combine import SplitCombineConfig
 
@@ -108,7 +112,8 @@ class HopperDecodeRunner:
         elif unpack:
             split_kv.unpack_gqa(o_k, lse_k, s_q, out, lse)
 
-    def run_packed(self, problem, q, k_cache, v_cache, lengths, block_table, out, lse, sinks, cu_seqlens_q):
+    def run_packed(self, problem, q, k_cache, v_cache, lengths, block_table, out, lse, sinks, cu_seqlens_q,
+                   cache_scales=None):
         """A mixed batch: packed query rows (T_q, H_q, D) at ``cu_seqlens_q`` over the cache. A GQA
         group's heads are packed into rows (row t * g + j: token t, head h * g + j), the offsets
         scaled to match on the GPU, and the tiles listed there (nothing is read back)."""
@@ -136,7 +141,8 @@ class HopperDecodeRunner:
         descriptors = torch.empty((problem.batch, plan.cfg.sequence_descriptors, 16), dtype=torch.int64,
                                   device=q.device)
         self.launch(plan, problem, q_in, k_cache, v_cache, o_k, lse_k, lengths, block_table, sinks,
-                    mCuSeqlensQ=cu_in, mTileTable=tiles, mTileCount=count, mSeqDescriptors=descriptors)
+                    mCuSeqlensQ=cu_in, mTileTable=tiles, mTileCount=count, mSeqDescriptors=descriptors,
+                    mCacheScales=cache_scales)
         if g > 1:
             split_kv.unpack_gqa(o_k[None], None if lse is None else lse_k[None], t_q, out[None],
                                 None if lse is None else lse[None])

@@ -36,6 +36,7 @@ class ForwardArgs(NamedTuple):
     mCacheSeqlens: Any = None
     mBlockTable: Any = None
     mSinks: Any = None
+    mCacheScales: Any = None
     mModTensors: Any = None
     mBlockLists: Any = None
     max_seqlen_q: Any = None
@@ -90,11 +91,15 @@ def _fake_arguments(cfg: HopperForwardConfig) -> ForwardArgs:
         errors = fake_vector(cutlass.Int32, 1)
     counter = fake_vector(cutlass.Int32, 1) if cfg.claims_tiles else None
     sinks = fake_vector(cutlass.Float32) if cfg.has_sinks else None
+    # (B, H_k) each, any strides (a broadcast scale has stride 0)
+    scales = tuple(cute.runtime.make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
+                                                 stride=(cute.sym_int64(), cute.sym_int64()), assumed_align=4)
+                   for _ in range(2)) if cfg.kv_scale_tensors else None
     fake_mods, fake_lists = fake_mod_arguments(cfg.mods)
     return ForwardArgs(
         mQ=q, mK=k, mV=v, mO=o, mLSE=lse, mCuSeqlensQ=cu_q, mCuSeqlensK=cu_k, mTileTable=tiles, mTileCount=count,
         mSeqDescriptors=descriptors, mErrors=errors, mTileCounter=counter, mCacheSeqlens=cache_seqlens,
-        mBlockTable=block_table, mSinks=sinks, mModTensors=fake_mods, mBlockLists=fake_lists, max_seqlen_q=Int32(1), scale_log2=Float32(1.0),
+        mBlockTable=block_table, mSinks=sinks, mCacheScales=scales, mModTensors=fake_mods, mBlockLists=fake_lists, max_seqlen_q=Int32(1), scale_log2=Float32(1.0),
         output_scale=Float32(1.0), softcap_factor=Float32(1.0) if cfg.softcap else None,
         window_left=Int32(0) if cfg.window_left_bounded else None,
         window_right=Int32(0) if cfg.window_right_bounded else None, num_ctas=Int32(1),

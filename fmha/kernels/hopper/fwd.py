@@ -25,6 +25,7 @@ a 16-bit query is loaded into a staging ring and converted into the K/V ring by 
 warpgroup's other warps (``kv_convert.py``).
 """
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -88,6 +89,7 @@ class HopperAttentionForward(ProducerWarp, CacheConverter, ConsumerMainloop, seq
         mCacheSeqlens: Optional[cute.Tensor],
         mBlockTable: Optional[cute.Tensor],
         mSinks: Optional[cute.Tensor],
+        mCacheScales: Optional[tuple],
         mModTensors: Optional[tuple],
         mBlockLists: Optional[tuple],
         max_seqlen_q: Int32,
@@ -235,7 +237,7 @@ class HopperAttentionForward(ProducerWarp, CacheConverter, ConsumerMainloop, seq
             tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_o, tma_tensor_o,
             q, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mTileTable, mTileCount, mSeqDescriptors, mTileCounter,
             mCacheSeqlens, mBlockTable, mErrors if const_expr(cfg.cache_lengths) else None, mSinks,
-            mModTensors, mBlockLists,
+            mCacheScales, mModTensors, mBlockLists,
             num_m_blocks,
             num_batches,
             num_splits,
@@ -277,6 +279,7 @@ class HopperAttentionForward(ProducerWarp, CacheConverter, ConsumerMainloop, seq
         mBlockTable: Optional[cute.Tensor],
         mErrors: Optional[cute.Tensor],
         mSinks: Optional[cute.Tensor],
+        mCacheScales: Optional[tuple],
         mModTensors: Optional[tuple],
         mBlockLists: Optional[tuple],
         num_m_blocks: Int32,
@@ -397,7 +400,7 @@ class HopperAttentionForward(ProducerWarp, CacheConverter, ConsumerMainloop, seq
                     scheduler, cache, tiled_mma_qk, tiled_mma_pv, mQ_sdhb, mK_tma, mO, mLSE, mSinks, tma_o, mO_tma,
                     mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, scale_log2, output_scale, softcap_factor,
                     window_left, window_right, sQ, sK, sV, sO, q_consumer, kv_consumer, tidx - _WG, mModTensors,
-                    mBlockLists,
+                    mBlockLists, mCacheScales,
                 )
 
     def make_scheduler(self, mTileTable, mTileCount, mTileCounter, hand_off, num_m_blocks, num_heads, num_batches):
@@ -462,7 +465,7 @@ class HopperAttentionForward(ProducerWarp, CacheConverter, ConsumerMainloop, seq
         scale_log2: Float32, output_scale: Float32, softcap_factor, window_left, window_right,
         sQ, sK, sV, sO: Optional[cute.Tensor], q_consumer: pipeline.PipelineConsumer,
         kv_consumer: pipeline.PipelineConsumer, tidx: Int32, mModTensors: Optional[tuple] = None,
-        mBlockLists: Optional[tuple] = None,
+        mBlockLists: Optional[tuple] = None, mCacheScales: Optional[tuple] = None,
     ):
         """Per work tile: the K/V loop into O, then the epilogue."""
         cfg = self.cfg
@@ -512,17 +515,24 @@ class HopperAttentionForward(ProducerWarp, CacheConverter, ConsumerMainloop, seq
                 kv_tiles = self.kv_walk(tile.m_block, seq, window_left, window_right, split, cache.num_splits,
                                         mBlockLists, batch, tile.head)
                 row_base = tile.m_block * cfg.tile_m
-                softmax.reset()
+                tile_softmax, tile_output_scale = softmax, output_scale
+                if const_expr(cfg.kv_scale_tensors):
+                    # an fp8 cache's dequantization factors of this sequence and K/V head
+                    head_kv = tile.head // (mQ_sdhb.shape[2] // mK_tma.shape[2])
+                    scale_k, scale_v = mCacheScales
+                    tile_softmax = dataclasses.replace(softmax, scale_log2=scale_log2 * scale_k[batch, head_kv])
+                    tile_output_scale = output_scale * scale_v[batch, head_kv]
+                tile_softmax.reset()
                 acc_o.fill(0.0)
                 q_handle = q_consumer.wait_and_advance()
                 frags = ConsumerFragments(tiled_mma_qk, tiled_mma_pv, tSrQ[None, None, None, q_handle.index], tSrK,
                                           tOrV, tScS, s_shape, p, acc_o, row_scale, sV)
-                kv_consumer = self.mainloop(kv_tiles, row_base, mask, softmax, frags, kv_consumer, wg)
+                kv_consumer = self.mainloop(kv_tiles, row_base, mask, tile_softmax, frags, kv_consumer, wg)
                 if const_expr(cfg.o_store != OStore.TMA_Q_BUFFER):
                     q_handle.release()  # else once the O staged in it has been stored
                 if const_expr(cfg.has_sinks):
                     self.row_sinks(sinks_log2, mSinks, tOcO, tile, split)
-                softmax.finalize(acc_o, output_scale, lse_rows, sinks_log2)
+                tile_softmax.finalize(acc_o, tile_output_scale, lse_rows, sinks_log2)
                 self.epilogue(acc_o, lse_rows, tiled_mma_pv, tOcO, tidx, wg, q_handle, sQ, sO, tma_o, mO_tma,
                               mO, mLSE, mSeqDescriptors, tile, seq)
             tile_idx, cursor = scheduler.consumer_next(tile_idx, cursor)
