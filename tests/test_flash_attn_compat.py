@@ -792,3 +792,31 @@ def test_kvcache_with_packed_queries_over_a_cache(paged):
         rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
         assert_close(out[rows], ref_o)
         assert_close(lse[:, rows], ref_l)
+
+
+def test_kvcache_takes_an_fp8_caches_descale_tensors():
+    """FlashAttention-3's k_descale/v_descale ((B, H_k) float32) are an fp8 cache's dequantization
+    factors under a bf16 q: the answer is fmha.attention_with_kvcache's with them as
+    scale_k/scale_v. With packed queries, or for a 16-bit cache, they are refused."""
+    g = torch.Generator().manual_seed(3)
+    b, s_k, hq, hk, d = 2, 40, 4, 2, 32
+    q = torch.randn(b, 1, hq, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(b, s_k, hk, d, generator=g)
+    v = torch.randn(b, s_k, hk, d, generator=g)
+    k_descale, v_descale = torch.rand(b, hk, generator=g) + 0.1, torch.rand(b, hk, generator=g) + 0.1
+    k8 = (k / k_descale[:, None, :, None]).to(torch.float8_e4m3fn)
+    v8 = (v / v_descale[:, None, :, None]).to(torch.float8_e4m3fn)
+    lens = torch.tensor([7, 40], dtype=torch.int32)
+    got = flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, k_descale=k_descale, v_descale=v_descale,
+                                  causal=True)
+    want = fmha.attention_with_kvcache(q, k8, v8, lens, scale_k=k_descale, scale_v=v_descale)
+    assert torch.equal(got, want)
+    only_k = flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, k_descale=k_descale, causal=True)
+    assert torch.equal(only_k, fmha.attention_with_kvcache(q, k8, v8, lens, scale_k=k_descale,
+                                                           scale_v=torch.ones(())))
+    with pytest.raises(NotImplementedError, match="does not support k_descale"):
+        flash_attn_with_kvcache(q, k.to(torch.bfloat16), v.to(torch.bfloat16), cache_seqlens=lens,
+                                k_descale=k_descale)
+    with pytest.raises(NotImplementedError, match="does not support k_descale"):
+        flash_attn_with_kvcache(q[:, 0], k8, v8, cache_seqlens=lens, cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
+                                max_seqlen_q=1, k_descale=k_descale)

@@ -314,7 +314,12 @@ def flash_attn_with_kvcache(
     changed. Bottom-right masks; ``window_size`` sides negative or None are unbounded. Returns
     out, or ``(out, softmax_lse)`` with ``return_softmax_lse`` (FlashAttention-3 appends its
     split-KV scratch tensors there too; fmha has none to return). Not differentiable, as in
-    FlashAttention-3."""
+    FlashAttention-3. An fp8 (e4m3) cache under a bf16/fp16 q takes ``k_descale``/``v_descale``
+    (float32, (B, H_k) or broadcastable) as its dequantization factors, for dense queries (fmha's
+    ``scale_k``/``scale_v``; FlashAttention-3 itself needs an fp8 q there)."""
+    fp8_cache = (isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.float8_e4m3fn
+                 and isinstance(q, torch.Tensor) and q.dtype in (torch.float16, torch.bfloat16))
+    descaled = k_descale is not None or v_descale is not None
     refuse_unsupported((
         ("qv", qv is not None, "MLA's absorbed query against V"),
         ("rotary_cos", rotary_cos is not None, "rotary embedding applied inside attention"),
@@ -323,8 +328,12 @@ def flash_attn_with_kvcache(
         ("cache_batch_idx", cache_batch_idx is not None, "indirection from batch entries to cache rows"),
         ("cache_leftpad", cache_leftpad is not None, "caches whose keys start after left padding"),
         ("q_descale", q_descale is not None, "per-(batch, head) fp8 descale tensors"),
-        ("k_descale", k_descale is not None, "per-(batch, head) fp8 descale tensors"),
-        ("v_descale", v_descale is not None, "per-(batch, head) fp8 descale tensors"),
+        ("k_descale", k_descale is not None and not fp8_cache, "descale tensors other than an fp8 cache's under "
+                                                               "a bf16/fp16 q"),
+        ("v_descale", v_descale is not None and not fp8_cache, "descale tensors other than an fp8 cache's under "
+                                                               "a bf16/fp16 q"),
+        ("k_descale", descaled and (cu_seqlens_q is not None or cu_seqlens_k_new is not None),
+         "an fp8 cache's descale tensors with packed queries or new keys"),
         ("attention_chunk", bool(attention_chunk), "chunked attention masks"),
     ))
     _require_tensors(q=q, k_cache=k_cache, v_cache=v_cache)
@@ -362,6 +371,10 @@ def flash_attn_with_kvcache(
                                                                               grad=False):
         # FlashAttention-3's num_splits: 0 lets it choose (fmha's None), n >= 1 asks for n
         splits = num_splits if isinstance(num_splits, int) and num_splits > 0 else None
+        if descaled:  # the fp8 cache's dequantization factors; a missing one is 1
+            one = torch.ones((), dtype=torch.float32, device=q.device)
+            common.update(scale_k=one if k_descale is None else k_descale,
+                          scale_v=one if v_descale is None else v_descale)
         return fmha.attention_with_kvcache(q, k_cache, v_cache, lengths, block_table=page_table, k_new=k, v_new=v,
                                            causal=False, return_lse=bool(return_softmax_lse), num_splits=splits,
                                            **common)
