@@ -5,7 +5,6 @@ copies FlashAttention makes of strided inputs, and an error for every feature fm
 Outputs are compared with the naive fp64 attention of tests/naive.py."""
 
 import inspect
-import math
 
 import pytest
 import torch
