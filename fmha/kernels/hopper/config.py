@@ -384,9 +384,13 @@ class HopperForwardConfig:
         return self.page_run or self.tile_n
 
 
-def decode_tile(dtype: torch.dtype, head_dim: int, head_dim_v: int = None) -> tuple:
-    """Decode's (tile_m, tile_n): the fewest query rows the kernel is built for."""
-    return min(allowed_tiles(dtype, head_dim, head_dim_v))
+def decode_tile(dtype: torch.dtype, head_dim: int, head_dim_v: int = None,
+                kv_dtype: Optional[torch.dtype] = None) -> tuple:
+    """Decode's (tile_m, tile_n): the fewest query rows the kernel is built for; 64 over a
+    converted cache (``kv_dtype`` not ``dtype``), whose converting warps need the issue slots a
+    second consumer warpgroup's (mostly empty) query rows would take."""
+    tile_m, tile_n = min(allowed_tiles(dtype, head_dim, head_dim_v))
+    return (64 if kv_dtype not in (None, dtype) else tile_m), tile_n
 
 
 def why_unsupported_decode(problem) -> list:
@@ -423,14 +427,10 @@ def decode_config(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, mas
     decodes), whose tiles the GPU lists. ``kv_dtype``: the cache's, where it is not ``dtype``
     (an fp8 cache, converted in shared memory), with ``kv_scale_tensors`` its scales in tensors."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    tile_m, tile_n = decode_tile(dtype, head_dim, head_dim_v)
+    tile_m, tile_n = decode_tile(dtype, head_dim, head_dim_v, kv_dtype)
     q_stages = q_stages_for(Schedule.PERSISTENT, head_dim, capacity)
     out_dtype = torch.float32 if split_kv else out_dtype
     kv_dtype = None if kv_dtype in (None, dtype) else kv_dtype
-    if kv_dtype is not None:
-        # one consumer warpgroup: the converting warps need the issue slots a second one's
-        # (mostly empty) query rows would take
-        tile_m = 64
     o_store = o_store_for(dtype, out_dtype, head_dim, packed_q, mask_kind == MaskKind.NONE, capacity, tile_m, tile_n,
                           q_stages, head_dim_v)
     if kv_dtype is not None and o_store == OStore.TMA_OWN_BUFFER:

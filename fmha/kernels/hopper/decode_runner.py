@@ -38,7 +38,6 @@ class HopperDecodeRunner:
     the GPU, and merges the splits (``fmha.split_kv``)."""
 
     def __init__(self, problem):
-        self.tile_m, self.tile_n = decode_tile(problem.dtype, problem.head_dim, problem.head_dim_v)
         self._compiled = {}
         self._plans = {}  # a decode loop repeats its problem: plan it once
 
@@ -46,10 +45,11 @@ class HopperDecodeRunner:
         from fmha import split_kv
 
         group = problem.heads_q // problem.heads_k
+        tile_m, tile_n = decode_tile(problem.dtype, problem.head_dim, problem.head_dim_v, problem.kv_dtype)
         # else the query tiles are full without packing; a mixed batch's decodes need it
-        packed = group > 1 and (problem.seqlen_q < self.tile_m or problem.packed_q)
+        packed = group > 1 and (problem.seqlen_q < tile_m or problem.packed_q)
         rows, heads = (problem.seqlen_q * group, problem.heads_k) if packed else (problem.seqlen_q, problem.heads_q)
-        tiles = problem.batch * heads * -(-rows // self.tile_m)
+        tiles = problem.batch * heads * -(-rows // tile_m)
         m = problem.mask
         span = problem.capacity  # the most keys a query tile visits: the cache, or what the mask leaves of it
         if m.window_left is not None:
@@ -57,7 +57,7 @@ class HopperDecodeRunner:
         elif m.kind == MaskKind.WINDOW and not m.bottom_right:
             span = min(span, problem.seqlen_q + m.window_right)
         span = max(span, 1)  # negative window sides can leave nothing
-        splits = problem.num_splits or split_kv.choose_num_splits(tiles, num_sms, -(-span // self.tile_n))
+        splits = problem.num_splits or split_kv.choose_num_splits(tiles, num_sms, -(-span // tile_n))
         if problem.packed_q:
             splits = 1  # packed queries list their tiles on the GPU, with no split dimension yet
         if (problem.seqlen_q == 1 and m.kind == MaskKind.WINDOW and m.bottom_right and m.window_left is None
