@@ -4,6 +4,7 @@ whether a change to the code changed the machine code of the configurations the 
     python -m lab.machine_code report                       # registers, spills, wgmma/TMA counts
     python -m lab.machine_code report --head-dim 128 --mask causal --dtype float8_e4m3fn
     python -m lab.machine_code digest OUT [--shard 0/2]     # SASS of every configuration of the grid
+    python -m lab.machine_code digest OUT --decode          # ... of the decode configurations
     python -m lab.machine_code compare BEFORE AFTER          # identical / same up to registers / diff
 
 ``digest`` compiles the kernel the library builds (``HopperForwardConfig.from_problem``) for each
@@ -172,12 +173,41 @@ def backward_configs():
         yield name, cfg
 
 
-def digest(out_dir: str, shard: str = "0/1", backward: bool = False) -> None:
+def decode_configs():
+    """(name, config) of the forward's decode configurations (``config.decode_config``): GQA
+    rows packed or not, dense and paged caches, split-KV, mixed batches (packed queries), causal
+    (bottom-right) and no mask, head dims 64/128/256, bf16 and fp16, and fp8 caches (converted,
+    with scalar or tensor scales)."""
+    import torch
+
+    from fmha.kernels.hopper.config import decode_config
+    from fmha.masking import MaskKind
+
+    bf, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    grid = [  # name, dtype, head dim, causal, rows per query, split, page size, packed queries, kv dtype, tensor scales
+        ("dense_gqa", bf, 128, False, 4, False, 0, False, None, False),
+        ("dense_mha_split", bf, 128, True, 1, True, 0, False, None, False),
+        ("paged16_gqa_split", bf, 128, True, 4, True, 16, False, None, False),
+        ("paged64_d64", torch.float16, 64, True, 8, False, 64, False, None, False),
+        ("paged80_d256", bf, 256, True, 8, False, 80, False, None, False),
+        ("mixed_paged64", bf, 128, True, 4, False, 64, True, None, False),
+        ("fp8cache_dense_gqa", bf, 128, False, 4, False, 0, False, fp8, False),
+        ("fp8cache_paged16_split", bf, 128, True, 4, True, 16, False, fp8, False),
+        ("fp8cache_mixed_scales", bf, 128, True, 4, False, 64, True, fp8, True),
+        ("fp8cache_fp16_d64_scales", torch.float16, 64, True, 1, True, 0, False, fp8, True),
+    ]
+    for name, dt, d, causal, rows, split, page, packed, kv, scales in grid:
+        kind = MaskKind.WINDOW if causal else MaskKind.NONE
+        yield f"decode_{name}", decode_config(dt, dt, d, kind, False, causal, causal, True, rows, split, page, 8192,
+                                              packed_q=packed, kv_dtype=kv, kv_scale_tensors=scales)
+
+
+def digest(out_dir: str, shard: str = "0/1", backward: bool = False, decode: bool = False) -> None:
     from fmha.kernels.hopper.config import HopperForwardConfig
 
     index, count = (int(x) for x in shard.split("/"))
     os.makedirs(out_dir, exist_ok=True)
-    grid = backward_configs() if backward else (
+    grid = backward_configs() if backward else decode_configs() if decode else (
         (name, HopperForwardConfig.from_problem(*problem_of(spec, options))) for name, spec, options in problems())
     for i, (name, cfg) in enumerate(grid):
         if i % count != index:
@@ -241,12 +271,13 @@ def main(argv=None):
     dig.add_argument("out")
     dig.add_argument("--shard", default="0/1", help="i/n: only every n-th problem, from the i-th")
     dig.add_argument("--backward", action="store_true", help="the backward kernels' grid instead of the forward's")
+    dig.add_argument("--decode", action="store_true", help="the forward's decode configurations instead")
     cmp_ = sub.add_parser("compare", help="compare two digests")
     cmp_.add_argument("before")
     cmp_.add_argument("after")
     args = ap.parse_args(argv)
     if args.command == "digest":
-        return digest(args.out, args.shard, args.backward)
+        return digest(args.out, args.shard, args.backward, args.decode)
     if args.command == "compare":
         return compare(args.before, args.after)
 
