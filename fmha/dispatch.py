@@ -33,12 +33,20 @@ _PLAIN = (int, float, bool, str, type(None), torch.dtype, AttentionOptions)
 
 def memo_key(tensors, args):
     """Key of a call for ``recall_dispatch`` (its tensors' metadata and its plain arguments), or
-    None when an argument is not a plain value (a tensor scale, a list window...): those take the
-    full path, which also reports them."""
+    None when an argument is not a plain value (a tensor scale, a list window...) or a tensor's
+    place holds something else: those take the full path, which also reports them."""
     for a in args:
         if type(a) not in _PLAIN and not (type(a) is tuple and all(type(e) in _PLAIN for e in a)):
             return None
-    meta = tuple(None if t is None else (t.dtype, t.device, t.shape, t.stride()) for t in tensors)
+    meta = []
+    for t in tensors:  # a loop, not generators: this runs on every call of a decode loop
+        if t is None:
+            meta.append(None)
+        elif isinstance(t, torch.Tensor):
+            meta.append((t.dtype, t.device, t.shape, t.stride()))
+        else:
+            return None
+    meta = tuple(meta)
     # types too: True and 1 are equal keys, but validation may accept only one of them
     return meta + args + tuple(map(type, args))
 
@@ -86,7 +94,10 @@ def _offsets_read_guard(cu_seqlens) -> Optional[tuple]:
 
 
 def pointers_aligned(tensors) -> bool:
-    return all(t is None or t.data_ptr() % ALIGN_BYTES == 0 for t in tensors)
+    for t in tensors:
+        if t is not None and t.data_ptr() % ALIGN_BYTES:
+            return False
+    return True
 
 
 def _mod_tensors(mods) -> tuple:

@@ -25,6 +25,8 @@ from typing import Optional
 import torch
 
 from . import device_errors
+from .backends import check_backend_name, recall_dispatch, remember_dispatch
+from .dispatch import memo_key, pointers_aligned
 from .masking import MaskSpec
 from .problem import (INPUT_DTYPES, ScoreScaling, accumulate_dtype, default_out_dtype, kept_pairs, matmul_flops,
                       output_dtypes_for)
@@ -343,21 +345,15 @@ def attention_with_kvcache(
     replays). On the kernel path ``cache_seqlens``,
     ``cu_seqlens_q`` and the block table are checked on the GPU: a bad value raises at a later
     call or at ``fmha.check_device_errors()``."""
-    from .dispatch import memo_key, pointers_aligned
-    from .backends import check_backend_name, recall_dispatch, remember_dispatch
-    from .reference import attention_reference, cast_output
-
     scale_tensors = isinstance(scale_k, torch.Tensor) or isinstance(scale_v, torch.Tensor)
     tensors = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, lse, sinks, cu_seqlens_q)
-    key = None
-    if all(t is None or isinstance(t, torch.Tensor) for t in tensors) and (
-            not scale_tensors or all(isinstance(t, torch.Tensor) for t in (scale_k, scale_v))):
-        # a decode loop repeats its call: what validation and dispatch decided is reused
-        scale_key = (scale_k, scale_v)
-        if scale_tensors:  # keyed by their layout, as the other tensors are
-            tensors, scale_key = tensors + (scale_k, scale_v), ("tensors",)
-        key = memo_key(tensors, ("kvcache", causal, window_size, softmax_scale, softcap, scale_q, scale_key,
-                                 inv_scale_o, return_lse, out_dtype, backend, num_splits, max_seqlen_q))
+    # a decode loop repeats its call: what validation and dispatch decided is reused (no key, and
+    # the full path, where a tensor's place holds something else)
+    scale_key = (scale_k, scale_v)
+    if scale_tensors:  # keyed by their layout, as the other tensors are
+        tensors, scale_key = tensors + (scale_k, scale_v), ("tensors",)
+    key = memo_key(tensors, ("kvcache", causal, window_size, softmax_scale, softcap, scale_q, scale_key,
+                             inv_scale_o, return_lse, out_dtype, backend, num_splits, max_seqlen_q))
     hit = recall_dispatch(key) if key is not None else None
     if hit is not None and pointers_aligned(tensors):
         problem, runner = hit
@@ -399,6 +395,8 @@ def attention_with_kvcache(
                **({"cache_scales": cache_scales} if cache_scales is not None else {}))
         device_errors.watch(q.device)
         return (out, lse) if return_lse else out
+    from .reference import attention_reference, cast_output
+
     lengths = cache_seqlens.tolist()  # host read: the reference walks each sequence
     rows = _query_rows(problem, q, cu_seqlens_q)
     for b, n in enumerate(lengths):

@@ -46,6 +46,9 @@ def pack_gqa(q: torch.Tensor, heads_k: int) -> torch.Tensor:
     query position s of query head h * g + j."""
     b, s, hq, d = q.shape
     g = hq // heads_k
+    if s == 1:  # a view: one strided call (decode's common case)
+        sb, _, sh, sd = q.stride()
+        return q.as_strided((b, g, heads_k, d), (sb, sh, g * sh, sd))
     return q.view(b, s, heads_k, g, d).transpose(2, 3).reshape(b, s * g, heads_k, d)
 
 
@@ -56,6 +59,13 @@ def packed_views(out: torch.Tensor, lse: Optional[torch.Tensor], heads_k: int, s
     one query row, unless H_k = 1; strides that do not merge)."""
     b, s, hq, d = out.shape
     g = hq // heads_k
+    if s == 1:  # always views (one strided call each)
+        sb, _, sh, sd = out.stride()
+        o = out.as_strided((b, g, heads_k, d), (sb, sh, g * sh, sd))
+        if lse is None:
+            return o, None
+        lb, lh, _ = lse.stride()
+        return o, lse.as_strided((b, heads_k, g), (lb, g * lh, lh))
     try:
         o = out.view(b, s, heads_k, g, d).transpose(2, 3).view(b, s * g, heads_k, d)
         l_ = None if lse is None else lse.view(b, heads_k, g, s).transpose(2, 3).view(b, heads_k, s * g)

@@ -7,6 +7,12 @@ synchronizes the host with the GPU (``torch.cuda.set_sync_debug_mode``), and a
 
     python -m lab.profile_host --point decode --batch 16 --seqlen-q 1 --seqlen-k 8192 --out $OUT/host
     python -m lab.profile_host --point decode --page-size 64 ...
+
+``--stubbed`` (any machine, no GPU): the decode call's own Python time, on CPU tensors, with the
+Hopper decode runner's kernel launches and the device error flag's copies replaced by no-ops;
+what the library adds per call before the driver, apart from torch's CUDA costs.
+
+    python -m lab.profile_host --stubbed [--seqlen-q 1] [--page-size 64]
 """
 
 import argparse
@@ -51,6 +57,49 @@ def make_call(args):
                                                **new)
 
 
+def stubbed_host_us(args, rounds: int = 5) -> float:
+    """Median over ``rounds`` of the Python time per decode call with the launches stubbed."""
+    import statistics
+
+    import torch
+
+    import fmha
+    from fmha import device_errors, kvcache
+    from fmha.kernels.hopper import decode_runner
+
+    flag = torch.zeros(1, dtype=torch.int32)
+    decode_runner.sm_count = lambda device: 132
+    device_errors.flag = lambda device: flag
+    device_errors.raise_pending = device_errors.watch = lambda device: None
+    b, sq, sk, hq, hk, d = args.batch, args.seqlen_q, args.seqlen_k, args.heads_q, args.heads_k, args.head_dim
+    q = torch.randn(b, sq, hq, d).to(torch.bfloat16)
+    lengths = torch.full((b,), sk, dtype=torch.int32)
+    table = None
+    if args.page_size:
+        k = torch.zeros(b * sk // args.page_size, args.page_size, hk, d, dtype=torch.bfloat16)
+        table = torch.arange(b * sk // args.page_size, dtype=torch.int32).view(b, -1)
+    else:
+        k = torch.zeros(b, sk, hk, d, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    problem, _ = kvcache.decode_problem(q, k, k, lengths, block_table=table)
+    runner = decode_runner.HopperDecodeRunner(problem)
+    runner.load = lambda cfg, compile_fn: (lambda *arguments: None)
+    kvcache._decode_runner = lambda backend, problem: runner  # the CPU has no kernel backend to select
+
+    def call():
+        fmha.attention_with_kvcache(q, k, k, lengths, block_table=table, out=out, backend="kernel")
+
+    for _ in range(200):
+        call()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            call()
+        times.append((time.perf_counter() - start) / args.calls * 1e6)
+    return statistics.median(times)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--point", choices=["decode", "forward"], default="decode")
@@ -64,7 +113,11 @@ def main(argv=None):
     ap.add_argument("--append", type=int, default=0, help="decode: new keys per sequence (k_new/v_new)")
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--out", default="")
+    ap.add_argument("--stubbed", action="store_true", help="decode's Python time with the launches stubbed (CPU)")
     args = ap.parse_args(argv)
+    if args.stubbed:
+        print(json.dumps(dict(vars(args), stubbed_host_us_per_call=round(stubbed_host_us(args), 1))))
+        return
     import torch
 
     call = make_call(args)

@@ -25,6 +25,14 @@ def test_pack_then_unpack_is_the_identity():
     assert lse_out[1, 1 * g + 3, 2] == lse[1, 1, 2 * g + 3]
 
 
+def test_one_query_row_packs_as_more_rows_do():
+    """pack_gqa's one-row shortcut (one strided view) gives what the general packing gives."""
+    b, hk, g, d = 3, 2, 4, 8
+    q = torch.randn(b, 1, hk * g, 2 * d)[..., :d]  # rows wider than D: strides stay general
+    general = q.reshape(b, 1, hk, g, d).transpose(2, 3).reshape(b, g, hk, d)
+    assert torch.equal(split_kv.pack_gqa(q, hk), general)
+
+
 def test_one_query_row_is_packed_as_views_of_the_callers_tensors():
     """With S_q = 1 the packed O and LSE are views of out and lse (the decode kernel writes them in
     place): writing packed rows through the views is what unpack_gqa would have written. More

@@ -39,6 +39,7 @@ class HopperDecodeRunner:
 
     def __init__(self, problem):
         self._compiled = {}
+        self._last_plan = (None, None)
         self._plans = {}  # a decode loop repeats its problem: plan it once
 
     def plan(self, problem, num_sms: int) -> DecodePlan:
@@ -166,11 +167,14 @@ class HopperDecodeRunner:
             page_size=problem.page_size if cfg.page_run else None, **arguments))
 
     def plan_of(self, problem, device) -> DecodePlan:
+        if problem is self._last_plan[0]:  # a decode loop's memo hands back the same problem
+            return self._last_plan[1]
         plan = self._plans.get(problem)
         if plan is None:
             if len(self._plans) > 1024:
                 self._plans.clear()
             plan = self._plans[problem] = self.plan(problem, sm_count(device))
+        self._last_plan = (problem, plan)
         return plan
 
     @staticmethod
