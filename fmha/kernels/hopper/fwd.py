@@ -55,7 +55,7 @@ from .barriers import NamedBarrier
 from .config import SMEM_LIMIT, HopperForwardConfig, OStore
 from .epilogue import drain_o_stores, store_lse, store_o_direct, store_o_tma, wg_slice_layout
 from .fwd_producer import ProducerWarp
-from .kv_convert import CONVERTER_THREADS, CONVERTER_WARPS, CacheConverter
+from .kv_convert import CONVERTER_THREADS, CONVERTER_WARPS, PRODUCER_CONVERTING_WARPS, CacheConverter
 from .mainloop import ConsumerFragments, ConsumerMainloop
 from .wgmma import WARPGROUP_THREADS as _WG
 
@@ -380,7 +380,8 @@ class HopperAttentionForward(ProducerWarp, CacheConverter, ConsumerMainloop, seq
                 if warp_idx > 0:
                     self.converter(
                         scheduler, cache, mQ_sdhb, mK_tma, mCuSeqlensQ, mCuSeqlensK, window_left, window_right,
-                        sK_staged, sV_staged, sK, sV, staged_consumer, kv_producer, mBlockLists, tidx - 32,
+                        sK_staged, sV_staged, sK, sV, staged_consumer, kv_producer, mBlockLists,
+                        tidx - 32,  # after warp 0's
                     )
         else:
             converting = False
@@ -392,7 +393,7 @@ class HopperAttentionForward(ProducerWarp, CacheConverter, ConsumerMainloop, seq
                     self.converter(
                         scheduler, cache, mQ_sdhb, mK_tma, mCuSeqlensQ, mCuSeqlensK, window_left, window_right,
                         sK_staged, sV_staged, sK, sV, staged_consumer, kv_producer, mBlockLists,
-                        tidx - _WG * (1 + cfg.num_consumer_warpgroups) + 96,
+                        tidx - _WG * (1 + cfg.num_consumer_warpgroups) + 32 * PRODUCER_CONVERTING_WARPS,
                     )
             else:
                 cute.arch.setmaxregister_increase(cfg.register_budgets[1])

@@ -21,8 +21,10 @@ from cutlass import Int32, pipeline
 from ..common.kv_cache import KvCache
 from ..common.pipelines import release_by_one_lane
 
-#: warps 1..3 of the producer warpgroup, and the converting warpgroup
-CONVERTER_WARPS = 3 + 4
+#: warps 1..3 of the producer warpgroup (converting threads 0..95), then the converting
+#: warpgroup (threads 96..223)
+PRODUCER_CONVERTING_WARPS = 3
+CONVERTER_WARPS = PRODUCER_CONVERTING_WARPS + 4
 CONVERTER_THREADS = 32 * CONVERTER_WARPS
 #: elements a thread converts at a time: 8 bytes read, 16 written
 VECTOR = 8
