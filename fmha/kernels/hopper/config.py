@@ -209,8 +209,8 @@ class HopperForwardConfig:
     #: keys per TMA load, gcd(page size, tile_n), so that a load never crosses a page; 0: dense
     page_run: int = 0
     #: the cache's K/V dtype where it differs from Q's (float8_e4m3fn under a 16-bit query): TMA
-    #: loads it into a staging ring and the producer warpgroup's other warps convert it into the
-    #: K/V ring (``kv_convert.py``)
+    #: loads it into a staging ring and converting warps convert it into the K/V ring
+    #: (``kv_convert.py``)
     kv_dtype: Optional[torch.dtype] = None
     #: the converted cache's dequantization factors are (B, H_k) fp32 tensors read per work tile
     #: (``scale_k`` into the score scale, ``scale_v`` into the output's), not launch scalars
@@ -341,7 +341,7 @@ class HopperForwardConfig:
         """(producer, consumer) registers per thread after ``setmaxnreg``: the totals are what the
         CTA gets at launch (384 threads x 168 = 128 * 24 + 256 * 240; a larger total would leave a
         warpgroup's increase waiting forever)."""
-        if self.kv_converted:  # the converting warpgroups (both take the first budget) hold staged vectors
+        if self.kv_converted:  # 384 threads: the producer's and the converting warpgroups 56 each, 1 consumer
             return (56, 240)
         return {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_consumer_warpgroups]
 

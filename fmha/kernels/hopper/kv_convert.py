@@ -4,9 +4,10 @@ for an fp8 KV cache under a 16-bit query.
 ``wgmma`` multiplies operands of one type, and a bf16/fp16 query must not be rounded to fp8. So the
 producer warp TMA-loads each K and V tile of the cache, in the cache's type, into a staging ring,
 and seven converting warps (warps 1..3 of the producer warpgroup, idle otherwise, and a warpgroup
-of their own after the consumers) convert each staged tile into the K/V ring the consumers read,
-in the query's type and the layouts the 16-bit kernel has: the consumers' loop does not change. e4m3 values are exact in bf16 and fp16, so the conversion rounds nothing;
-the cache's scales stay scalars of the score and output scales.
+of their own after the consumer) convert each staged tile into the K/V ring the consumers read,
+in the query's type and the layouts the 16-bit kernel has: the consumers' loop does not change.
+e4m3 values are exact in bf16 and fp16, so the conversion rounds nothing; the cache's scales fold
+into the score and output scales (launch scalars, or read per work tile from tensors).
 
 Both staged tiles are (keys, head dim) with the head dim contiguous, as the cache stores them;
 V is written transposed into the ring's (head dim, keys) view. The converters walk the same work
