@@ -147,9 +147,7 @@ class HopperAttentionForward(ProducerWarp, CacheConverter, ConsumerMainloop, seq
         staged_elems = tile_n * max(d, dv)
         sK_staged_layout = sV_staged_layout = None
         if const_expr(cfg.kv_converted):
-            sK_staged_layout, sV_staged_layout = (
-                ring_layout(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (tile_m, tile_n, width), kv_dtype, 1),
-                            cfg.kv_staging_stages, staged_elems) for width in (d, dv))
+            sK_staged_layout, sV_staged_layout = (self.staging_layout(width, kv_dtype, staged_elems) for width in (d, dv))
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(
@@ -403,6 +401,13 @@ class HopperAttentionForward(ProducerWarp, CacheConverter, ConsumerMainloop, seq
                     window_left, window_right, sQ, sK, sV, sO, q_consumer, kv_consumer, tidx - _WG, mModTensors,
                     mBlockLists, mCacheScales,
                 )
+
+    def staging_layout(self, width: int, kv_dtype, stage_elems: int) -> cute.ComposedLayout:
+        """The staging ring of a converted cache's (keys, ``width``) tiles, swizzled as the 16-bit
+        kernel's K tiles are (``lab/bench_fp8_staging.py`` measures an unswizzled one)."""
+        cfg = self.cfg
+        one = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (cfg.tile_m, cfg.tile_n, width), kv_dtype, 1)
+        return ring_layout(one, cfg.kv_staging_stages, stage_elems)
 
     def make_scheduler(self, mTileTable, mTileCount, mTileCounter, hand_off, num_m_blocks, num_heads, num_batches):
         """The tile walk this configuration's schedule asks for (``scheduler.py``)."""
