@@ -123,7 +123,10 @@ def _varlen_over_cache(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seql
     then run by ``fmha.attention_with_kvcache``."""
     from .kvcache import attention_with_kvcache
 
-    parse_cached(**options)  # unknown or bad options raise here, as for every other call
+    # unknown or bad options raise here, as for every other call; an fp8 cache's tensor scales
+    # are checked by the cache path
+    parse_cached(**{name: 1.0 if name in ("scale_k", "scale_v") and isinstance(value, torch.Tensor) else value
+                    for name, value in options.items()})
     if cu_seqlens_k is not None:
         raise ValueError("a KV cache's keys are counted by seqused_k, not cu_seqlens_k: pass cu_seqlens_k=None")
     if seqused_k is None:

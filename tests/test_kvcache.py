@@ -384,3 +384,17 @@ def test_tensor_scales_plan_a_kernel_that_reads_them():
     assert problem.kv_scale_tensors and scales["scale_k"] == scales["scale_v"] == 1.0
     cfg = HopperDecodeRunner(problem).plan(problem, 132).cfg
     assert cfg.kv_converted and cfg.kv_scale_tensors
+
+
+def test_attention_varlen_over_an_fp8_cache_takes_tensor_scales():
+    """The engines' spelling (packed queries, seqused_k, block_table) takes the same tensor scales."""
+    q, cu = _packed_q(ROWS)
+    k, v = _dense()
+    sk, sv = torch.rand(HK) * 0.1 + 0.01, torch.rand(HK) * 0.1 + 0.01
+    k8, v8 = (k.float() / sk[:, None]).to(E4M3), (v.float() / sv[:, None]).to(E4M3)
+    lens = torch.tensor(LENS, dtype=torch.int32)
+    got = fmha.attention_varlen(q, k8, v8, cu, seqused_k=lens, causal=True, scale_k=sk, scale_v=sv,
+                                max_seqlen_q=max(ROWS))
+    want = fmha.attention_with_kvcache(q, k8, v8, lens, cu_seqlens_q=cu, max_seqlen_q=max(ROWS), scale_k=sk,
+                                       scale_v=sv)
+    assert torch.equal(got, want)
