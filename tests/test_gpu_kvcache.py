@@ -4,9 +4,10 @@ page sizes 16..256, lengths that are not multiples of the page or the tile, empt
 packing, split-KV with the heuristic's and given split counts, chunked prefill (hundreds of query
 rows against a paged cache), appended keys, causal and window
 masks, and rows past each cache's length poisoned with NaN (a kernel that read them into P.V
-would return NaN). Outputs are NaN-poisoned before the call so unwritten elements show. Bad
-lengths and block tables raise through ``fmha.check_device_errors``; a decode call replays from
-a CUDA graph."""
+would return NaN), fp8 caches with float and tensor scales. Outputs are NaN-poisoned before the
+call so unwritten elements show. Bad lengths and block tables raise through
+``fmha.check_device_errors``; a decode call replays from a CUDA graph (an fp8 one with new
+scales in its scale tensors)."""
 
 import os
 from dataclasses import dataclass
@@ -252,6 +253,42 @@ def test_a_decode_step_replays_from_a_cuda_graph(decode_kernels):
     graph.replay()
     torch.cuda.synchronize()
     assert not torch.equal(out, eager) and not out.isnan().any()
+
+
+def test_an_fp8_decode_replays_with_new_scales_in_its_tensors(decode_kernels):
+    """Tensor scales are read on the GPU: a captured fp8 decode step replays with whatever the
+    scale tensors hold then, and matches the reference at those scales."""
+    index = next(i for i, c in enumerate(CASES) if c.tensor_scales == "seq_head" and c.num_splits is None)
+    case = CASES[index]
+    q, k, v, seqlens, table, _, _ = _inputs(case, index)
+    kwargs = _kwargs(case)
+    scale_k, scale_v = kwargs.pop("scale_k"), kwargs.pop("scale_v")
+    out = torch.empty_like(q)
+
+    def step():
+        fmha.attention_with_kvcache(q, k, v, seqlens, block_table=table, out=out, scale_k=scale_k,
+                                    scale_v=scale_v, backend="kernel", **kwargs)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for factor_k, factor_v in ((1.0, 1.0), (1.7, 0.5)):
+        new_k, new_v = scale_k * factor_k, scale_v * factor_v
+        scale_k.copy_(new_k)
+        scale_v.copy_(new_v)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = fmha.attention_with_kvcache(q, k, v, seqlens, block_table=table, scale_k=new_k.clone(),
+                                           scale_v=new_v.clone(), backend="reference", **kwargs).float()
+        assert not out.isnan().any()
+        err = (out.float() - want).norm().item() / want.norm().item()
+        assert err < O_TOL[case.dtype], (factor_k, factor_v, err)
 
 
 DENSE_DECODE = [  # fmha.attention calls with few query rows: served by the decode configuration

@@ -87,6 +87,30 @@ CASES = [
 SCALE_K, SCALE_V = 0.05, 0.02
 
 
+def _random_cases(count: int, seed: int = 2026) -> list:
+    """Mixed batches drawn at random (fixed seed): 1-24 sequences, mostly decodes with some empty
+    sequences and chunks of up to 300 rows, keys from none to 5000 (at least the rows, or fewer:
+    rows before the first key), pages of 16..256 keys, bf16 or fp8 caches, causal, no mask or a
+    window."""
+    import random
+
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(count):
+        rows, keys = [], []
+        for _ in range(rng.randint(1, 24)):
+            n = rng.choice([0, 1, 1, 1, 1, rng.randint(2, 300)])
+            rows.append(n)
+            keys.append(max(0, n + rng.choice([0, rng.randint(0, 4700), -rng.randint(0, 10)])))
+        mask = rng.choice([dict(), dict(causal=False), dict(causal=False, window=(rng.randint(0, 300), 0))])
+        cases.append(MixedCase(tuple(rows), tuple(keys), page_size=rng.choice([16, 32, 48, 64, 128, 256]),
+                               fp8_cache=rng.random() < 0.5, **mask))
+    return cases
+
+
+CASES += _random_cases(6)
+
+
 def _inputs(case: MixedCase, seed: int):
     """q (packed, plus padding rows), the caches (rows past each length and unused pages NaN),
     cu_seqlens_q, seqused_k, the block table (pages shuffled, unused entries -1), sinks."""
