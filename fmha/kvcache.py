@@ -349,11 +349,11 @@ def attention_with_kvcache(
     tensors = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, lse, sinks, cu_seqlens_q)
     # a decode loop repeats its call: what validation and dispatch decided is reused (no key, and
     # the full path, where a tensor's place holds something else)
-    scale_key = (scale_k, scale_v)
-    if scale_tensors:  # keyed by their layout, as the other tensors are
-        tensors, scale_key = tensors + (scale_k, scale_v), ("tensors",)
-    key = memo_key(tensors, ("kvcache", causal, window_size, softmax_scale, softcap, scale_q, scale_key,
-                             inv_scale_o, return_lse, out_dtype, backend, num_splits, max_seqlen_q))
+    scale_key, keyed = (scale_k, scale_v), tensors
+    if scale_tensors:  # keyed by their layout, as the other tensors are (no alignment asked of them)
+        keyed, scale_key = tensors + (scale_k, scale_v), ("tensors",)
+    key = memo_key(keyed, ("kvcache", causal, window_size, softmax_scale, softcap, scale_q, scale_key,
+                           inv_scale_o, return_lse, out_dtype, backend, num_splits, max_seqlen_q))
     hit = recall_dispatch(key) if key is not None else None
     if hit is not None and pointers_aligned(tensors):
         problem, runner = hit
