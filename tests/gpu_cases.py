@@ -592,6 +592,20 @@ def run_backward_case(case: Case, torch, device="cuda", backend="kernel") -> dic
     return res
 
 
+def capture_graph(step, torch):
+    """A CUDA graph of ``step``, after one eager call on a side stream (which loads the kernels
+    and sets up the device error flag, as a capture needs; the outputs hold its results)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def _compile_into(cache_dir: str, cfg):
     """Worker: compile ``cfg`` (forward or backward) into the disk cache at ``cache_dir``."""
     import os

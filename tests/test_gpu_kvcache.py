@@ -236,15 +236,8 @@ def test_a_decode_step_replays_from_a_cuda_graph(decode_kernels):
     def step():
         fmha.attention_with_kvcache(q, k, v, seqlens, block_table=table, out=out, backend="kernel")
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
+    graph = gpu_cases.capture_graph(step, torch)
     eager = out.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
@@ -269,14 +262,7 @@ def test_an_fp8_decode_replays_with_new_scales_in_its_tensors(decode_kernels):
         fmha.attention_with_kvcache(q, k, v, seqlens, block_table=table, out=out, scale_k=scale_k,
                                     scale_v=scale_v, backend="kernel", **kwargs)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = gpu_cases.capture_graph(step, torch)
     for factor_k, factor_v in ((1.0, 1.0), (1.7, 0.5)):
         new_k, new_v = scale_k * factor_k, scale_v * factor_v
         scale_k.copy_(new_k)
@@ -348,15 +334,8 @@ def test_a_decode_step_that_appends_replays_from_a_cuda_graph(decode_kernels):
         fmha.attention_with_kvcache(q, k, v, seqlens, block_table=table, k_new=k_new, v_new=v_new, out=out,
                                     lse=lse, backend="kernel", **_kwargs(case))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
+    graph = gpu_cases.capture_graph(step, torch)
     eager, eager_lse = out.clone(), lse.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
     # where the step writes its new keys: poisoned, so that only a replayed append restores them
     pos = seqlens.long()[:, None] + torch.arange(k_new.shape[1], device="cuda")
     pages, slots = table.long().gather(1, pos // case.page_size), pos % case.page_size

@@ -264,14 +264,7 @@ def test_a_mixed_step_replays_from_a_cuda_graph_with_new_lengths(mixed_kernels):
         fmha.attention_varlen(q, k, v, cu, seqused_k=seqused, block_table=table, out=out, lse=lse, backend="kernel",
                               **kw)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = gpu_cases.capture_graph(step, torch)
     # a new batch in the same buffers: other row counts (fewer rows in all, the rest padding) and
     # keys (at most each cache's valid ones: NaN follows those)
     rows = [1, 1, 1, 400, 0, 2, 1, 50, 1, 64]
