@@ -109,7 +109,7 @@ def compile_with_files(cfg, directory: str):
     ``directory``; returns (ptx path, cubin path)."""
     from fmha.kernels.hopper.backend import compile_backward
     from fmha.kernels.hopper.forward_runner import compile_forward
-    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
 
     compile_fn = compile_backward if isinstance(cfg, HopperBackwardConfig) else compile_forward
     compile_fn(cfg, extra_options=f"--keep-ptx --keep-cubin --dump-dir={directory}")
@@ -160,7 +160,7 @@ def backward_configs():
     varlen, deterministic or not."""
     import torch
 
-    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from fmha.masking import MaskKind
 
     for d, dt, causal, varlen, det in itertools.product((32, 64, 128, 256), ("bfloat16", "float16"), (False, True),

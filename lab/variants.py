@@ -161,6 +161,10 @@ BACKWARD_VARIANTS = {
     # dS^T stored after dV's product is issued, the order before (D=64 spilled with the stores
     # first while the dQ accumulator was row-major)
     "fmha_bwd_ds_after_dv": dict(ds_stored_before_dv=False, head_dims=(64, 128)),
+    # the dense grid in its own order (K/V tile fastest) where production launches the costliest
+    # K/V tiles first (causal, a few waves: config.costliest_first_pays), and the reverse
+    "fmha_bwd_tile_fastest": dict(kv_tiles_costliest_first=False),
+    "fmha_bwd_costliest_first": dict(kv_tiles_costliest_first=True),
 }
 
 
@@ -171,7 +175,7 @@ def _backward_variant_class(**overrides):
     """The config subclass with ``overrides`` as class attributes (they shadow the config's
     properties of the same names), a module attribute of its own name so that it pickles (the
     GPU check compiles configurations in worker processes)."""
-    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
 
     key = tuple(sorted(overrides.items()))
     cls = _BACKWARD_CLASSES.get(key)
@@ -192,8 +196,9 @@ def backward_variant_config(cfg, **overrides):
     """``cfg`` (a HopperBackwardConfig) with its tile choices (tiles, dQ split, dK/dV stores)
     replaced, as a subclass of HopperBackwardConfig (not of ``type(cfg)``: variants do not stack;
     list every override in one)."""
-    cls = _backward_variant_class(**overrides)
-    return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    cls = _backward_variant_class(**{k: v for k, v in overrides.items() if k not in fields})
+    return cls(**{f: overrides.get(f, getattr(cfg, f)) for f in fields})
 
 
 def backward_variant_overrides(name: str) -> tuple:
@@ -202,8 +207,15 @@ def backward_variant_overrides(name: str) -> tuple:
     return overrides, tuple(overrides.pop("head_dims", ()))
 
 
+def _backward_fields() -> set:
+    from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
+
+    return {f.name for f in dataclasses.fields(HopperBackwardConfig)}
+
+
 for _name in BACKWARD_VARIANTS:  # every variant's class exists on import (unpickling looks it up)
-    _backward_variant_class(**backward_variant_overrides(_name)[0])
+    _backward_variant_class(**{k: v for k, v in backward_variant_overrides(_name)[0].items()
+                               if k not in _backward_fields()})
 
 
 def backward_variant(mask_kwargs: Callable, head_dims: tuple = (), **overrides) -> Callable:
@@ -213,7 +225,7 @@ def backward_variant(mask_kwargs: Callable, head_dims: tuple = (), **overrides) 
 
     import fmha
     from fmha.kernels.hopper.backend import HopperBackwardRunner, compile_backward
-    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from fmha.problem import KernelOptions
     from fmha.validation import validate_backward
 

@@ -48,7 +48,7 @@ def use_forward_variant(name: str) -> None:
 def use_backward_variant(name: str) -> None:
     """Make ``HopperBackwardConfig.from_problem`` (the library's choice of backward kernel, also
     what the GPU check compiles beforehand) return variant ``name`` where it applies."""
-    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from lab.variants import backward_variant_config, backward_variant_overrides
 
     overrides, head_dims = backward_variant_overrides(name)

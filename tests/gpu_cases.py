@@ -519,7 +519,7 @@ BACKWARD_TOL = {"bfloat16": 2e-2, "float16": 1e-2}
 
 def backward_config(case: Case, torch):
     """The Hopper backward configuration of a backward case (no GPU, no data)."""
-    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from fmha.problem import KernelOptions
 
     q, k, v, cu_q, cu_k = _make_inputs(case, torch, "cpu", data=False)
@@ -615,7 +615,7 @@ def _compile_into(cache_dir: str, cfg):
     from fmha.jit import disk_cache
     from fmha.kernels.hopper.backend import compile_backward
     from fmha.kernels.hopper.forward_runner import compile_forward
-    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
 
     start = time.time()
     disk_cache.load_or_compile(cfg, compile_backward if isinstance(cfg, HopperBackwardConfig) else compile_forward)

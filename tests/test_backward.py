@@ -208,7 +208,7 @@ def test_deterministic_reaches_the_backend_choice(monkeypatch):
 
 def test_the_hopper_backward_refuses_what_it_does_not_serve():
     pytest.importorskip("cutlass")
-    from fmha.kernels.hopper.config import HopperBackwardConfig, why_unsupported_backward
+    from fmha.kernels.hopper.bwd_config import HopperBackwardConfig, why_unsupported_backward
     from fmha.problem import KernelOptions
     from fmha.validation import validate
 
@@ -241,7 +241,7 @@ def test_the_hopper_backward_steps_over_80_rows_without_a_mask_on_long_rows():
     per step, dQ transposed; with a mask, shorter rows or D=64, the tiles of before; and the GPU
     check's backward cases include such configurations."""
     pytest.importorskip("cutlass")
-    from fmha.kernels.hopper.config import LONG_ROWS, HopperBackwardConfig
+    from fmha.kernels.hopper.bwd_config import LONG_ROWS, HopperBackwardConfig
     from fmha.validation import validate
     from gpu_cases import backward_config, build_backward_suite
 
@@ -261,6 +261,32 @@ def test_the_hopper_backward_steps_over_80_rows_without_a_mask_on_long_rows():
     assert tile(LONG_ROWS, causal=True) == 64 and tile(LONG_ROWS, d=64) == 128
     tiles = [backward_config(c, torch).tile_m for c in build_backward_suite() if c.head_dim == 128]
     assert tiles.count(80) == 3 and tiles.count(64) > 30
+
+
+def test_a_causal_backward_of_few_waves_launches_its_costliest_kv_tiles_first():
+    """GQA 16/2 at 2k and 8k tokens (256 K/V-tile CTAs, each walking 16 heads) takes the grid
+    with the K/V tile slowest; the standard grid's MHA points (2048 CTAs), non-causal masks,
+    windows bounded on the left, varlen and deterministic keep the tile-fastest order."""
+    pytest.importorskip("cutlass")
+    from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
+    from fmha.problem import KernelOptions
+    from fmha.validation import validate
+
+    def first(b, s, hq, hk, det=False, **mask):
+        q = torch.zeros(b, s, hq, 128, dtype=torch.bfloat16, device="meta")
+        k = torch.zeros(b, s, hk, 128, dtype=torch.bfloat16, device="meta")
+        problem = validate(q, k, k, **mask)
+        return HopperBackwardConfig.from_problem(problem, KernelOptions(deterministic=det)).kv_tiles_costliest_first
+
+    assert first(8, 2048, 16, 2, causal=True) and first(2, 8192, 16, 2, causal=True)
+    assert first(1, 300, 4, 4, compressed_causal=(32, 16)) and first(1, 4096, 8, 8, window_size=(None, 64))
+    assert not first(1, 16384, 16, 16, causal=True) and not first(8, 2048, 16, 16, causal=True)
+    assert not first(2, 8192, 16, 2) and not first(2, 8192, 16, 2, window_size=(256, 0))
+    assert not first(2, 8192, 16, 2, det=True, causal=True)
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    q = torch.zeros(300, 16, 128, dtype=torch.bfloat16)
+    varlen = validate(q, q[:, :2], q[:, :2], varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+    assert not HopperBackwardConfig.from_problem(varlen).kv_tiles_costliest_first
 
 
 def test_backward_argument_errors():

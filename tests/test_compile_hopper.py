@@ -174,7 +174,7 @@ def test_backward_compiles_with_wgmma_tma_and_a_dq_reduce_add(dtype, head_dim, m
     stmatrix, dQ added by a bulk reduce-add of each warpgroup's fragment-ordered block (no
     per-element atomics)."""
     from fmha.kernels.hopper.backend import compile_backward
-    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from kernel_configs import problem_for
 
     cfg = HopperBackwardConfig.from_problem(problem_for(dtype, head_dim, mask))
@@ -203,7 +203,7 @@ def test_varlen_backward_moves_every_tile_through_sequence_descriptors(dtype, he
     with D=128's TMA-stored dK and dV; the fragment-ordered dQ accumulator needs none), and every
     TMA load of the backward uses them."""
     from fmha.kernels.hopper.backend import compile_backward
-    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from kernel_configs import problem_for
 
     cfg = HopperBackwardConfig.from_problem(problem_for(dtype, head_dim, mask, varlen=True))
@@ -300,7 +300,7 @@ def test_deterministic_backward_orders_the_dq_adds(varlen, tmp_path):
     """deterministic=True: before its dQ reduce-add the dQ warp spins on an acquire load of the
     query tile's semaphore, and after it waits for the add to complete (not only its read of
     shared memory) before the release store that lets the next K/V tile add."""
-    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from fmha.problem import KernelOptions
     from kernel_configs import problem_for
 
@@ -326,7 +326,7 @@ def test_backward_variants_compile(name):
     is timed at, causal and not (a variant that stopped compiling would only show as an error row
     of a GPU run)."""
     from fmha.kernels.hopper.backend import compile_backward
-    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from fmha.masking import MaskKind
 
     overrides = dict(BACKWARD_VARIANTS[name])
@@ -346,7 +346,7 @@ def test_varlen_backward_runs_one_cta_per_listed_kv_tile(tmp_path):
     import dataclasses
 
     from fmha.kernels.hopper.backend import compile_backward
-    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from fmha.problem import KernelOptions
     from kernel_configs import problem_for
 
@@ -364,7 +364,7 @@ def test_varlen_backward_runs_one_cta_per_listed_kv_tile(tmp_path):
 
 def test_the_row_split_dq_needs_128_query_rows():
     from fmha.kernels.hopper.bwd import HopperAttentionBackward
-    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from fmha.masking import MaskKind
 
     base = HopperBackwardConfig(torch.bfloat16, 128, MaskKind.NONE, False, False, False)
@@ -379,7 +379,7 @@ def test_the_gpu_check_can_run_a_backward_variant(monkeypatch):
     import pickle
 
     import conftest
-    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from kernel_configs import problem_for
 
     monkeypatch.setattr(HopperBackwardConfig, "from_problem", HopperBackwardConfig.__dict__["from_problem"])
@@ -421,7 +421,7 @@ def test_tma_stored_dkv_narrow_two_more_descriptors_for_packed_batches(tmp_path)
     narrowed to each sequence (six per sequence instead of four), so a ragged K/V tile's store
     stops at its sequence's end."""
     from fmha.kernels.hopper.backend import compile_backward
-    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from fmha.masking import MaskKind
 
     cfg = HopperBackwardConfig(torch.bfloat16, 128, MaskKind.WINDOW, False, True, False, varlen=True,
@@ -439,7 +439,7 @@ def test_dq_conversion_compiles_for_the_fragment_ordered_accumulator(name):
     conversion into dQ (``dq_convert.py``), build for every head dim, dtype and layout the library
     (and the 80-row tile at every length) uses, dense and packed."""
     from fmha.kernels.hopper.backend import compile_dq_convert
-    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from fmha.kernels.hopper.dq_convert import DqConvertConfig
     from fmha.masking import MaskKind
 

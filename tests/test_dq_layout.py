@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fmha.kernels.hopper import dq_layout
-from fmha.kernels.hopper.config import HopperBackwardConfig
+from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
 from fmha.masking import MaskKind
 
 

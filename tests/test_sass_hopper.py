@@ -143,7 +143,7 @@ def _backward_sass(head_dim, causal, tmp_root, **variant) -> tuple:
     """The backward kernel's instructions (dense bf16) in order, and its labels; ``variant``:
     overrides of its config (``lab.variants``)."""
     from fmha.kernels.hopper.backend import compile_backward
-    from fmha.kernels.hopper.config import HopperBackwardConfig
+    from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from fmha.masking import MaskKind
     from lab.variants import backward_variant_config
 

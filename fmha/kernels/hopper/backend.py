@@ -17,8 +17,8 @@ from fmha.problem import AttentionProblem, KernelOptions
 from fmha.work_tiles import kv_work_tile_table
 
 from . import dq_layout
-from .config import (ARCH, HopperBackwardConfig, HopperForwardConfig, why_unsupported, why_unsupported_backward,
-                     why_unsupported_decode)
+from .config import ARCH, HopperForwardConfig, why_unsupported, why_unsupported_decode
+from .bwd_config import HopperBackwardConfig, why_unsupported_backward
 from .decode_runner import HopperDecodeRunner, HopperDenseDecodeRunner, served_as_decode
 from .forward_runner import HopperRunner, block_lists, compile_forward
 

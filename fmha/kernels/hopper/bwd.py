@@ -72,7 +72,8 @@ from ..common.tma import bulk_reduce_add_f32, tma_tiles
 from . import dq_layout
 from .barriers import NamedBarrierBwd
 from .bwd_consumer import ROW_ALIGN, BackwardConsumer
-from .config import SMEM_LIMIT, HopperBackwardConfig
+from .config import SMEM_LIMIT
+from .bwd_config import HopperBackwardConfig
 from .epilogue import wg_slice_layout
 from .wgmma import WARPGROUP_THREADS as _WG
 
@@ -261,6 +262,8 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
         # listed: one grid dim (no 65535 limit), the K/V heads fastest, so the costliest tiles of
         # every head start first
         grid = [num_n_blocks, k.shape[2], num_batches]
+        if const_expr(cfg.kv_tiles_costliest_first):
+            grid = [k.shape[2], num_batches, num_n_blocks]
         if const_expr(cfg.tiles_listed):
             grid = [k.shape[2] * mTileTable.shape[0], 1, 1]
         if const_expr(varlen):
@@ -378,9 +381,12 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
 
     @cute.jit
     def work_tile(self, mTileTable: Optional[cute.Tensor], mTileCount: Optional[cute.Tensor], num_heads_kv):
-        """(K/V tile, K/V head, sequence) of this CTA: its block index, or its entry of the tile
-        list (an entry past the list's count gets a tile past every sequence's end)."""
+        """(K/V tile, K/V head, sequence) of this CTA: its block index (the tile slowest with
+        ``kv_tiles_costliest_first``), or its entry of the tile list (an entry past the list's
+        count gets a tile past every sequence's end)."""
         n_block, head_kv, batch = cute.arch.block_idx()
+        if const_expr(self.cfg.kv_tiles_costliest_first):
+            head_kv, batch, n_block = cute.arch.block_idx()
         if const_expr(self.cfg.tiles_listed):
             head_kv, entry = n_block % num_heads_kv, n_block // num_heads_kv
             count = mTileTable.shape[0]
