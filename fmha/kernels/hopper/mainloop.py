@@ -97,6 +97,8 @@ class ConsumerMainloop:
         hold whatever the cache held there, NaN included, and a probability of 0 does not cancel
         a NaN in P.V. Both warpgroups write the same zeros, each before its own GEMM reads them."""
         tile_n, d = self.cfg.tile_n, self.cfg.head_dim_v
+        # an empty walk's one tile lies past the keys: valid < 0, and all of its rows are zeroed
+        valid = cutlass.max(valid, Int32(0))
         if valid < tile_n:
             lane = cute.arch.thread_idx()[0] % WARPGROUP_THREADS
             for i in cutlass.range(lane, (tile_n - valid) * d, WARPGROUP_THREADS, unroll=1):
