@@ -130,9 +130,10 @@ def quantize_for_cache(x: torch.Tensor, scale, cache_dtype: torch.dtype) -> torc
     finite value (448), NaN kept."""
     if x.dtype == cache_dtype:
         return x
-    if isinstance(scale, torch.Tensor):
-        return (x.float() / scale).to(cache_dtype)
-    return (x.float() * (1.0 / scale)).to(cache_dtype)
+    scaled = x.float() / scale if isinstance(scale, torch.Tensor) else x.float() * (1.0 / scale)
+    # CUDA's cast turns values past the largest finite one into NaN (the CPU's saturates): clamp first
+    finite_max = torch.finfo(cache_dtype).max
+    return scaled.clamp(-finite_max, finite_max).to(cache_dtype)
 
 
 def check_cache_scales(scale_k, scale_v, batch: int, heads_k: int, cache_dtype: torch.dtype, device, softcap):

@@ -18,6 +18,7 @@ import torch
 
 import fmha
 import gpu_cases
+from fmha.kvcache import quantize_for_cache
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)), reason="needs a Hopper (SM90) GPU")]
@@ -131,8 +132,8 @@ def _inputs(case: DecodeCase, seed: int):
             sk, sv = sk[:, None, :, None], sv[:, None, :, None]
         elif case.tensor_scales == "head":
             sk, sv = sk[:, None], sv[:, None]
-        k_cache = (k_cache.float() / sk).to(torch.float8_e4m3fn)
-        v_cache = (v_cache.float() / sv).to(torch.float8_e4m3fn)
+        k_cache = quantize_for_cache(k_cache, sk, torch.float8_e4m3fn)
+        v_cache = quantize_for_cache(v_cache, sv, torch.float8_e4m3fn)
     k_new = v_new = None
     if case.seqlen_new:
         k_new = rand(batch, case.seqlen_new, case.heads_k, case.head_dim)
@@ -379,3 +380,13 @@ def test_the_append_pass_writes_valid_positions_only(dtype):
     append_to_cache(kc, vc, kn, vn, torch.tensor([0, 4], dtype=torch.int32, device=dev), None, 8)
     assert torch.equal(kc[0, :3], kn[0]) and torch.equal(kc[1, 4:7], kn[1]) and torch.equal(vc[1, 4:7], vn[1])
     assert not kc[0, 3:].any() and not kc[1, :4].any() and not kc[1, 7:].any()
+
+
+def test_new_keys_past_the_fp8_range_saturate_on_the_gpu():
+    """CUDA's float-to-e4m3 cast gives NaN past 448 where the CPU's saturates: appended keys are
+    clamped first, so a large key lands as +-448 on either device (NaN stays NaN)."""
+    x = torch.tensor([500.0, -600.0, 448.0, 470.0, float("nan"), 1.0], device="cuda")
+    got = quantize_for_cache(x, 0.5, torch.float8_e4m3fn).float().cpu()
+    assert got[:4].tolist() == [448.0, -448.0, 448.0, 448.0] and got[4].isnan() and got[5] == 2.0
+    got = quantize_for_cache(x, torch.full((6,), 0.5, device="cuda"), torch.float8_e4m3fn).float().cpu()
+    assert got[:4].tolist() == [448.0, -448.0, 448.0, 448.0] and got[4].isnan()

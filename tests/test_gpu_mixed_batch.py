@@ -18,6 +18,7 @@ import torch
 
 import fmha
 import gpu_cases
+from fmha.kvcache import quantize_for_cache
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)), reason="needs a Hopper (SM90) GPU")]
@@ -146,8 +147,8 @@ def _inputs(case: MixedCase, seed: int):
                 k_cache[page] = dense_k[b, i * case.page_size:(i + 1) * case.page_size]
                 v_cache[page] = dense_v[b, i * case.page_size:(i + 1) * case.page_size]
     if case.fp8_cache:  # NaN stays NaN
-        k_cache = (k_cache.float() / SCALE_K).to(torch.float8_e4m3fn)
-        v_cache = (v_cache.float() / SCALE_V).to(torch.float8_e4m3fn)
+        k_cache = quantize_for_cache(k_cache, SCALE_K, torch.float8_e4m3fn)
+        v_cache = quantize_for_cache(v_cache, SCALE_V, torch.float8_e4m3fn)
     sinks = torch.randn(case.heads_q, generator=g, device=dev) if case.sinks else None
     return q, k_cache, v_cache, cu, seqused, table, sinks
 
