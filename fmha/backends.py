@@ -22,6 +22,10 @@ A kernel backend is any object with
   dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, deterministic, sinks=None, dsinks=None)`` writing
   ``dq``, ``dk``, ``dv`` (and ``dsinks`` when ``problem.has_sinks``).
   A backend without them has no backward; the reference then computes it.
+- optionally, for NSA's selection branch (``fmha.nsa``): ``why_unsupported_selection(problem,
+  options)``, ``selection_cache_key`` and ``prepare_selection`` for a
+  ``fmha.nsa.selection_visits.SelectionProblem``: ``runner(problem, q, k, v, selected,
+  cu_seqlens, softmax_scale) -> (o, lse)`` on packed tokens.
 - optionally, for ``attention_with_kvcache``: ``why_unsupported_decode(problem, options)``,
   ``decode_cache_key(problem, options)`` and ``prepare_decode(problem, options) -> runner`` for a
   ``fmha.kvcache.DecodeProblem``: ``runner(problem, q, k_cache, v_cache, lengths, block_table, out,
@@ -29,7 +33,7 @@ A kernel backend is any object with
   else None), and ``runner.append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
   capacity)``, which writes a call's new keys into the cache first.
 
-One selection serves the three (``Kind``: ``FORWARD``, ``BACKWARD``, ``DECODE``): ``select``
+One selection serves them all (``Kind``: ``FORWARD``, ``BACKWARD``, ``DECODE``, ``SELECTION``): ``select``
 picks the backend, ``runner_for`` its prepared runner.
 
 Kernel backends are imported lazily (the CuTe DSL costs about a second to import) and only
@@ -61,6 +65,7 @@ __all__ = [
     "FORWARD",
     "BACKWARD",
     "DECODE",
+    "SELECTION",
     "select",
     "runner_for",
     "clear_cache",
@@ -204,6 +209,8 @@ FORWARD = Kind("forward", "why_unsupported", "cache_key", "prepare", True)
 BACKWARD = Kind("backward", "why_unsupported_backward", "backward_cache_key", "prepare_backward", True)
 #: ``attention_with_kvcache`` (``fmha.kvcache.DecodeProblem``); the reference runs in kvcache.py
 DECODE = Kind("decode", "why_unsupported_decode", "decode_cache_key", "prepare_decode", False)
+#: NSA's selection branch (``fmha.nsa.selection_visits.SelectionProblem``); PyTorch runs it elsewhere
+SELECTION = Kind("selection", "why_unsupported_selection", "selection_cache_key", "prepare_selection", False)
 
 
 def unsupported_reasons(problem, options: KernelOptions, every_reason: bool = True,

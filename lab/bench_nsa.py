@@ -4,8 +4,11 @@ Given the same selection lists (per token and KV head: the current block, the pr
 block 0, then random earlier blocks up to ``--count``, ascending, -1 padded), one packed sequence
 of T tokens, bf16, D=128:
 
-* ``fmha``: ``fmha.nsa.selection_attention(..., backend="kernel")``, the lists as a block mask on
-  fmha's kernels;
+* ``fmha``: ``fmha.nsa.selection_attention(..., backend="kernel")``: the forward on the selection
+  kernel (each query tile of a few tokens' GQA heads walks their own blocks), the backward on
+  fmha's backward kernel with the lists as a block mask;
+* ``fmha_block_mask``: the forward with the lists as a block mask on fmha's attention kernel (the
+  form before the selection kernel; only up to ``--torch-max``);
 * ``fmha_torch``: the PyTorch gather path (``backend="reference"``; only up to ``--torch-max``);
 * ``fla``: flash-linear-attention's ``parallel_nsa`` selection (Triton; needs G = H_q/H_k a power
   of two >= 16), with ``block_indices`` and ``block_counts``;
@@ -36,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import fmha  # noqa: E402
 import fmha.nsa as nsa  # noqa: E402
+from fmha.nsa.selection import selection_forward_block_mask  # noqa: E402
 from lab.timing import keep_row, seconds_per_call  # noqa: E402
 
 BLOCK = 64
@@ -68,7 +72,7 @@ def main(argv=None):
     ap.add_argument("--tokens", default="8192,16384,32768,65536")
     ap.add_argument("--heads", default="64/4,32/8", help="H_q/H_k pairs")
     ap.add_argument("--count", type=int, default=16)
-    ap.add_argument("--impls", default="fmha,fmha_torch,fla,fmha_causal,fa4_causal")
+    ap.add_argument("--impls", default="fmha,fmha_block_mask,fmha_torch,fla,fmha_causal,fa4_causal")
     ap.add_argument("--torch-max", type=int, default=8192, help="longest T the PyTorch gather path runs")
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--rep", type=int, default=200)
@@ -162,6 +166,14 @@ def _call(impl, q, k, v, sel, cu, total, hq, hk, args, direction):
     if impl == "fmha":
         def run():
             return nsa.selection_attention(*leaves, sel, cu, BLOCK, backend="kernel")[0]
+    elif impl == "fmha_block_mask":  # the form before the selection kernel: the lists as a block mask
+        if grad:
+            return None, "forward only (the backward is the block-mask form in both)"
+        if total > args.torch_max:
+            return None, f"T > --torch-max {args.torch_max}"
+
+        def run():
+            return selection_forward_block_mask(q, k, v, sel, cu, BLOCK, q.shape[-1] ** -0.5)[0]
     elif impl == "fmha_torch":
         if total > args.torch_max:
             return None, f"T > --torch-max {args.torch_max}"

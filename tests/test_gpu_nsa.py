@@ -257,3 +257,63 @@ def test_decode_step_replays_in_a_cuda_graph():
     assert torch.equal(step["k_cache"][rows, pos], step["k_new"][:, 0])
     assert torch.equal(step["v_cache"][rows, pos], step["v_new"][:, 0])
     assert torch.equal(captured, eager)
+
+
+SELECTION_CASES = [  # (lengths, H_q, H_k, D, D_v, select_block, count, dtype)
+    ([2048 + 77, 0, 1, 1531], 16, 2, 128, 128, 64, 16, torch.bfloat16),
+    ([4099], 64, 4, 128, 128, 64, 16, torch.bfloat16),
+    ([333, 1, 0, 1000], 8, 4, 64, 64, 32, 8, torch.float16),
+    ([1500, 77], 4, 2, 128, 64, 128, 6, torch.bfloat16),
+    ([700, 5], 2, 1, 192, 128, 16, 20, torch.bfloat16),
+]
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the selection kernel needs an SM90 GPU")
+@pytest.mark.parametrize("case", range(len(SELECTION_CASES)))
+def test_the_selection_kernel_against_the_reference(case):
+    """The selection kernel (each query tile of a few tokens' GQA heads walks their own blocks)
+    on random lists (the forced current, previous and first blocks, random earlier ones, future
+    ones and -1s, a block named twice), against the fp64 reference; the kernel's packed outputs
+    are allocated where NaN-filled tensors of their sizes were just freed, so an element it did
+    not write shows."""
+    from fmha.backends import SELECTION, runner_for, unsupported_reasons
+    from fmha.nsa.selection_visits import SelectionProblem
+    from fmha.problem import KernelOptions
+
+    lens, hq, hk, d, dv, lsel, n, dt = SELECTION_CASES[case]
+    g = torch.Generator(device="cuda").manual_seed(case)
+    total = sum(lens)
+    q = torch.randn(total, hq, d, generator=g, device="cuda").to(dt)
+    k = torch.randn(total, hk, d, generator=g, device="cuda").to(dt)
+    v = torch.randn(total, hk, dv, generator=g, device="cuda").to(dt)
+    cu = cu_of(lens, "cuda")
+    pos = torch.cat([torch.arange(x, device="cuda") for x in lens])
+    blocks = (torch.cat([torch.full((x,), x, device="cuda") for x in lens]) + lsel - 1) // lsel
+    scores = torch.rand(total, hk, int(blocks.max()) if total else 1, generator=g, device="cuda")
+    idx = torch.arange(scores.shape[-1], device="cuda").view(1, 1, -1)
+    cur = (pos // lsel).view(-1, 1, 1)
+    scores = torch.where(idx >= blocks.view(-1, 1, 1), -1.0, scores)  # past the sequence: never
+    scores = torch.where((idx == cur) | (idx == cur - 1) | (idx == 0), 2.0, scores)
+    sel = scores.topk(min(n, scores.shape[-1]), dim=-1).indices.int()
+    sel = torch.where(scores.gather(-1, sel.long()) < 0, -1, sel)
+    sel[::7, :, -1] = -1
+    if n > 2:
+        sel[1::5, :, -1] = sel[1::5, :, -2]  # a block named twice (an unchecked list)
+    problem = SelectionProblem.of(q, k, v, lsel)
+    chosen, reasons = unsupported_reasons(problem, KernelOptions(), kind=SELECTION)
+    assert chosen is not None, reasons
+    runner = runner_for(SELECTION, chosen, problem, KernelOptions())
+    poison = [torch.full((1, total * hq // hk, hk, dv), float("nan"), dtype=dt, device="cuda"),
+              torch.full((1, hk, total * hq // hk), float("nan"), device="cuda")]
+    del poison
+    o, lse = runner(problem, q, k, v, sel, cu, d ** -0.5)
+    torch.cuda.synchronize()
+    # the reference counts a block named twice once, as the kernel does: give it the list without it
+    dedup = sel.clone()
+    if n > 2:
+        dedup[1::5, :, -1] = -1
+    want_o, want_lse = ref.selection_attention_reference(q.double(), k.double(), v.double(), dedup, cu, lsel,
+                                                          softmax_scale=d ** -0.5)
+    assert not o.isnan().any() and not lse.isnan().any()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    assert rel_l2(o, want_o) < 1e-2 and lse_max_err(lse, want_lse) < 5e-3

@@ -344,3 +344,18 @@ def test_backward_new_head_dims_keep_their_registers(head_dim, tmp_root):
     half = head_dim // 2
     first, last = min(_innermost_wgmma_loops(ins, labels), key=lambda loop: loop[1] - loop[0])
     assert any(f"HGMMA.64x{half}x16" in t for t in ins[first:last + 1])
+
+
+@pytest.mark.parametrize("group,head_dim,head_dim_v,select_block", [(16, 128, 128, 64), (4, 128, 128, 32),
+                                                                     (2, 64, 64, 64), (8, 192, 128, 16)])
+def test_the_selection_kernel_loads_any_key_row_and_keeps_its_registers(group, head_dim, head_dim_v, select_block,
+                                                                          tmp_root):
+    """NSA's selection kernel (``config.selection_config``): 64x64 score tiles on the tensor
+    cores, K and V TMA-loaded from the key row each entry names (a block starts where its
+    sequence does), no registers in local memory."""
+    from fmha.kernels.hopper.config import selection_config
+
+    cfg = selection_config(torch.bfloat16, head_dim, head_dim_v, group, select_block)
+    ins, _ = _instructions(_sass(cfg, tmp_root))
+    assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
+    assert any("HGMMA.64x64x16" in t for t in ins) and any("UTMALDG" in t for t in ins)

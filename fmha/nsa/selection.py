@@ -4,9 +4,11 @@ to the keys ``s <= t`` of the selection blocks listed in ``selected[t, h]`` (blo
 union. Returns o and the LSE like fmha's attention.
 
 Runs as the custom ops ``fmha_nsa::selection_forward`` / ``selection_backward`` (opaque to
-torch.compile, with autograd): on fmha's attention kernels, the lists as a block mask and a mask
-mod (``selection_blocks.py``), for ``backend="kernel"`` and for "auto" on CUDA tensors the kernels
-serve; else in PyTorch: each chunk of queries
+torch.compile, with autograd), for ``backend="kernel"`` and for "auto" on CUDA tensors the kernels
+serve: the forward on the selection kernel (each query tile of a few tokens' GQA heads walks
+those tokens' blocks, ``selection_visits.py``) where it serves the call, else, and the backward,
+on fmha's attention kernels with the lists as a block mask and a mask mod
+(``selection_blocks.py``); else in PyTorch: each chunk of queries
 gathers its listed blocks' keys and values (``_gather``), so memory stays bounded by
 ``CHUNK_BYTES`` and the backward recomputes P from the LSE as a kernel would.
 
@@ -117,6 +119,21 @@ def _selection_backward_torch(dout, q, k, v, out, lse, dlse, selected, cu, selec
 
 
 def _selection_forward_kernels(q, k, v, selected, cu, select_block, scale):
+    """The selection kernel where one serves the call (each query tile walks its tokens' own
+    blocks), else fmha's attention kernels with the lists as a block mask."""
+    from ..backends import SELECTION, runner_for, unsupported_reasons
+    from ..problem import KernelOptions
+    from .selection_visits import SelectionProblem
+
+    problem = SelectionProblem.of(q, k, v, select_block)
+    chosen, _ = unsupported_reasons(problem, KernelOptions(), kind=SELECTION)
+    if chosen is not None:
+        return runner_for(SELECTION, chosen, problem, KernelOptions())(problem, q, k, v, selected, cu, scale)
+    return selection_forward_block_mask(q, k, v, selected, cu, select_block, scale)
+
+
+def selection_forward_block_mask(q, k, v, selected, cu, select_block, scale):
+    """The forward on fmha's attention kernels, the lists as a block mask (``selection_blocks``)."""
     from .. import attention
     from .selection_blocks import selection_mask
 

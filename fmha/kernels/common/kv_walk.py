@@ -8,9 +8,11 @@ The walk is plain integer arithmetic over the row bands of ``fmha.masking`` (``r
 on the DSL's dynamic ``Int32`` values. The masks served today keep one contiguous band of keys per
 row, so a walk is a run of consecutive tiles in three segments (masked, whole, masked). A kernel
 reads a walk only through ``total``, ``block(step)``, the three segment counts and
-``needs_mask``, so a walk over a list of tile indices (``ListedKvWalk``: block-sparse masks,
-selected NSA blocks) takes its place: its ``block`` reads the list, its partial tiles then its
-whole ones are the leading masked and unmasked segments.
+``needs_mask`` (and ``first_key``/``visit`` for where a tile's keys start and what else its mask
+needs), so a walk over a list of tile indices (``ListedKvWalk``: block-sparse masks) takes its
+place: its ``block`` reads the list, its partial tiles then its whole ones are the leading masked
+and unmasked segments. NSA's selected blocks (``SelectedKvWalk``) are such a list of key rows,
+each with the query positions that chose it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,20 @@ class _Segments:
     def needs_mask(self, step):
         """Whether step ``step`` needs the element-wise mask (works on Python and DSL ints)."""
         return (step < self.leading_masked) | (step >= self.leading_masked + self.unmasked)
+
+    def first_key(self, step, tile_n: int):
+        """The first key of step ``step``'s tile."""
+        return self.key_of(self.block(step), tile_n)
+
+    def key_of(self, block, tile_n: int):
+        """The first key of the tile a step's ``block`` names: blocks are whole key tiles, but
+        for a walk over key rows (``SelectedKvWalk``)."""
+        return block * tile_n
+
+    def visit(self, step):
+        """What the mask needs of step ``step`` besides its place: nothing, but for a walk over
+        selected blocks (``SelectedKvWalk``) the query positions that chose it."""
+        return None
 
 
 class _BandFields(NamedTuple):
@@ -103,6 +119,33 @@ class ListedKvWalk(_Segments, _ListFields):
 
     def block(self, step):
         return self.indices[step]
+
+
+class _SelectedFields(NamedTuple):
+    rows: Any
+    positions: Any
+    leading_masked: Any
+    unmasked: Any
+    trailing_masked: Any = 0
+
+
+class SelectedKvWalk(_Segments, _SelectedFields):
+    """A walk over NSA's selected blocks (``fmha.nsa.selection_visits``): step i loads the
+    tile of keys from row ``rows[i]`` on (any row: a block starts where its sequence does), and
+    bit j of ``positions[i]`` says that the query tile's j-th query position selected it. The
+    ``leading_masked`` blocks some position did not select, or selected only partly (the block
+    reaches past it), then ``unmasked`` ones that every position keeps whole."""
+
+    __slots__ = ()
+
+    def block(self, step):
+        return self.rows[step]
+
+    def key_of(self, block, tile_n: int):
+        return block
+
+    def visit(self, step):
+        return self.positions[step]
 
 
 def listed_walk(counts, indices, masked_too: bool = False) -> ListedKvWalk:

@@ -175,14 +175,17 @@ class FragmentMask:
     mods: Any = None
     #: the static (query rows, keys) of the kernel's tile
     tile: Any = None
+    #: NSA selection (static): each visited tile is a selected block of this many keys from its
+    #: first one, kept by the query positions its visit names (``selected_bounds``); 0: none
+    select_block: int = 0
 
     @staticmethod
     def of(cfg, seqlen_q, seqlen_k, window_left, window_right, softcap_factor=None, mods=None) -> "FragmentMask":
         """The object of one (sequence, tile) of a kernel built from config ``cfg`` (its static
-        mask kind, alignment, compression geometry, GQA row packing and tile)."""
+        mask kind, alignment, compression geometry, GQA row packing, tile and selection)."""
         return FragmentMask(cfg.mask_kind, seqlen_q, seqlen_k, window_left, window_right, cfg.bottom_right,
                             getattr(cfg, "rows_per_query", 1), softcap_factor, cfg.compression, mods,
-                            (cfg.tile_m, cfg.tile_n))
+                            (cfg.tile_m, cfg.tile_n), getattr(cfg, "select_block", 0))
 
     @property
     def has_mask_mod(self) -> bool:
@@ -233,9 +236,11 @@ class FragmentMask:
         return (row_base + self.tile[0] <= self.seqlen_q) & (col_base + self.tile[1] <= self.seqlen_k)
 
     @cute.jit
-    def apply_scores(self, acc_s: cute.Tensor, coords: cute.Tensor, row_base, col_base, masked: cutlass.Constexpr):
+    def apply_scores(self, acc_s: cute.Tensor, coords: cute.Tensor, row_base, col_base, masked: cutlass.Constexpr,
+                     visit=None):
         """A tile's scores as the softmax takes them: softcapped or score-modded (before the
-        mask: tanh(-inf) would keep a masked key), then masked where ``masked``."""
+        mask: tanh(-inf) would keep a masked key), then masked where ``masked``. ``visit``: the
+        K/V walk's ``visit`` of the tile (selection: the positions that chose it)."""
         if cutlass.const_expr(self.softcap_factor is not None):
             softcap_scores(as_rows_cols(acc_s), self.softcap_factor)
         if cutlass.const_expr(self.needs_positions):
@@ -244,7 +249,7 @@ class FragmentMask:
             else:
                 self._score_mod(as_rows_cols(acc_s), as_rows_cols(coords), row_base, col_base, True)
         if cutlass.const_expr(masked):
-            self.apply(acc_s, coords, row_base, col_base)
+            self.apply(acc_s, coords, row_base, col_base, visit)
 
     @cute.jit
     def _score_mod(self, s, c, row_base, col_base, clamped: cutlass.Constexpr):
@@ -301,6 +306,15 @@ class FragmentMask:
                 elif key < lo or key >= hi:
                     s[r, j] = Float32(-math.inf)
 
+    def selected_bounds(self, row_base, row, col_base, positions):
+        """A row's kept keys ``[lo, hi)`` in a selected block from key ``col_base`` on: the keys
+        of the block up to the row's query position, if bit j of ``positions`` is set for its
+        position (the j-th of the tile's, which starts at row ``row_base``); none otherwise."""
+        g = self.rows_per_query
+        t = row // g
+        chose = ((positions >> (t - row_base // g)) & 1) != 0
+        return col_base, cutlass.select_(chose, cutlass.min(col_base + self.select_block, t + 1), col_base)
+
     def key_bounds(self, row):
         g = self.rows_per_query
         return row_key_bounds(
@@ -310,15 +324,18 @@ class FragmentMask:
         )
 
     @cute.jit
-    def apply(self, acc_s: cute.Tensor, coords: cute.Tensor, row_base, col_base):
+    def apply(self, acc_s: cute.Tensor, coords: cute.Tensor, row_base, col_base, visit=None):
         """Set masked scores of ``acc_s`` (a warpgroup-MMA accumulator) to -inf. ``coords`` is the
         identity tensor of the tile partitioned like ``acc_s``; ``row_base``/``col_base`` place the
-        tile in the sequence."""
+        tile in the sequence; ``visit``: the walk's (``apply_scores``)."""
         s = as_rows_cols(acc_s)
         c = as_rows_cols(coords)
         num_cols = cute.size(s, mode=[1])
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-            lo, hi = self.key_bounds(row_base + c[r, 0][0])
+            if cutlass.const_expr(self.select_block):
+                lo, hi = self.selected_bounds(row_base, row_base + c[r, 0][0], col_base, visit)
+            else:
+                lo, hi = self.key_bounds(row_base + c[r, 0][0])
             first = col_base + c[r, 0][1]
             for k in cutlass.range_constexpr((num_cols + CHUNK - 1) // CHUNK):
                 keep = kept_column_bits(

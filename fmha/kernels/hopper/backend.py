@@ -21,6 +21,8 @@ from .config import ARCH, HopperForwardConfig, why_unsupported, why_unsupported_
 from .bwd_config import HopperBackwardConfig, why_unsupported_backward
 from .decode_runner import HopperDecodeRunner, HopperDenseDecodeRunner, served_as_decode
 from .forward_runner import HopperRunner, block_lists, compile_forward
+from .selection_runner import HopperSelectionRunner, why_unsupported_selection
+from .selection_runner import config_of as selection_config_of
 
 
 class BackwardArgs(NamedTuple):
@@ -247,6 +249,15 @@ class HopperBackend:
 
     def prepare_decode(self, problem, options: KernelOptions) -> HopperDecodeRunner:
         return HopperDecodeRunner(problem)
+
+    def why_unsupported_selection(self, problem, options: KernelOptions) -> list:
+        return why_unsupported_selection(problem)
+
+    def selection_cache_key(self, problem, options: KernelOptions):
+        return selection_config_of(problem)
+
+    def prepare_selection(self, problem, options: KernelOptions) -> HopperSelectionRunner:
+        return HopperSelectionRunner(problem)
 
     def why_unsupported_backward(self, problem: AttentionProblem, options: KernelOptions) -> list:
         return why_unsupported_backward(problem, options)

@@ -224,6 +224,9 @@ class HopperForwardConfig:
     compression: Optional[Tuple[int, int]] = None
     #: score_mod / mask_mod / block mask (``fmha.mods.ModsSignature``)
     mods: Optional[object] = None
+    #: NSA selection (``selection_config``): keys of this many tokens from each listed block's
+    #: first row, kept by the query positions that chose the block; 0: none
+    select_block: int = 0
 
     def __post_init__(self):
         if self.mods is not None and (self.cache_lengths or self.split_kv or self.rows_per_query > 1):
@@ -257,6 +260,12 @@ class HopperForwardConfig:
             raise ValueError("scale tensors are an fp8 cache's, without softcap (its cap follows the score scale)")
         if self.kv_dtype is not None and self.num_consumer_warpgroups != 1:
             raise ValueError("a converted cache is read by one consumer warpgroup (64-row tiles)")
+        if self.select_block and (self.select_block > self.tile_n or self.rows_per_query < 2
+                                  or self.tile_m % self.rows_per_query or self.tile_m // self.rows_per_query > 32
+                                  or self.varlen or self.cache_lengths or self.split_kv or self.mods is not None
+                                  or self.mask_kind != MaskKind.NONE or element_bytes(self.dtype) != 2):
+            raise ValueError("selection packs 2..32 query positions' GQA heads in a tile (a divisor of its rows) "
+                             "over one dense run of 16-bit keys, each block at most a key tile, without other masks")
         if self.page_run and (not self.cache_lengths or self.page_run % 16 or self.tile_n % self.page_run):
             raise ValueError("a paged cache has lengths per sequence, and loads runs of a multiple of 16 keys "
                              "that divide the key tile")
@@ -445,6 +454,34 @@ def decode_config(dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, mas
         kv_scale_tensors=kv_scale_tensors, softcap=softcap,
         has_sinks=has_sinks,
     )
+
+
+#: selection's tile: 64 packed query rows (a few positions' GQA heads, whose lists differ) by 64
+#: keys (NSA's selection block)
+SELECTION_TILE = (64, 64)
+
+
+def selection_tile_positions(group: int) -> int:
+    """Query positions per selection tile of GQA groups of ``group`` heads (0: not served, the
+    group does not divide the tile's rows or leaves more positions than a 32-bit visit holds)."""
+    rows = SELECTION_TILE[0]
+    return rows // group if 2 <= group <= rows and rows % group == 0 and rows // group <= 32 else 0
+
+
+def selection_config(dtype: torch.dtype, head_dim: int, head_dim_v: int, group: int,
+                     select_block: int) -> HopperForwardConfig:
+    """The forward kernel's configuration for NSA's selection branch (``fmha.nsa``): the packed
+    tokens as one dense sequence whose rows are (position, head of the group) pairs, one K/V head
+    per tile, walking each tile's list of selected blocks (``SelectedKvWalk``) with the
+    positions that chose each; blocks longer than the key tile come as several entries."""
+    tile_m, tile_n = SELECTION_TILE
+    q_stages = q_stages_for(Schedule.PERSISTENT, head_dim, 0)
+    return HopperForwardConfig(
+        dtype=dtype, out_dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, mask_kind=MaskKind.NONE,
+        window_left_bounded=False, window_right_bounded=False, bottom_right=False, varlen=False, has_lse=True,
+        tile_m=tile_m, tile_n=tile_n, schedule=Schedule.PERSISTENT, q_stages=q_stages,
+        o_store=o_store_for(dtype, dtype, head_dim, False, False, 0, tile_m, tile_n, q_stages, head_dim_v),
+        rows_per_query=group, select_block=min(select_block, tile_n))
 
 
 def why_unsupported(problem: AttentionProblem, options: KernelOptions) -> list:

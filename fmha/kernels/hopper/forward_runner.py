@@ -96,6 +96,10 @@ def _fake_arguments(cfg: HopperForwardConfig) -> ForwardArgs:
                                                  stride=(cute.sym_int64(), cute.sym_int64()), assumed_align=4)
                    for _ in range(2)) if cfg.kv_scale_tensors else None
     fake_mods, fake_lists = fake_mod_arguments(cfg.mods)
+    if cfg.select_block:  # (counts, first rows, positions) per (batch, K/V head, query tile, ...)
+        fake_lists = tuple(cute.runtime.make_fake_tensor(
+            cutlass.Int32, tuple(cute.sym_int() for _ in range(4)),
+            stride=tuple(cute.sym_int64() for _ in range(3)) + (1,), assumed_align=4) for _ in range(3))
     return ForwardArgs(
         mQ=q, mK=k, mV=v, mO=o, mLSE=lse, mCuSeqlensQ=cu_q, mCuSeqlensK=cu_k, mTileTable=tiles, mTileCount=count,
         mSeqDescriptors=descriptors, mErrors=errors, mTileCounter=counter, mCacheSeqlens=cache_seqlens,

@@ -40,7 +40,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from fmha.masking import MaskKind, num_q_tiles
 
-from ..common.kv_walk import kv_walk, listed_walk, masked_for_mods
+from ..common.kv_walk import SelectedKvWalk, kv_walk, listed_walk, masked_for_mods
 
 from ..common.device_tile_list import COST_BINS, DeviceWorkTileList, cost_bins_bytes
 from ..common import sequence_descriptors as seq_desc
@@ -423,8 +423,13 @@ class HopperAttentionForward(ProducerWarp, CacheConverter, ConsumerMainloop, seq
                 block_lists=None, batch=None, head=None):
         """The K/V tiles this query tile visits (``common/kv_walk.py``), or with split-KV its
         split's share of them; with a block mask (``block_lists``) its list entry at (``batch``,
-        ``head``, ``m_block``); with a mask mod and no block mask every tile is masked."""
+        ``head``, ``m_block``); with a mask mod and no block mask every tile is masked; NSA
+        selection: the entry's selected blocks (``block_lists`` = (counts, first rows, positions))."""
         cfg = self.cfg
+        if const_expr(cfg.select_block):
+            counts, rows, positions = block_lists
+            return SelectedKvWalk(rows[batch, head, m_block, None], positions[batch, head, m_block, None],
+                                  counts[batch, head, m_block, 0], counts[batch, head, m_block, 1])
         if const_expr(block_lists is not None):
             counts, indices = block_lists
             return listed_walk((counts[batch, head, m_block, 0], counts[batch, head, m_block, 1]),

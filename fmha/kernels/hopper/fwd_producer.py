@@ -71,27 +71,41 @@ class ProducerWarp:
                         gV = cute.local_tile(mV_cur, (cfg.head_dim_v, cfg.tile_n), (0, None))
                     tKsK, tKgK = tma_tiles(tma_k, sK, gK)
                     tVsV, tVgV = tma_tiles(tma_v, sV, gV)
-                    kv_producer = self.load_kv(kv_tiles, (tma_k, tKgK, tKsK, desc_k), (tma_v, tVgV, tVsV, desc_v),
+                    k_tile = lambda i: tKgK[None, kv_tiles.block(i)]  # noqa: E731
+                    v_tile = lambda i: tVgV[None, kv_tiles.block(i)]  # noqa: E731
+                    if const_expr(cfg.select_block):  # any key row
+                        k_tile = lambda i: self.rows_from(tma_k, sK, mK_cur, kv_tiles.block(i), True)  # noqa: E731
+                        v_tile = lambda i: self.rows_from(tma_v, sV, mV_cur, kv_tiles.block(i), False)  # noqa: E731
+                    kv_producer = self.load_kv((tma_k, k_tile, tKsK, desc_k), (tma_v, v_tile, tVsV, desc_v), kv_tiles,
                                                kv_producer)
             # Claimed tiles are claimed once this tile's loads are issued: the consumers get the
             # claim well before they finish the tile, and the claim order stays the start order.
             tile_idx, cursor = scheduler.producer_next(tile_idx, cursor)
 
     @cute.jit
-    def load_kv(self, kv_tiles, k_load, v_load, kv_producer: pipeline.PipelineProducer):
+    def load_kv(self, k_load, v_load, kv_tiles, kv_producer: pipeline.PipelineProducer):
         """K_0, then (K_n, V_n-1) pairs, then the last V: the order ``mainloop`` waits in.
-        ``k_load``/``v_load``: (TMA atom, global tiles, shared stages, descriptor or None)."""
-        tma_k, tKgK, tKsK, desc_k = k_load
-        tma_v, tVgV, tVsV, desc_v = v_load
+        ``k_load``/``v_load``: (TMA atom, the global tile of step i as ``tile(i)``, shared stages,
+        descriptor or None)."""
+        tma_k, k_tile, tKsK, desc_k = k_load
+        tma_v, v_tile, tVsV, desc_v = v_load
         if kv_tiles.total > 0:
-            kv_producer = self.load_stage(kv_producer, tma_k, tKgK[None, kv_tiles.block(0)], tKsK, desc_k, True)
+            kv_producer = self.load_stage(kv_producer, tma_k, k_tile(0), tKsK, desc_k, True)
             for i in cutlass.range(1, kv_tiles.total, unroll=1):
-                kv_producer = self.load_stage(kv_producer, tma_k, tKgK[None, kv_tiles.block(i)], tKsK, desc_k, True)
-                kv_producer = self.load_stage(kv_producer, tma_v, tVgV[None, kv_tiles.block(i - 1)], tVsV, desc_v,
-                                              False)
-            kv_producer = self.load_stage(
-                kv_producer, tma_v, tVgV[None, kv_tiles.block(kv_tiles.total - 1)], tVsV, desc_v, False)
+                kv_producer = self.load_stage(kv_producer, tma_k, k_tile(i), tKsK, desc_k, True)
+                kv_producer = self.load_stage(kv_producer, tma_v, v_tile(i - 1), tVsV, desc_v, False)
+            kv_producer = self.load_stage(kv_producer, tma_v, v_tile(kv_tiles.total - 1), tVsV, desc_v, False)
         return kv_producer
+
+    def rows_from(self, tma, s_stages, m_cur: cute.Tensor, row, is_k: bool):
+        """The TMA source of a tile of a walk over key rows (``SelectedKvWalk``): ``tile_n``
+        keys from row ``row`` on, wherever it lies (TMA fills zeros past the last key)."""
+        cfg = self.cfg
+        if const_expr(is_k):  # (keys, head dim)
+            tile = cute.local_tile(cute.domain_offset((row, 0), m_cur), (cfg.tile_n, cfg.head_dim), (0, 0))
+        else:  # V as (head dim, keys)
+            tile = cute.local_tile(cute.domain_offset((0, row), m_cur), (cfg.head_dim_v, cfg.tile_n), (0, 0))
+        return tma_tiles(tma, s_stages, tile)[1]
 
     @cute.jit
     def load_stage(self, kv_producer: pipeline.PipelineProducer, tma, src, dst_stages, desc, is_k: cutlass.Constexpr):

@@ -65,18 +65,20 @@ class ConsumerMainloop:
             # in every iteration.
             remaining = leading
             while remaining > 0:
-                kv_consumer = self.step(True, kv_tiles.block(step), row_base, mask, softmax, frags, kv_consumer, wg)
+                kv_consumer = self.step(True, kv_tiles, kv_tiles.block(step), kv_tiles.visit(step), row_base, mask,
+                                        softmax, frags, kv_consumer, wg)
                 step += 1
                 remaining -= 1
             remaining = unmasked
             while remaining > 0:  # an unmasked step needs its tile index only for a score mod
                 block = kv_tiles.block(step + unmasked - remaining) if const_expr(mask.needs_positions) else None
-                kv_consumer = self.step(False, block, row_base, mask, softmax, frags, kv_consumer, wg)
+                kv_consumer = self.step(False, kv_tiles, block, None, row_base, mask, softmax, frags, kv_consumer, wg)
                 remaining -= 1
             step += unmasked
             remaining = trailing
             while remaining > 0:
-                kv_consumer = self.step(True, kv_tiles.block(step), row_base, mask, softmax, frags, kv_consumer, wg)
+                kv_consumer = self.step(True, kv_tiles, kv_tiles.block(step), kv_tiles.visit(step), row_base, mask,
+                                        softmax, frags, kv_consumer, wg)
                 step += 1
                 remaining -= 1
             # The last P.V.
@@ -116,21 +118,23 @@ class ConsumerMainloop:
         issue_gemm(frags.mma_qk, acc_s, frags.q, frags.k[None, None, None, k_handle.index], True)
         warpgroup.wait_group(0)
         release_by_one_lane(k_handle)
-        mask.apply_scores(acc_s, frags.s_coords, row_base, kv_tiles.block(0) * self.cfg.tile_n, True)
+        mask.apply_scores(acc_s, frags.s_coords, row_base, kv_tiles.first_key(0, self.cfg.tile_n), True,
+                          kv_tiles.visit(0))
         softmax.update(acc_s, frags.row_scale)  # O is still zero: no rescale
         self.store_p(frags.p, acc_s)
         return kv_consumer
 
     @cute.jit
-    def step(self, masked: cutlass.Constexpr, n_block: Optional[Int32], row_base: Int32, mask: FragmentMask,
-             softmax: OnlineSoftmax, frags: ConsumerFragments, kv_consumer: pipeline.PipelineConsumer,
-             wg: Int32):
+    def step(self, masked: cutlass.Constexpr, kv_tiles, block: Optional[Int32], visit, row_base: Int32,
+             mask: FragmentMask, softmax: OnlineSoftmax, frags: ConsumerFragments,
+             kv_consumer: pipeline.PipelineConsumer, wg: Int32):
         """One pipelined step: S_n and P_{n-1} V_{n-1} issued in this warpgroup's turn, then the
-        softmax of S_n under the P.V GEMM, O rescaled, P_n packed. ``n_block`` (K/V tile n's
-        index) places the mask and the score mod; an unmasked step without a score mod has none."""
+        softmax of S_n under the P.V GEMM, O rescaled, P_n packed. ``block`` (the walk's ``block``
+        of step n) and ``visit`` (its ``visit``) place the mask and the score mod; an unmasked
+        step without a score mod has neither."""
         acc_s, k_handle, v_handle, kv_consumer = self.issue_step_gemms(frags, kv_consumer, wg)
-        col_base = n_block * self.cfg.tile_n if const_expr(n_block is not None) else None
-        mask.apply_scores(acc_s, frags.s_coords, row_base, col_base, masked)
+        col_base = kv_tiles.key_of(block, self.cfg.tile_n) if const_expr(block is not None) else None
+        mask.apply_scores(acc_s, frags.s_coords, row_base, col_base, masked, visit)
         softmax.update(acc_s, frags.row_scale)
         # ptxas keeps an mbarrier arrive ahead of a later wgmma wait but hoists both as far as
         # their operands allow. Released here, tied to the softmax's result, K_n's arrive holds

@@ -1,0 +1,130 @@
+"""What NSA's selection kernel visits (``fmha.kernels.hopper`` with ``selection_config``): the
+selection lists regrouped by the kernel's query tiles.
+
+The kernel packs each token's GQA group as consecutive rows (``P`` tokens per 64-row tile, one
+K/V head per tile), so a tile holds ``P`` tokens whose lists differ. It walks the union of their
+lists, one entry per distinct block: the block's first key row in the packed keys (its
+sequence's start + ``j * select_block``; blocks longer than the key tile are several entries)
+and a word whose bit ``p`` says that the tile's ``p``-th token chose the block. The kernel keeps
+the keys of an entry up to each choosing token (``FragmentMask.selected_bounds``). Entries that
+every token of the tile keeps whole (all chose it, it ends at or before the first token, and it
+fills the key tile) come last and skip the element-wise mask.
+
+Built with tensor ops on the device, without a host sync (CUDA-graph safe). A block an unchecked
+list names twice counts once; one that starts after the token keeps nothing and is dropped, as
+is every -1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from .layout import token_positions
+
+#: a row past every key: unused slots sort last
+_NONE = 1 << 40
+
+
+@dataclass(frozen=True)
+class SelectionProblem:
+    """What a selection kernel is asked (``fmha.backends.SELECTION``): everything it is compiled
+    for, and the device; sizes are the call's."""
+
+    dtype: torch.dtype
+    head_dim: int
+    head_dim_v: int
+    heads_q: int
+    heads_k: int
+    select_block: int
+    device: torch.device
+
+    @staticmethod
+    def of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, select_block: int) -> "SelectionProblem":
+        return SelectionProblem(q.dtype, q.shape[-1], v.shape[-1], q.shape[1], k.shape[1], select_block, q.device)
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_k
+
+
+class SelectionVisits(NamedTuple):
+    """Per (batch 1, K/V head, query tile): ``counts[..., 0]`` masked and ``counts[..., 1]`` whole
+    entries, listed in that order in ``rows`` (first key row) and ``positions`` (bit p: token
+    ``tile * P + p`` chose it); int32, contiguous."""
+
+    counts: torch.Tensor
+    rows: torch.Tensor
+    positions: torch.Tensor
+
+    def as_lists(self) -> tuple:
+        return self.counts, self.rows, self.positions
+
+
+def selection_visits(selected: torch.Tensor, cu_seqlens: torch.Tensor, select_block: int,
+                     tokens_per_tile: int, tile_n: int) -> SelectionVisits:
+    """The visits of ``selected`` (T, H_k, n) int32 (blocks of ``select_block`` tokens of each
+    token's sequence, -1 unused) over packed tokens with ``cu_seqlens``, for query tiles of
+    ``tokens_per_tile`` tokens and key tiles of ``tile_n`` keys (``select_block`` at most
+    ``tile_n`` or a multiple of it)."""
+    if select_block > tile_n and select_block % tile_n:
+        raise ValueError(f"a selection block of {select_block} keys is neither at most one key tile of {tile_n} "
+                         f"nor a multiple of it")
+    total, heads_k, count = selected.shape
+    device = selected.device
+    pieces = max(1, select_block // tile_n)  # entries per block
+    length = min(select_block, tile_n)  # keys per entry
+    where = token_positions(cu_seqlens, total)
+    sel = selected.long()
+    piece = torch.arange(pieces, device=device) * tile_n
+    offset = (sel.clamp(min=0) * select_block)[..., None] + piece  # (T, H_k, n, pieces) from the sequence's start
+    position = where.position.view(total, 1, 1, 1).long()
+    live = (sel >= 0)[..., None] & (offset <= position)
+    rows = torch.where(live, where.start.view(total, 1, 1, 1).long() + offset, torch.full_like(offset, _NONE))
+    rows = rows.flatten(2)  # (T, H_k, n * pieces)
+    # tiles of P tokens: (H_k, M, P * entries), each entry with its token's place p in the tile
+    p = tokens_per_tile
+    tiles = -(-total // p) if total else 0
+    pad = tiles * p - total
+    if pad:
+        rows = torch.cat([rows, rows.new_full((pad,) + rows.shape[1:], _NONE)])
+    per_token = rows.shape[-1]
+    rows = rows.view(tiles, p, heads_k, per_token).permute(2, 0, 1, 3).reshape(heads_k, tiles, p * per_token)
+    place = torch.arange(p, device=device).repeat_interleave(per_token)
+    # sorted by (row, place): equal rows are adjacent, and a (row, place) named twice is adjacent
+    key = rows * p + place
+    key = key.sort(dim=-1).values
+    rows = key // p
+    place = key % p
+    used = rows < _NONE
+    twice = torch.zeros_like(used)
+    twice[..., 1:] = key[..., 1:] == key[..., :-1]
+    first = used.clone()
+    first[..., 1:] &= rows[..., 1:] != rows[..., :-1]
+    slot = first.long().cumsum(-1) - 1  # each entry's distinct block
+    width = p * per_token
+    slot = torch.where(used, slot, torch.full_like(slot, width))  # unused: a spare last slot
+    bits = torch.where(used & ~twice, torch.ones_like(place) << place, torch.zeros_like(place))
+    chose = torch.zeros((heads_k, tiles, width + 1), dtype=torch.int64, device=device)
+    chose.scatter_add_(2, slot, bits)
+    starts = torch.full((heads_k, tiles, width + 1), _NONE, dtype=torch.int64, device=device)
+    starts.scatter_(2, torch.where(first, slot, torch.full_like(slot, width)), rows)  # the others: the spare
+    chose, starts = chose[..., :width], starts[..., :width]
+    # whole: every token of the tile (all of them tokens) chose it, and its keys end at or before
+    # the first token (one sequence: no block is chosen across a sequence's start)
+    real = (torch.arange(tiles, device=device) * p + p <= total).view(1, tiles, 1)
+    all_bits = (1 << p) - 1
+    first_token = (torch.arange(tiles, device=device) * p).view(1, tiles, 1)
+    whole = (starts < _NONE) & real & (chose == all_bits) & (starts + length - 1 <= first_token) & (length == tile_n)
+    rank = torch.where(starts < _NONE, whole.long(), torch.full_like(starts, 2))
+    listed = (rank * (_NONE + 1) + starts.clamp(max=_NONE)).argsort(dim=-1)
+    rows_out = starts.gather(-1, listed)
+    chose_out = chose.gather(-1, listed)
+    counts = torch.stack(((rank == 0).sum(-1), (rank == 1).sum(-1)), dim=-1)
+    rows_out = torch.where(rows_out < _NONE, rows_out, torch.zeros_like(rows_out))
+    # bit 31 (the 32nd token) wraps to the sign as int32; the kernel tests bits, not values
+    chose_out = torch.where(chose_out >= 1 << 31, chose_out - (1 << 32), chose_out)
+    return SelectionVisits(counts.to(torch.int32)[None].contiguous(), rows_out.to(torch.int32)[None].contiguous(),
+                           chose_out.to(torch.int32)[None].contiguous())
