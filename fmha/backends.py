@@ -25,7 +25,10 @@ A kernel backend is any object with
 - optionally, for NSA's selection branch (``fmha.nsa``): ``why_unsupported_selection(problem,
   options)``, ``selection_cache_key`` and ``prepare_selection`` for a
   ``fmha.nsa.selection_visits.SelectionProblem``: ``runner(problem, q, k, v, selected,
-  cu_seqlens, softmax_scale) -> (o, lse)`` on packed tokens.
+  cu_seqlens, softmax_scale) -> (o, lse)`` on packed tokens; its backward likewise
+  (``why_unsupported_selection_backward``, ``selection_backward_cache_key``,
+  ``prepare_selection_backward``): ``runner(problem, dout, q, k, v, out, lse, dlse, selected,
+  cu_seqlens, softmax_scale) -> (dq, dk, dv)``.
 - optionally, for ``attention_with_kvcache``: ``why_unsupported_decode(problem, options)``,
   ``decode_cache_key(problem, options)`` and ``prepare_decode(problem, options) -> runner`` for a
   ``fmha.kvcache.DecodeProblem``: ``runner(problem, q, k_cache, v_cache, lengths, block_table, out,
@@ -33,7 +36,8 @@ A kernel backend is any object with
   else None), and ``runner.append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
   capacity)``, which writes a call's new keys into the cache first.
 
-One selection serves them all (``Kind``: ``FORWARD``, ``BACKWARD``, ``DECODE``, ``SELECTION``): ``select``
+One selection serves them all (``Kind``: ``FORWARD``, ``BACKWARD``, ``DECODE``, ``SELECTION``,
+``SELECTION_BACKWARD``): ``select``
 picks the backend, ``runner_for`` its prepared runner.
 
 Kernel backends are imported lazily (the CuTe DSL costs about a second to import) and only
@@ -66,6 +70,7 @@ __all__ = [
     "BACKWARD",
     "DECODE",
     "SELECTION",
+    "SELECTION_BACKWARD",
     "select",
     "runner_for",
     "clear_cache",
@@ -211,6 +216,9 @@ BACKWARD = Kind("backward", "why_unsupported_backward", "backward_cache_key", "p
 DECODE = Kind("decode", "why_unsupported_decode", "decode_cache_key", "prepare_decode", False)
 #: NSA's selection branch (``fmha.nsa.selection_visits.SelectionProblem``); PyTorch runs it elsewhere
 SELECTION = Kind("selection", "why_unsupported_selection", "selection_cache_key", "prepare_selection", False)
+#: its backward
+SELECTION_BACKWARD = Kind("selection_backward", "why_unsupported_selection_backward", "selection_backward_cache_key",
+                          "prepare_selection_backward", False)
 
 
 def unsupported_reasons(problem, options: KernelOptions, every_reason: bool = True,

@@ -7,6 +7,9 @@ of T tokens, bf16, D=128:
 * ``fmha``: ``fmha.nsa.selection_attention(..., backend="kernel")``: the forward on the selection
   kernel (each query tile of a few tokens' GQA heads walks their own blocks), the backward on
   fmha's backward kernel with the lists as a block mask;
+* ``fmha_bwd_kernel``: ``fmha`` with the selection backward kernel (each K/V tile of a sequence
+  walks the query tiles that chose it; chosen by ``FMHA_SELECTION_BACKWARD_KERNEL=1`` until the
+  GPU check has run it);
 * ``fmha_block_mask``: the forward with the lists as a block mask on fmha's attention kernel (the
   form before the selection kernel; only up to ``--torch-max``);
 * ``fmha_torch``: the PyTorch gather path (``backend="reference"``; only up to ``--torch-max``);
@@ -28,6 +31,7 @@ and ``export PYTHONPATH=/tmp/site:$PYTHONPATH``.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -39,6 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import fmha  # noqa: E402
 import fmha.nsa as nsa  # noqa: E402
+from fmha.kernels.hopper.selection_runner import BACKWARD_KERNEL_SWITCH  # noqa: E402
 from fmha.nsa.selection import selection_forward_block_mask  # noqa: E402
 from lab.timing import keep_row, seconds_per_call  # noqa: E402
 
@@ -72,7 +77,7 @@ def main(argv=None):
     ap.add_argument("--tokens", default="8192,16384,32768,65536")
     ap.add_argument("--heads", default="64/4,32/8", help="H_q/H_k pairs")
     ap.add_argument("--count", type=int, default=16)
-    ap.add_argument("--impls", default="fmha,fmha_block_mask,fmha_torch,fla,fmha_causal,fa4_causal")
+    ap.add_argument("--impls", default="fmha,fmha_bwd_kernel,fmha_block_mask,fmha_torch,fla,fmha_causal,fa4_causal")
     ap.add_argument("--torch-max", type=int, default=8192, help="longest T the PyTorch gather path runs")
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--rep", type=int, default=200)
@@ -166,6 +171,12 @@ def _call(impl, q, k, v, sel, cu, total, hq, hk, args, direction):
     if impl == "fmha":
         def run():
             return nsa.selection_attention(*leaves, sel, cu, BLOCK, backend="kernel")[0]
+    elif impl == "fmha_bwd_kernel":
+        if not grad:
+            return None, "the backward kernel only (the forward is fmha's)"
+
+        def run():
+            return nsa.selection_attention(*leaves, sel, cu, BLOCK, backend="kernel")[0]
     elif impl == "fmha_block_mask":  # the form before the selection kernel: the lists as a block mask
         if grad:
             return None, "forward only (the backward is the block-mask form in both)"
@@ -208,8 +219,22 @@ def _call(impl, q, k, v, sel, cu, total, hq, hk, args, direction):
     def step():
         for t in leaves:
             t.grad = None
-        run().backward(dout)
+        with _switched(BACKWARD_KERNEL_SWITCH, impl == "fmha_bwd_kernel"):
+            run().backward(dout)
     return step, run
+
+
+@contextlib.contextmanager
+def _switched(name: str, on: bool):
+    """Environment variable ``name`` set to "1" inside the block where ``on``."""
+    if not on:
+        yield
+        return
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ def problem_of(spec: dict, options: dict):
 def compile_with_files(cfg, directory: str):
     """Compile ``cfg`` (a forward or a backward configuration) keeping its PTX and cubin in
     ``directory``; returns (ptx path, cubin path)."""
-    from fmha.kernels.hopper.backend import compile_backward
+    from fmha.kernels.hopper.backward_runner import compile_backward
     from fmha.kernels.hopper.forward_runner import compile_forward
     from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
 

@@ -224,7 +224,7 @@ def backward_variant(mask_kwargs: Callable, head_dims: tuple = (), **overrides) 
     import torch
 
     import fmha
-    from fmha.kernels.hopper.backend import HopperBackwardRunner, compile_backward
+    from fmha.kernels.hopper.backward_runner import HopperBackwardRunner, compile_backward
     from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from fmha.problem import KernelOptions
     from fmha.validation import validate_backward

@@ -531,7 +531,7 @@ def backward_config(case: Case, torch):
 def _poisoned_dq_accumulator(torch):
     """The Hopper backward's fp32 dQ accumulator handed out filled with NaN: a row the row pass
     fails to zero turns dQ to NaN."""
-    from fmha.kernels.hopper.backend import HopperBackwardRunner
+    from fmha.kernels.hopper.backward_runner import HopperBackwardRunner
 
     plain = HopperBackwardRunner.dq_accumulator
 
@@ -613,7 +613,7 @@ def _compile_into(cache_dir: str, cfg):
 
     os.environ["FMHA_CACHE_DIR"] = cache_dir
     from fmha.jit import disk_cache
-    from fmha.kernels.hopper.backend import compile_backward
+    from fmha.kernels.hopper.backward_runner import compile_backward
     from fmha.kernels.hopper.forward_runner import compile_forward
     from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
 

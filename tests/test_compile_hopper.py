@@ -173,7 +173,7 @@ def test_backward_compiles_with_wgmma_tma_and_a_dq_reduce_add(dtype, head_dim, m
     five warpgroup MMAs per query tile (S^T, dP^T, dV, dK, dQ), TMA loads, dS^T staged with
     stmatrix, dQ added by a bulk reduce-add of each warpgroup's fragment-ordered block (no
     per-element atomics)."""
-    from fmha.kernels.hopper.backend import compile_backward
+    from fmha.kernels.hopper.backward_runner import compile_backward
     from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from kernel_configs import problem_for
 
@@ -202,7 +202,7 @@ def test_varlen_backward_moves_every_tile_through_sequence_descriptors(dtype, he
     """Varlen: a descriptor-writing kernel narrows four descriptors per sequence (q, k, v, dO; six
     with D=128's TMA-stored dK and dV; the fragment-ordered dQ accumulator needs none), and every
     TMA load of the backward uses them."""
-    from fmha.kernels.hopper.backend import compile_backward
+    from fmha.kernels.hopper.backward_runner import compile_backward
     from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from kernel_configs import problem_for
 
@@ -264,7 +264,7 @@ def test_backward_row_pass_reads_rows_with_16_byte_loads(varlen, has_dlse, head_
     at D=64/128, three at D=96/192) and zeroing its pieces of the row's span of the fp32
     accumulator's tile with 16-byte stores; the group's sums meet by shuffles."""
     from fmha.kernels.common.backward_rows import BackwardRowsConfig
-    from fmha.kernels.hopper.backend import compile_backward_rows
+    from fmha.kernels.hopper.backward_runner import compile_backward_rows
 
     cfg = BackwardRowsConfig(torch.bfloat16, head_dim, varlen, has_dlse, 64)
     pieces = head_dim // 8
@@ -288,7 +288,7 @@ def test_backward_row_pass_refuses_rows_it_cannot_split():
 
 
 def _backward_ptx(cfg, dump_dir) -> str:
-    from fmha.kernels.hopper.backend import compile_backward
+    from fmha.kernels.hopper.backward_runner import compile_backward
 
     dump_dir.mkdir(exist_ok=True)
     compile_backward(cfg, extra_options=f"--keep-ptx --dump-dir={dump_dir}")
@@ -325,7 +325,7 @@ def test_backward_variants_compile(name):
     """Each backward variant ``lab.bench --backward --variants`` times builds at the head dims it
     is timed at, causal and not (a variant that stopped compiling would only show as an error row
     of a GPU run)."""
-    from fmha.kernels.hopper.backend import compile_backward
+    from fmha.kernels.hopper.backward_runner import compile_backward
     from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from fmha.masking import MaskKind
 
@@ -345,7 +345,7 @@ def test_varlen_backward_runs_one_cta_per_listed_kv_tile(tmp_path):
     lists the tiles on the GPU first. ``deterministic`` keeps the grid (its waits need the order)."""
     import dataclasses
 
-    from fmha.kernels.hopper.backend import compile_backward
+    from fmha.kernels.hopper.backward_runner import compile_backward
     from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from fmha.problem import KernelOptions
     from kernel_configs import problem_for
@@ -420,7 +420,7 @@ def test_tma_stored_dkv_narrow_two_more_descriptors_for_packed_batches(tmp_path)
     """D=128 on a packed batch: dK and dV go out by TMA stores through descriptors
     narrowed to each sequence (six per sequence instead of four), so a ragged K/V tile's store
     stops at its sequence's end."""
-    from fmha.kernels.hopper.backend import compile_backward
+    from fmha.kernels.hopper.backward_runner import compile_backward
     from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from fmha.masking import MaskKind
 
@@ -438,13 +438,13 @@ def test_dq_conversion_compiles_for_the_fragment_ordered_accumulator(name):
     """The passes around the fragment-ordered dQ accumulator, the row pass that zeroes it and the
     conversion into dQ (``dq_convert.py``), build for every head dim, dtype and layout the library
     (and the 80-row tile at every length) uses, dense and packed."""
-    from fmha.kernels.hopper.backend import compile_dq_convert
+    from fmha.kernels.hopper.backward_runner import compile_dq_convert
     from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from fmha.kernels.hopper.dq_convert import DqConvertConfig
     from fmha.masking import MaskKind
 
     from fmha.kernels.common.backward_rows import BackwardRowsConfig
-    from fmha.kernels.hopper.backend import compile_backward_rows
+    from fmha.kernels.hopper.backward_runner import compile_backward_rows
 
     overrides = dict(BACKWARD_VARIANTS[name]) if name else {}
     for d in overrides.pop("head_dims", (32, 64, 128)):

@@ -268,20 +268,10 @@ SELECTION_CASES = [  # (lengths, H_q, H_k, D, D_v, select_block, count, dtype)
 ]
 
 
-@pytest.mark.skipif(not _HOPPER, reason="the selection kernel needs an SM90 GPU")
-@pytest.mark.parametrize("case", range(len(SELECTION_CASES)))
-def test_the_selection_kernel_against_the_reference(case):
-    """The selection kernel (each query tile of a few tokens' GQA heads walks their own blocks)
-    on random lists (the forced current, previous and first blocks, random earlier ones, future
-    ones and -1s, a block named twice), against the fp64 reference; the kernel's packed outputs
-    are allocated where NaN-filled tensors of their sizes were just freed, so an element it did
-    not write shows."""
-    from fmha.backends import SELECTION, runner_for, unsupported_reasons
-    from fmha.nsa.selection_visits import SelectionProblem
-    from fmha.problem import KernelOptions
-
-    lens, hq, hk, d, dv, lsel, n, dt = SELECTION_CASES[case]
-    g = torch.Generator(device="cuda").manual_seed(case)
+def _selection_inputs(lens, hq, hk, d, dv, lsel, n, dt, seed):
+    """Random q, k, v and lists: the forced current, previous and first blocks, random earlier
+    ones, future ones and -1s, and (n > 2) a block named twice (an unchecked list)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     total = sum(lens)
     q = torch.randn(total, hq, d, generator=g, device="cuda").to(dt)
     k = torch.randn(total, hk, d, generator=g, device="cuda").to(dt)
@@ -298,7 +288,34 @@ def test_the_selection_kernel_against_the_reference(case):
     sel = torch.where(scores.gather(-1, sel.long()) < 0, -1, sel)
     sel[::7, :, -1] = -1
     if n > 2:
-        sel[1::5, :, -1] = sel[1::5, :, -2]  # a block named twice (an unchecked list)
+        sel[1::5, :, -1] = sel[1::5, :, -2]
+    return q, k, v, sel, cu
+
+
+def _without_repeats(sel, n):
+    """The lists with ``_selection_inputs``' repeated block dropped (the reference would count it
+    twice; the kernels count it once)."""
+    dedup = sel.clone()
+    if n > 2:
+        dedup[1::5, :, -1] = -1
+    return dedup
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the selection kernel needs an SM90 GPU")
+@pytest.mark.parametrize("case", range(len(SELECTION_CASES)))
+def test_the_selection_kernel_against_the_reference(case):
+    """The selection kernel (each query tile of a few tokens' GQA heads walks their own blocks)
+    on random lists (the forced current, previous and first blocks, random earlier ones, future
+    ones and -1s, a block named twice), against the fp64 reference; the kernel's packed outputs
+    are allocated where NaN-filled tensors of their sizes were just freed, so an element it did
+    not write shows."""
+    from fmha.backends import SELECTION, runner_for, unsupported_reasons
+    from fmha.nsa.selection_visits import SelectionProblem
+    from fmha.problem import KernelOptions
+
+    lens, hq, hk, d, dv, lsel, n, dt = SELECTION_CASES[case]
+    q, k, v, sel, cu = _selection_inputs(lens, hq, hk, d, dv, lsel, n, dt, seed=case)
+    total = sum(lens)
     problem = SelectionProblem.of(q, k, v, lsel)
     chosen, reasons = unsupported_reasons(problem, KernelOptions(), kind=SELECTION)
     assert chosen is not None, reasons
@@ -308,12 +325,56 @@ def test_the_selection_kernel_against_the_reference(case):
     del poison
     o, lse = runner(problem, q, k, v, sel, cu, d ** -0.5)
     torch.cuda.synchronize()
-    # the reference counts a block named twice once, as the kernel does: give it the list without it
-    dedup = sel.clone()
-    if n > 2:
-        dedup[1::5, :, -1] = -1
+    dedup = _without_repeats(sel, n)
     want_o, want_lse = ref.selection_attention_reference(q.double(), k.double(), v.double(), dedup, cu, lsel,
                                                           softmax_scale=d ** -0.5)
     assert not o.isnan().any() and not lse.isnan().any()
     assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
     assert rel_l2(o, want_o) < 1e-2 and lse_max_err(lse, want_lse) < 5e-3
+
+
+SELECTION_BACKWARD_CASES = [  # (lengths, H_q, H_k, D, D_v, select_block, count, dtype)
+    ([2048 + 77, 0, 1, 1531], 16, 2, 128, 128, 64, 16, torch.bfloat16),
+    ([2503], 64, 4, 128, 128, 64, 16, torch.bfloat16),
+    ([333, 1, 0, 1000], 16, 4, 64, 64, 64, 8, torch.float16),  # 128-row query tiles, 32 positions each
+    ([1500, 77], 4, 2, 128, 64, 128, 6, torch.bfloat16),
+    ([700, 5, 190], 2, 1, 128, 128, 192, 5, torch.bfloat16),
+]
+
+
+@pytest.mark.skipif(not _HOPPER, reason="the selection kernel needs an SM90 GPU")
+@pytest.mark.parametrize("case", range(len(SELECTION_BACKWARD_CASES)))
+def test_the_selection_backward_kernel_against_the_reference(case, monkeypatch):
+    """The selection backward (each K/V tile of a sequence walks the query tiles that chose its
+    blocks) on random lists, against the fp64 reference's gradients with the same out and LSE;
+    the gradients and the fp32 dQ accumulator come from memory just filled with NaN, so an
+    element the kernels did not write shows."""
+    from fmha.backends import SELECTION_BACKWARD, runner_for, unsupported_reasons
+    from fmha.nsa.selection_visits import SelectionProblem
+    from fmha.problem import KernelOptions
+    from gpu_cases import _poisoned_dq_accumulator
+
+    from fmha.kernels.hopper.selection_runner import BACKWARD_KERNEL_SWITCH
+
+    monkeypatch.setenv(BACKWARD_KERNEL_SWITCH, "1")
+    lens, hq, hk, d, dv, lsel, n, dt = SELECTION_BACKWARD_CASES[case]
+    q, k, v, sel, cu = _selection_inputs(lens, hq, hk, d, dv, lsel, n, dt, seed=100 + case)
+    scale = d ** -0.5
+    dedup = _without_repeats(sel, n)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    want_o, want_lse = ref.selection_attention_reference(q64, k64, v64, dedup, cu, lsel, softmax_scale=scale)
+    dout = torch.randn(want_o.shape, device="cuda").to(dt)
+    want = torch.autograd.grad(want_o, (q64, k64, v64), dout.double())
+    problem = SelectionProblem.of(q, k, v, lsel)
+    chosen, reasons = unsupported_reasons(problem, KernelOptions(), kind=SELECTION_BACKWARD)
+    assert chosen is not None, reasons
+    runner = runner_for(SELECTION_BACKWARD, chosen, problem, KernelOptions())
+    out, lse = want_o.detach().to(dt), want_lse.detach().float()
+    poison = [torch.full_like(t, float("nan")) for t in (q, k, v, q)]
+    del poison
+    with _poisoned_dq_accumulator(torch):
+        got = runner(problem, dout, q, k, v, out, lse, None, sel, cu, scale)
+    torch.cuda.synchronize()
+    for name, a, b in zip("dq dk dv".split(), got, want):
+        assert not a.isnan().any(), name
+        assert rel_l2(a, b) < 2e-2, (name, rel_l2(a, b))

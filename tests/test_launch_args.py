@@ -16,7 +16,7 @@ def _kernel_parameters(cls):
 
 
 def test_hopper_forward_and_backward_arguments():
-    from fmha.kernels.hopper.backend import BackwardArgs
+    from fmha.kernels.hopper.backward_runner import BackwardArgs
     from fmha.kernels.hopper.forward_runner import ForwardArgs
     from fmha.kernels.hopper.bwd import HopperAttentionBackward
     from fmha.kernels.hopper.fwd import HopperAttentionForward

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fmha.nsa import selection as S
-from fmha.nsa.selection_visits import selection_visits
+from fmha.nsa.selection_visits import selection_backward_visits, selection_visits
 from test_nsa_selection_blocks import _case
 
 TILE_M, TILE_N = 64, 64
@@ -106,3 +106,183 @@ def test_a_block_named_twice_counts_once_and_bit_31_is_kept():
     counts, rows, bits = (t[0, 0] for t in selection_visits(sel, cu, 64, p, 64))
     assert counts.tolist() == [[1, 0], [1, 0]] and rows[:, 0].tolist() == [0, 0]
     assert bits[0, 0] == -1 and bits[1, 0] == -1  # all 32 tokens: bit 31 is the sign bit
+
+
+BWD_TILE_N = 128  # the backward's K/V tile: two warpgroups of 64 keys
+
+
+def emulate_backward(q, k, v, out, lse, dout, sel, cu, select_block, scale, tile_m):
+    """(dq, dk, dv) of the backward's lists as the kernel computes them (each K/V tile of a
+    sequence walks its listed query tiles of packed GQA rows; a masked entry keeps, per half of
+    the tile, the keys up to each position whose bit is set), and the kept (query head, token,
+    key) counts."""
+    total, heads_q, _ = q.shape
+    heads_k = k.shape[1]
+    g = heads_q // heads_k
+    p = tile_m // g
+    chunk_base, offsets, masked_end, tiles, positions = selection_backward_visits(sel, cu, select_block, p,
+                                                                                  BWD_TILE_N)
+    chunks = masked_end.numel() // heads_k
+    delta = (dout * out).sum(-1)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    kept_all = torch.zeros(heads_q, total, total, dtype=torch.int64)
+    for b in range(cu.numel() - 1):
+        start, length = int(cu[b]), int(cu[b + 1] - cu[b])
+        for c in range(-(-length // BWD_TILE_N)):
+            n0 = c * BWD_TILE_N
+            keys = torch.arange(n0, min(n0 + BWD_TILE_N, length))
+            half = (keys - n0) // (BWD_TILE_N // 2)
+            for h in range(heads_k):
+                at = h * chunks + int(chunk_base[b]) + c
+                for i in range(int(offsets[at]), int(offsets[at + 1])):
+                    m = int(tiles[i])
+                    rows = torch.arange(m * tile_m, min((m + 1) * tile_m, length * g))
+                    assert rows.numel() > 0
+                    tok, heads = rows // g, h * g + rows % g
+                    if i < int(masked_end[at]):
+                        word = positions[i].long() & 0xFFFFFFFF
+                        chose = (word[half][None, :] >> (tok - m * p)[:, None]) & 1
+                        keep = (chose == 1) & (keys[None, :] <= tok[:, None])
+                    else:  # whole: every row keeps every key of the (full) tile
+                        assert n0 + BWD_TILE_N <= length and n0 + BWD_TILE_N - 1 <= m * p
+                        keep = torch.ones(rows.numel(), keys.numel(), dtype=torch.bool)
+                    ta, ka = start + tok, start + keys
+                    qs, dos = q[ta, heads], dout[ta, heads]
+                    s = qs @ k[ka, h].T * scale
+                    pr = torch.where(keep, (s - lse[heads, ta][:, None]).exp(), torch.zeros_like(s))
+                    ds = pr * (dos @ v[ka, h].T - delta[ta, heads][:, None])
+                    dv[ka, h] += pr.T @ dos
+                    dk[ka, h] += ds.T @ qs * scale
+                    dq.index_put_((ta, heads), ds @ k[ka, h] * scale, accumulate=True)
+                    kept_all[heads[:, None], ta[:, None], ka[None, :]] += keep.long()
+    return dq, dk, dv, kept_all
+
+
+def _kept_by_the_lists(sel, cu, select_block, heads_q):
+    """(query head, token, key) pairs selection attention keeps, from the lists directly."""
+    total, heads_k, _ = sel.shape
+    g = heads_q // heads_k
+    kept = torch.zeros(heads_q, total, total, dtype=torch.int64)
+    for b in range(cu.numel() - 1):
+        start, end = int(cu[b]), int(cu[b + 1])
+        for t in range(start, end):
+            for h in range(heads_k):
+                for j in set(int(x) for x in sel[t, h] if x >= 0):
+                    lo, hi = start + j * select_block, min(start + (j + 1) * select_block, t + 1)
+                    if lo < hi:
+                        kept[h * g:(h + 1) * g, t, lo:hi] = 1
+    return kept
+
+
+BWD_CASES = [([0, 1, 70, 330, 5], 16, 2, 64, 3, 64), ([300, 77], 8, 2, 128, 4, 64),
+             ([260, 0, 140], 4, 1, 64, 5, 128), ([129, 1], 2, 1, 192, 3, 64), ([400], 32, 1, 64, 6, 64)]
+
+
+@pytest.mark.parametrize("lens,heads_q,heads_k,select_block,count,tile_m", BWD_CASES)
+def test_the_backward_visits_compute_the_selection_gradients(lens, heads_q, heads_k, select_block, count, tile_m):
+    """GQA groups of 2 to 32 (32 and 2 positions per query tile: bit 31 used), query tiles of 64
+    and 128 rows, blocks of 64, 128 and 192 keys (a K/V tile's halves in different blocks, or in
+    one), empty and length-1 sequences, future blocks in the lists: every kept pair counted once,
+    and the gradients equal the gather path's in fp64."""
+    q, k, v, sel, cu = _case(lens, heads_q, heads_k, select_block, count, seed=len(lens) * 5 + select_block)
+    scale = 0.3
+    out, lse = S._selection_forward_torch(q, k, v, sel, cu, select_block, scale)
+    dout = torch.randn_like(out)
+    want = S._selection_backward_torch(dout, q, k, v, out, lse, None, sel, cu, select_block, scale)
+    *got, kept = emulate_backward(q, k, v, out, lse, dout, sel, cu, select_block, scale, tile_m)
+    assert torch.equal(kept, _kept_by_the_lists(sel, cu, select_block, heads_q))
+    for name, a, b in zip("dq dk dv".split(), got, want):
+        assert torch.allclose(a, b, atol=1e-10), name
+    if count > 2:  # a block an unchecked list names twice counts once (the gather path counts it twice)
+        sel[1::5, :, -1] = sel[1::5, :, -2]
+        *_, kept = emulate_backward(q, k, v, out, lse, dout, sel, cu, select_block, scale, tile_m)
+        assert torch.equal(kept, _kept_by_the_lists(sel, cu, select_block, heads_q))
+
+
+def test_backward_entries_every_position_keeps_whole_come_last():
+    """Every position from 128 on chose blocks 0 and 1 (K/V tile 0's halves): the query tiles
+    from position 128 on list K/V tile 0 as whole, after the masked ones before them."""
+    total, p = 300, 8
+    cu = torch.tensor([0, total], dtype=torch.int32)
+    sel = torch.full((total, 1, 3), -1, dtype=torch.int32)
+    for t in range(total):
+        sel[t, 0] = torch.tensor([0, 1, t // 64]) if t >= 128 else torch.tensor([t // 64, -1, -1])
+    chunk_base, offsets, masked_end, tiles, positions = selection_backward_visits(sel, cu, 64, p, BWD_TILE_N)
+    assert chunk_base.tolist() == [0, 3]
+    start, masked, end = int(offsets[0]), int(masked_end[0]), int(offsets[1])
+    assert sorted(tiles[start:masked].tolist()) == list(range(128 // p))  # positions 0..127 (some not all)
+    assert sorted(tiles[masked:end].tolist()) == list(range(128 // p, -(-total // p)))
+    for m, pair in zip(tiles[masked:end].tolist(), positions[masked:end].tolist()):
+        everyone = (1 << min(p, total - m * p)) - 1  # the last tile holds 4 positions
+        assert pair == [everyone, everyone]
+
+
+def test_the_selection_backward_launch_packs_rows_and_unpacks_dq(monkeypatch):
+    """The selection backward's host side (``HopperSelectionBackwardRunner``) with its three
+    compiled passes replaced by PyTorch ones that read only what the launch hands them (the
+    packed rows, their offsets, the LSE rows and the visits, as the kernel reads them): the
+    gradients equal the gather path's in fp64, so the packing, the row offsets (cu_seqlens * g)
+    and dQ's unpacking agree with the kernel's reading of them."""
+    from fmha import device_errors
+    from fmha.kernels.hopper import selection_runner as R
+    from fmha.kernels.hopper.backward_runner import BackwardArgs
+    from fmha.nsa.selection_visits import SelectionProblem
+
+    lens, heads_q, heads_k, select_block, count = [70, 0, 1, 300], 8, 2, 64, 4
+    q, k, v, sel, cu = _case(lens, heads_q, heads_k, select_block, count, seed=3)
+    scale = 0.3
+    out, lse = S._selection_forward_torch(q, k, v, sel, cu, select_block, scale)
+    dout = torch.randn_like(out)
+    want = S._selection_backward_torch(dout, q, k, v, out, lse, None, sel, cu, select_block, scale)
+    problem = SelectionProblem.of(q, k, v, select_block)
+    cfg = R.backward_config_of(problem)
+    g = heads_q // heads_k
+    dq_rows_seen = {}
+
+    def row_pass(out_r, dout_r, lse_r, dlse_r, lse2, delta, dq_acc, cu_q, delta_scale):
+        lse2.copy_(lse_r)  # natural units here: the emulated kernel below takes them so
+        delta.copy_((out_r * dout_r).sum(-1).transpose(0, 1))
+
+    def kernel(*args):
+        a = BackwardArgs(*args)
+        a.mdK.zero_()  # the kernel writes every row of dK and dV; here they are added up
+        a.mdV.zero_()
+        chunk_base, offsets, masked_end, tiles, positions = a.mBlockLists
+        chunks = masked_end.numel() // heads_k
+        rows_q = torch.zeros(a.mQ.shape, dtype=torch.float64)
+        for b in range(a.mCuSeqlensK.numel() - 1):
+            q0, k0 = int(a.mCuSeqlensQ[b]), int(a.mCuSeqlensK[b])
+            rows_b, keys_b = int(a.mCuSeqlensQ[b + 1]) - q0, int(a.mCuSeqlensK[b + 1]) - k0
+            assert rows_b == keys_b * g
+            for c in range(-(-keys_b // cfg.tile_n)):
+                keys = torch.arange(c * cfg.tile_n, min((c + 1) * cfg.tile_n, keys_b))
+                half = (keys - c * cfg.tile_n) // 64
+                for h in range(heads_k):
+                    at = h * chunks + int(chunk_base[b]) + c
+                    for i in range(int(offsets[at]), int(offsets[at + 1])):
+                        m = int(tiles[i])
+                        rows = torch.arange(m * cfg.tile_m, min((m + 1) * cfg.tile_m, rows_b))
+                        tok = rows // g
+                        word = positions[i].long() & 0xFFFFFFFF
+                        keep = (((word[half][None, :] >> (tok - m * (cfg.tile_m // g))[:, None]) & 1) == 1) & \
+                            (keys[None, :] <= tok[:, None])
+                        if i >= int(masked_end[at]):
+                            keep = torch.ones_like(keep)
+                        qs, dos, ks, vs = a.mQ[q0 + rows, h], a.mdO[q0 + rows, h], a.mK[k0 + keys, h], a.mV[k0 + keys, h]
+                        s = qs @ ks.T * scale
+                        p = torch.where(keep, (s - a.mLSE2[0, h, q0 + rows][:, None]).exp(), torch.zeros_like(s))
+                        ds = p * (dos @ vs.T - a.mDelta[0, h, q0 + rows][:, None])
+                        a.mdV[k0 + keys, h] += p.T @ dos
+                        a.mdK[k0 + keys, h] += ds.T @ qs * scale
+                        rows_q[q0 + rows, h] += ds @ ks * scale
+        dq_rows_seen["rows"] = rows_q
+
+    runner = object.__new__(R.HopperSelectionBackwardRunner)
+    runner.cfg = cfg
+    runner.runner = R.HopperBackwardRunner(cfg, kernel)
+    monkeypatch.setattr(runner.runner, "row_pass", lambda has_dlse: row_pass)
+    monkeypatch.setattr(device_errors, "flag", lambda device: torch.zeros(1, dtype=torch.int32))  # a GPU's flag
+    monkeypatch.setattr(runner.runner, "dq_convert", lambda: lambda acc, dq, cu_q, rows: dq.copy_(dq_rows_seen["rows"]))
+    got = runner(problem, dout, q, k, v, out, lse, None, sel, cu, scale)
+    for name, a, b in zip("dq dk dv".split(), got, want):
+        assert torch.allclose(a, b, atol=1e-6), name  # the LSE and delta rows are fp32, as the kernel's

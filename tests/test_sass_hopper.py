@@ -142,7 +142,7 @@ def test_masked_tiles_use_r2p(head_dim, tmp_root):
 def _backward_sass(head_dim, causal, tmp_root, **variant) -> tuple:
     """The backward kernel's instructions (dense bf16) in order, and its labels; ``variant``:
     overrides of its config (``lab.variants``)."""
-    from fmha.kernels.hopper.backend import compile_backward
+    from fmha.kernels.hopper.backward_runner import compile_backward
     from fmha.kernels.hopper.bwd_config import HopperBackwardConfig
     from fmha.masking import MaskKind
     from lab.variants import backward_variant_config
@@ -359,3 +359,22 @@ def test_the_selection_kernel_loads_any_key_row_and_keeps_its_registers(group, h
     ins, _ = _instructions(_sass(cfg, tmp_root))
     assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
     assert any("HGMMA.64x64x16" in t for t in ins) and any("UTMALDG" in t for t in ins)
+
+
+@pytest.mark.parametrize("dtype,head_dim,head_dim_v,group", [(torch.bfloat16, 128, 128, 16), (torch.float16, 64, 64, 4),
+                                                             (torch.bfloat16, 128, 64, 2)])
+def test_the_selection_backward_keeps_its_registers(dtype, head_dim, head_dim_v, group, tmp_root):
+    """NSA's selection backward (``bwd_config.selection_backward_config``): the varlen backward
+    over listed K/V tiles, each warpgroup's keys masked by its visit's positions; no registers in
+    local memory, and the products on the tensor cores (S^T and dP^T 64 keys by the query tile)."""
+    from fmha.kernels.hopper.backward_runner import compile_backward
+    from fmha.kernels.hopper.bwd_config import selection_backward_config
+
+    cfg = selection_backward_config(dtype, head_dim, head_dim_v, group)
+    out = os.path.join(tmp_root, f"selbwd{head_dim}_{head_dim_v}_{group}")
+    os.makedirs(out, exist_ok=True)
+    compile_backward(cfg, extra_options=f"--keep-cubin --dump-dir={out}")
+    cubin = next(os.path.join(out, f) for f in os.listdir(out) if f.endswith(".cubin"))
+    ins, _ = _instructions(subprocess.run([NVDISASM, "-c", cubin], capture_output=True, text=True, check=True).stdout)
+    assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
+    assert any(f"HGMMA.64x{cfg.tile_m}x16" in t for t in ins)

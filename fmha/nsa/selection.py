@@ -5,10 +5,10 @@ union. Returns o and the LSE like fmha's attention.
 
 Runs as the custom ops ``fmha_nsa::selection_forward`` / ``selection_backward`` (opaque to
 torch.compile, with autograd), for ``backend="kernel"`` and for "auto" on CUDA tensors the kernels
-serve: the forward on the selection kernel (each query tile of a few tokens' GQA heads walks
-those tokens' blocks, ``selection_visits.py``) where it serves the call, else, and the backward,
-on fmha's attention kernels with the lists as a block mask and a mask mod
-(``selection_blocks.py``); else in PyTorch: each chunk of queries
+serve: on the selection kernels where they serve the call (the forward: each query tile of a few
+tokens' GQA heads walks those tokens' blocks; the backward: each K/V tile of a sequence the query
+tiles that chose it; ``selection_visits.py``), else on fmha's attention kernels with the lists
+as a block mask and a mask mod (``selection_blocks.py``); else in PyTorch: each chunk of queries
 gathers its listed blocks' keys and values (``_gather``), so memory stays bounded by
 ``CHUNK_BYTES`` and the backward recomputes P from the LSE as a kernel would.
 
@@ -144,6 +144,22 @@ def selection_forward_block_mask(q, k, v, selected, cu, select_block, scale):
 
 
 def _selection_backward_kernels(dout, q, k, v, out, lse, dlse, selected, cu, select_block, scale):
+    """The selection backward kernel where one serves the call (each K/V tile walks the query
+    tiles that chose it), else fmha's backward kernel with the lists as a block mask."""
+    from ..backends import SELECTION_BACKWARD, runner_for, unsupported_reasons
+    from ..problem import KernelOptions
+    from .selection_visits import SelectionProblem
+
+    problem = SelectionProblem.of(q, k, v, select_block)
+    chosen, _ = unsupported_reasons(problem, KernelOptions(), kind=SELECTION_BACKWARD)
+    if chosen is not None:
+        runner = runner_for(SELECTION_BACKWARD, chosen, problem, KernelOptions())
+        return runner(problem, dout, q, k, v, out, lse, dlse, selected, cu, scale)
+    return selection_backward_block_mask(dout, q, k, v, out, lse, dlse, selected, cu, select_block, scale)
+
+
+def selection_backward_block_mask(dout, q, k, v, out, lse, dlse, selected, cu, select_block, scale):
+    """The backward on fmha's backward kernel, the lists as a block mask (``selection_blocks``)."""
     from .. import attention_backward
     from .selection_blocks import selection_mask
 
@@ -223,9 +239,10 @@ def selection_attention(q: Tensor, k: Tensor, v: Tensor, selected: Tensor, cu_se
     ``cu_seqlens``; ``selected`` (T, H_k, n) int32 (``select_blocks``' output, or your own).
     Returns o (T, H_q, D_v) in q's dtype and lse (H_q, T) fp32 (fp64 for fp64); a query whose
     list keeps no key gets 0 and -inf. Differentiable in q, k, v. ``backend``: "kernel" runs
-    fmha's attention kernels with the lists as a block mask (``selection_blocks``), raising where
-    they cannot serve the call; "auto" does so for CUDA tensors and else, or where the kernels
-    refuse, runs the PyTorch path; "reference" always runs the PyTorch path.
+    fmha's selection kernels, or where they do not serve the call its attention kernels with the
+    lists as a block mask (``selection_blocks``), raising where neither can; "auto" does so for
+    CUDA tensors and else, or where the kernels refuse, runs the PyTorch path; "reference" always
+    runs the PyTorch path.
     ``check_selected_values=False`` skips reading ``selected`` on the host (range, no
     duplicates): a duplicate would then count its keys twice."""
     check_int("select_block", select_block)

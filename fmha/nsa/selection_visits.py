@@ -26,6 +26,8 @@ from .layout import token_positions
 
 #: a row past every key: unused slots sort last
 _NONE = 1 << 40
+#: past every (head, chunk, query tile, half, position) key of the backward's lists
+_NONE_KEY = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -128,3 +130,97 @@ def selection_visits(selected: torch.Tensor, cu_seqlens: torch.Tensor, select_bl
     chose_out = torch.where(chose_out >= 1 << 31, chose_out - (1 << 32), chose_out)
     return SelectionVisits(counts.to(torch.int32)[None].contiguous(), rows_out.to(torch.int32)[None].contiguous(),
                            chose_out.to(torch.int32)[None].contiguous())
+
+
+class SelectionBackwardVisits(NamedTuple):
+    """The backward's lists (``kernels/hopper/bwd.SelectedQueryVisits``): K/V tile n of sequence
+    b is chunk ``chunk_base[b] + n``; for K/V head h its entries are ``offsets[h * chunks +
+    chunk]`` up to the next offset, the masked ones before ``masked_end[h * chunks + chunk]``; an
+    entry is a query tile of the sequence (``tiles``) and, per half of the K/V tile,
+    the bits of the tile's positions that chose the block holding that half (``positions``
+    (entries, 2)). int32, contiguous."""
+
+    chunk_base: torch.Tensor
+    offsets: torch.Tensor
+    masked_end: torch.Tensor
+    tiles: torch.Tensor
+    positions: torch.Tensor
+
+
+def selection_backward_visits(selected: torch.Tensor, cu_seqlens: torch.Tensor, select_block: int,
+                              tokens_per_tile: int, tile_n: int) -> SelectionBackwardVisits:
+    """What each K/V tile of ``tile_n`` keys (from a sequence's first key on) visits in the
+    selection backward: the query tiles of ``tokens_per_tile`` positions (from the sequence's
+    first) some position of which chose a block holding the tile's keys, with the bits of those
+    positions per half of the tile. ``select_block`` must be a multiple of half a tile, so that
+    each half lies in one block. Built with tensor ops on the device, without a host sync; a
+    block named twice counts once, -1 and blocks that start after the position are dropped. An
+    entry is whole (listed after the masked ones) when every position of the tile chose both
+    halves' blocks, the tile of keys is full and ends at or before the first position."""
+    half = tile_n // 2
+    if select_block % half:
+        raise ValueError(f"the selection backward takes selection blocks that are multiples of {half} keys (half "
+                         f"its key tile), got {select_block}")
+    total, heads_k, _ = selected.shape
+    device = selected.device
+    p = tokens_per_tile
+    cu = cu_seqlens.long()
+    batch = cu.numel() - 1
+    lengths = (cu[1:] - cu[:-1]).clamp(min=0)
+    chunk_base = torch.cat([cu.new_zeros(1), ((lengths + tile_n - 1) // tile_n).cumsum(0)])
+    chunks = total // tile_n + batch + 1  # at least every sequence's K/V tiles
+    where = token_positions(cu_seqlens, total)
+    seq = torch.searchsorted(cu[1:], torch.arange(total, device=device), right=True).clamp(max=max(batch - 1, 0))
+    position = where.position.view(total, 1, 1, 1)
+    pieces = select_block // half
+    sel = selected.long()
+    unit = sel.clamp(min=0)[..., None] * pieces + torch.arange(pieces, device=device)  # the halves, from the start
+    live = (sel >= 0)[..., None] & (unit * half <= position)
+    chunk = chunk_base[seq].view(total, 1, 1, 1) + unit // 2
+    head = torch.arange(heads_k, device=device).view(1, heads_k, 1, 1)
+    tiles_bound = total // p + 1  # query tiles of a sequence, at most
+    group = (head * chunks + chunk) * tiles_bound + position // p  # (head, chunk, query tile)
+    key = group * (2 * p) + (unit % 2) * p + position % p  # then (half, position in the tile)
+    key = torch.where(live, key, torch.full_like(key, _NONE_KEY)).flatten().sort().values
+    n = key.numel()
+    used = key < _NONE_KEY
+    twice = torch.zeros_like(used)
+    twice[1:] = key[1:] == key[:-1]
+    group = key // (2 * p)
+    first = used.clone()
+    first[1:] &= group[1:] != group[:-1]
+    slot = torch.where(used, first.long().cumsum(0) - 1, torch.full_like(key, n))  # unused: a spare last slot
+    side, place = (key % (2 * p)) // p, key % p
+    bits = torch.where(used & ~twice, torch.ones_like(place) << place, torch.zeros_like(place))
+    words = torch.zeros((n + 1) * 2, dtype=torch.int64, device=device)
+    words.scatter_add_(0, slot * 2 + torch.where(used, side, torch.zeros_like(side)), bits)
+    words = words.view(n + 1, 2)[:n]
+    groups = torch.full((n + 1,), _NONE_KEY, dtype=torch.int64, device=device)
+    groups.scatter_(0, torch.where(first, slot, torch.full_like(slot, n)), group)
+    groups = groups[:n]
+    listed = groups < _NONE_KEY
+    at = torch.where(listed, groups // tiles_bound, torch.zeros_like(groups))  # head * chunks + chunk
+    m = groups % tiles_bound
+    # whole: every position of the tile chose both halves, and the full key tile ends before them
+    c = at % chunks
+    s = torch.searchsorted(chunk_base[1:], c, right=True).clamp(max=max(batch - 1, 0))
+    length = lengths[s] if batch else torch.zeros_like(c)
+    first_key = (c - chunk_base[s]) * tile_n
+    count = (length - m * p).clamp(0, p)
+    everyone = (torch.ones_like(count) << count) - 1
+    whole = (listed & (count > 0) & ((words[:, 0] & everyone) == everyone) & ((words[:, 1] & everyone) == everyone)
+             & (first_key + tile_n <= length) & (first_key + tile_n - 1 <= m * p))
+    order = torch.where(listed, (at * 2 + whole.long()) * tiles_bound + m, torch.full_like(m, _NONE_KEY)).argsort()
+    lists = heads_k * chunks
+    spare = torch.full_like(at, lists)
+    per_list = torch.zeros(lists + 1, dtype=torch.int64, device=device)
+    per_list.scatter_add_(0, torch.where(listed, at, spare), listed.long())
+    masked = torch.zeros(lists + 1, dtype=torch.int64, device=device)
+    masked.scatter_add_(0, torch.where(listed & ~whole, at, spare), (listed & ~whole).long())
+    offsets = torch.cat([per_list.new_zeros(1), per_list[:lists].cumsum(0)])
+    positions = words[order]
+    # bit 31 (the 32nd position) wraps to the sign as int32; the kernel tests bits, not values
+    positions = torch.where(positions >= 1 << 31, positions - (1 << 32), positions)
+    return SelectionBackwardVisits(chunk_base.to(torch.int32), offsets.to(torch.int32),
+                                   (offsets[:-1] + masked[:lists]).to(torch.int32), m[order].to(torch.int32),
+                                   positions.to(torch.int32).contiguous())

@@ -306,6 +306,19 @@ class FragmentMask:
                 elif key < lo or key >= hi:
                     s[r, j] = Float32(-math.inf)
 
+    @cute.jit
+    def apply_selected_transposed(self, s: cute.Tensor, coords: cute.Tensor, row_base, col_base, key_base,
+                                  positions):
+        """NSA selection on the Hopper backward's S^T (``apply_transposed``'s view): this thread's
+        keys lie in the selected block's keys from ``key_base`` on, which the query positions
+        whose bits ``positions`` holds chose; each keeps them up to itself (``selected_bounds``)."""
+        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            lo, hi = self.selected_bounds(row_base, row_base + coords[0, j][1], key_base, positions)
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                key = col_base + coords[r, j][0]
+                if key < lo or key >= hi:
+                    s[r, j] = Float32(-math.inf)
+
     def selected_bounds(self, row_base, row, col_base, positions):
         """A row's kept keys ``[lo, hi)`` in a selected block from key ``col_base`` on: the keys
         of the block up to the row's query position, if bit j of ``positions`` is set for its

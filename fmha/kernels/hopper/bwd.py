@@ -43,6 +43,13 @@ K/V tiles that add into a query tile are consecutive (the mask's row bands move 
 one key per row and never have gaps), so the predecessor of tile n is n - 1 unless n is the first.
 CTAs wait only on CTAs of lower block index, which the GPU starts first.
 
+NSA selection (``cfg.select_block``, ``bwd_config.selection_backward_config``) is this kernel over
+a varlen batch of packed GQA rows (each sequence's tokens times the group's heads as rows of one
+K/V head, ``rows_per_query`` of them per position), its K/V tiles listed on the device: each
+walks the query tiles that chose one of its blocks (``SelectedQueryVisits``, built by
+``fmha.nsa.selection_visits.selection_backward_visits``), and each consumer warpgroup masks its
+64 keys by its visit's positions (``FragmentMask.apply_selected_transposed``).
+
 Varlen (packed THD) batches move every tile through per-sequence TMA descriptors
 (``sequence_descriptors.py``): loads past a sequence's end read zeros. The fragment-ordered dQ
 accumulator keeps each sequence's tiles apart, so a ragged query tile's add lands in rows that
@@ -124,6 +131,47 @@ class QueryVisits:
     def partial(self, i, head):
         """Whether step ``i`` is a block mask's partial tile (listed visits only)."""
         return i < self.lists[0][self.batch, head, self.n_block, 0]
+
+
+@dataclass(frozen=True)
+class SelectedQueryVisits:
+    """NSA selection (``cfg.select_block``): the query tiles listed for a K/V tile
+    (``fmha.nsa.selection_visits.selection_backward_visits``): K/V tile ``n_block`` of sequence
+    ``batch`` is chunk ``chunk_base[batch] + n_block``; its entries of head h are ``offsets[h *
+    chunks + chunk]`` up to the next offset, those before ``masked_end`` masked, each a query tile
+    (``tiles``) and, per consumer warpgroup, its query positions that chose the block holding that
+    warpgroup's keys (``positions``)."""
+
+    lists: Any
+    batch: Any
+    n_block: Any
+    num_heads_kv: Any
+
+    def _list(self, head):
+        chunk_base, masked_end = self.lists[0], self.lists[2]
+        chunks = masked_end.shape[0] // self.num_heads_kv
+        return head * chunks + cutlass.min(chunk_base[self.batch] + self.n_block, chunks - 1)
+
+    def range(self, head):
+        at = self._list(head)
+        return self.lists[1][at], self.lists[1][at + 1]
+
+    @cute.jit
+    def total(self, head_kv, group):
+        count = Int32(0)
+        for g in cutlass.range(group, unroll=1):
+            start, end = self.range(head_kv * group + g)
+            count += end - start
+        return count
+
+    def tile_at(self, i, head):
+        return self.lists[3][i]
+
+    def partial(self, i, head):
+        return i < self.lists[2][self._list(head)]
+
+    def positions(self, i, warpgroup):
+        return self.lists[4][i, warpgroup]
 
 
 class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
@@ -359,8 +407,11 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
         # varlen grids over the longest sequence have K/V tiles past a sequence's end; a listed
         # grid has entries past its list's count: both have no work
         if n_block * self.tile_n < seq.seqlen_k:
-            m_start, m_end = self.query_tiles(n_block, seq.seqlen_q, seq.seqlen_k, window_left, window_right)
-            visits = QueryVisits(m_start, m_end, mBlockLists, batch, n_block, self.cfg.deterministic)
+            if const_expr(self.cfg.select_block):
+                visits = SelectedQueryVisits(mBlockLists, batch, n_block, mK.shape[2])
+            else:
+                m_start, m_end = self.query_tiles(n_block, seq.seqlen_q, seq.seqlen_k, window_left, window_right)
+                visits = QueryVisits(m_start, m_end, mBlockLists, batch, n_block, self.cfg.deterministic)
             if warp_idx < 4:
                 # 24: what the consumers' 240 need of this CTA's registers (a larger count would
                 # leave their increase waiting forever)
@@ -404,7 +455,11 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
 
     def listed_tile_cost(self, n_block, seq: SequenceInfo, window_left, window_right):
         """A listed K/V tile's cost: the query tiles it visits, plus one (it writes dK and dV even
-        when it visits none)."""
+        when it visits none). Selection: the query tiles from its first key's position on (a
+        position keeps only keys up to itself)."""
+        if const_expr(self.cfg.select_block):
+            m_tiles = (seq.seqlen_q + self.tile_m - 1) // self.tile_m
+            return m_tiles - n_block * self.tile_n * self.cfg.rows_per_query // self.tile_m + 1
         m_start, m_end = self.query_tiles(n_block, seq.seqlen_q, seq.seqlen_k, window_left, window_right)
         return m_end - m_start + 1
 

@@ -64,10 +64,24 @@ class HopperBackwardConfig:
     #: dense grids: the K/V heads and sequences vary fastest and the K/V tile slowest, so that under
     #: causal masks every head's costliest tiles start first (``costliest_first_pays``)
     kv_tiles_costliest_first: bool = False
+    #: NSA selection (``selection_backward_config``): the keys of one consumer warpgroup (64), for
+    #: which each visit (``bwd.SelectedQueryVisits``) names the query positions that chose the
+    #: block holding them, each keeping those keys up to itself; 0: none
+    select_block: int = 0
+    #: query rows per query position (selection packs a position's GQA group as its rows)
+    rows_per_query: int = 1
 
     def __post_init__(self):
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
+        if self.select_block and (self.select_block != self.tile_n // 2 or not self.tiles_on_device
+                                  or self.mask_kind != MaskKind.NONE or self.mods is not None or self.softcap
+                                  or self.deterministic or self.split_head_dim or self.long_rows
+                                  or self.tile_m % self.rows_per_query
+                                  or not 1 <= self.tile_m // self.rows_per_query <= 32):
+            raise ValueError("selection's backward walks listed K/V tiles of a varlen batch (tiles on the device) "
+                             "whose warpgroups each hold one block's 64 keys, without other masks, softcap or "
+                             "determinism, with at most 32 query positions per query tile")
 
     @property
     def tile_n(self) -> int:
@@ -172,6 +186,21 @@ class HopperBackwardConfig:
         if costliest_first_pays(cfg, problem):
             cfg = dataclasses.replace(cfg, kv_tiles_costliest_first=True)
         return cfg
+
+
+def selection_backward_config(dtype: torch.dtype, head_dim: int, head_dim_v: int, group: int) -> HopperBackwardConfig:
+    """The backward kernel's configuration for NSA's selection branch (``fmha.nsa``): each
+    sequence's tokens as a varlen sequence of (position, head of the group) rows over its keys,
+    each K/V tile walking the query tiles listed for it (``SelectedQueryVisits``)."""
+    return HopperBackwardConfig(dtype, head_dim, MaskKind.NONE, False, False, False, varlen=True, tiles_listed=True,
+                                tiles_on_device=True, head_dim_v=head_dim_v, select_block=64, rows_per_query=group)
+
+
+def selection_backward_tile_positions(dtype: torch.dtype, head_dim: int, head_dim_v: int, group: int) -> int:
+    """Query positions per query tile of the selection backward (0: the group is not served: it
+    does not divide the tile's rows or leaves more positions than a 32-bit visit holds)."""
+    tile_m = HopperBackwardConfig(dtype, head_dim, MaskKind.NONE, False, False, False, head_dim_v=head_dim_v).tile_m
+    return tile_m // group if group >= 1 and tile_m % group == 0 and tile_m // group <= 32 else 0
 
 
 #: SMs of an H100/H200 (SXM): the backward's grid-order rule counts waves of them

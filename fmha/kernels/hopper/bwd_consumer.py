@@ -155,7 +155,11 @@ class BackwardConsumer:
                 partial = False  # a block mask's tile that needs its mask mod per element
                 if const_expr(cfg.mods is not None and cfg.mods.block_sparse):
                     partial = visits.partial(i, head)
-                if const_expr(mask_mod_on_every_tile(cfg.mods)):
+                if const_expr(cfg.select_block):  # the entry's positions, for this warpgroup's block
+                    if visits.partial(i, head):
+                        head_mask.apply_selected_transposed(s, tScS, m0, n0, n0 + wg * cfg.select_block,
+                                                            visits.positions(i, wg))
+                elif const_expr(mask_mod_on_every_tile(cfg.mods)):
                     head_mask.apply_transposed(s, tScS, m0, n0)  # a mask mod without a block mask: every tile
                 elif const_expr(cfg.mask_kind != MaskKind.NONE):
                     last = cutlass.min(m0 + tile_m, seqlen_q) - 1

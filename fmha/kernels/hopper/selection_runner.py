@@ -1,11 +1,14 @@
-"""The host side of NSA's selection branch on the Hopper forward kernel (``selection_config``):
-each packed token's GQA group becomes consecutive query rows of one K/V head (as decode packs
-them), the selection lists become each query tile's visits (``fmha.nsa.selection_visits``), and
-the packed O and LSE go back to the tokens' layout."""
+"""The host side of NSA's selection branch on the Hopper kernels: each packed token's GQA group
+becomes consecutive query rows of one K/V head (as decode packs them) and the selection lists
+become the kernels' visits (``fmha.nsa.selection_visits``). The forward kernel
+(``selection_config``) walks each query tile's blocks; the backward kernel
+(``selection_backward_config``) each sequence's K/V tiles over the query tiles that chose them,
+as a varlen batch of the packed rows. Results go back to the tokens' layout."""
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable
 
 import torch
@@ -13,8 +16,12 @@ import torch
 from fmha import split_kv
 from fmha.jit import disk_cache
 from fmha.jit.launch import sm_count
-from fmha.nsa.selection_visits import SelectionProblem, selection_visits
+from fmha.masking import MaskSpec
+from fmha.nsa.selection_visits import SelectionProblem, selection_backward_visits, selection_visits
+from fmha.problem import AttentionProblem
 
+from .backward_runner import HopperBackwardRunner, compile_backward
+from .bwd_config import backward_head_dim_served, selection_backward_config, selection_backward_tile_positions
 from .config import SELECTION_TILE, head_dims_served, selection_config, selection_tile_positions
 from .forward_runner import ForwardArgs, compile_forward
 
@@ -70,3 +77,79 @@ class HopperSelectionRunner:
             num_ctas=sm_count(q.device)))
         split_kv.unpack_gqa(o_rows, lse_rows, total, out[None], lse[None])
         return out, lse
+
+
+#: the selection backward kernel is chosen only where this is "1" until the GPU check has run it
+#: (docs/nsa.md); the block-mask form serves the backward meanwhile
+BACKWARD_KERNEL_SWITCH = "FMHA_SELECTION_BACKWARD_KERNEL"
+
+
+def why_unsupported_selection_backward(problem: SelectionProblem) -> list:
+    """Every reason the selection backward kernel cannot run ``problem``."""
+    reasons = []
+    if os.environ.get(BACKWARD_KERNEL_SWITCH) != "1":
+        reasons.append(f"the Hopper selection backward kernel has not yet passed the GPU check; "
+                       f"{BACKWARD_KERNEL_SWITCH}=1 chooses it")
+    d, d_v = problem.head_dim, problem.head_dim_v
+    if problem.dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"the Hopper selection backward takes float16/bfloat16 inputs, not {problem.dtype}")
+        return reasons
+    if not (backward_head_dim_served(d) and backward_head_dim_served(d_v) and d + d_v <= 256):
+        reasons.append(f"the Hopper selection backward takes head dims that are multiples of 32 with D + D_v at "
+                       f"most 256, got {d} and {d_v}")
+        return reasons
+    if problem.select_block % 64:
+        reasons.append(f"the Hopper selection backward takes selection blocks that are multiples of 64 keys (one "
+                       f"consumer warpgroup's), got {problem.select_block}")
+    if not selection_backward_tile_positions(problem.dtype, d, d_v, problem.group):
+        reasons.append(f"the Hopper selection backward packs GQA groups that divide its query tile and leave at "
+                       f"most 32 positions in it, got {problem.heads_q} query heads over {problem.heads_k}")
+    return reasons
+
+
+def backward_config_of(problem: SelectionProblem):
+    return selection_backward_config(problem.dtype, problem.head_dim, problem.head_dim_v, problem.group)
+
+
+def _rows(x: torch.Tensor, heads_k: int) -> torch.Tensor:
+    """(T, H_q, D) -> (T * g, H_k, D): row t * g + j of K/V head h is token t of head h * g + j."""
+    return split_kv.pack_gqa(x[None], heads_k)[0]
+
+
+def _lse_rows(lse: torch.Tensor, heads_k: int) -> torch.Tensor:
+    """(H_q, T) -> (H_k, T * g), in ``_rows``' order."""
+    heads_q, total = lse.shape
+    return lse.view(heads_k, heads_q // heads_k, total).transpose(1, 2).reshape(heads_k, -1)
+
+
+class HopperSelectionBackwardRunner:
+    """The compiled selection backward (with its row pass and dQ conversion) and its per-call
+    preparation."""
+
+    def __init__(self, problem: SelectionProblem):
+        self.cfg = backward_config_of(problem)
+        self.runner = HopperBackwardRunner(self.cfg, disk_cache.load_or_compile(self.cfg, compile_backward))
+
+    def __call__(self, problem: SelectionProblem, dout, q, k, v, out, lse, dlse, selected, cu_seqlens,
+                 softmax_scale: float):
+        """(dq, dk, dv) of selection attention on packed tokens; ``lse``/``dlse`` (H_q, T)."""
+        total, heads_q, _ = q.shape
+        heads_k, group = problem.heads_k, problem.group
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if total == 0:
+            return dq, dk, dv
+        cfg = self.cfg
+        visits = selection_backward_visits(selected, cu_seqlens, problem.select_block, cfg.tile_m // group,
+                                           cfg.tile_n)
+        rows = total * group
+        packed = AttentionProblem(
+            dtype=q.dtype, out_dtype=q.dtype, head_dim=problem.head_dim, head_dim_v=problem.head_dim_v,
+            num_heads_q=heads_k, num_heads_k=heads_k, mask=MaskSpec(), varlen=True, return_lse=True,
+            batch=cu_seqlens.numel() - 1, seqlen_q=rows, seqlen_k=total, total_q=rows, total_k=total,
+            softmax_scale=softmax_scale, device=q.device)
+        dq_rows = q.new_empty((rows, heads_k, problem.head_dim))
+        self.runner(packed, _rows(dout, heads_k), _rows(q, heads_k), k, v, _rows(out, heads_k),
+                    _lse_rows(lse, heads_k), None if dlse is None else _lse_rows(dlse, heads_k), dq_rows, dk, dv,
+                    cu_seqlens * group, cu_seqlens, query_lists=tuple(visits))
+        split_kv.unpack_gqa(dq_rows[None], None, total, dq[None], None)
+        return dq, dk, dv
