@@ -170,42 +170,50 @@ def named_mods(args, num_heads: int, positions: int, device) -> tuple:
     """(score_mod, mask_mod) that ``--score_mod`` / ``--mask_mod`` name, as ``fmha.mods``
     functions; the tensors they read (ALiBi's slopes, the documents' ids over ``positions``) are
     captured, so the kernel receives them without ``aux=``."""
+    score_mod = _named_score_mod(args.score_mod, num_heads, device) if args.score_mod else None
+    mask_mod = _named_mask_mod(args.mask_mod, positions, args.seed, device) if args.mask_mod else None
+    return score_mod, mask_mod
+
+
+def _named_score_mod(spec: str, num_heads: int, device):
     from . import mods as M
 
-    score_mod = mask_mod = None
-    if args.score_mod:
-        name, _, value = args.score_mod.partition(":")
-        if name == "alibi":
-            slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / num_heads) for h in range(num_heads)], device=device)
+    name, _, value = spec.partition(":")
+    if name == "alibi":
+        slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / num_heads) for h in range(num_heads)], device=device)
 
-            def score_mod(score, b, h, q_idx, kv_idx):
-                return score + slopes[h] * (kv_idx - q_idx)
-        else:
-            cap = float(value)
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + slopes[h] * (kv_idx - q_idx)
+        return score_mod
+    cap = float(value)
 
-            def score_mod(score, b, h, q_idx, kv_idx):
-                return cap * M.tanh(score / cap)
-    if args.mask_mod:
-        name, _, value = args.mask_mod.partition(":")
-        if name == "causal":
-            def mask_mod(b, h, q_idx, kv_idx):
-                return q_idx >= kv_idx
-        elif name == "window":
-            width = int(value)
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return cap * M.tanh(score / cap)
+    return score_mod
 
-            def mask_mod(b, h, q_idx, kv_idx):
-                return (q_idx >= kv_idx) & (q_idx - kv_idx <= width)
-        else:
-            count = max(1, int(value))
-            gen = torch.Generator().manual_seed(args.seed + 3)
-            starts = torch.randperm(max(positions - 1, 1), generator=gen)[:count - 1] + 1
-            ids = torch.zeros(max(positions, 1), dtype=torch.int32)
-            ids[starts[starts < positions]] = 1
-            docs = ids.cumsum(0).to(torch.int32).to(device)
 
-            def mask_mod(b, h, q_idx, kv_idx):
-                return docs[q_idx] == docs[kv_idx]
-    return score_mod, mask_mod
+def _named_mask_mod(spec: str, positions: int, seed: int, device):
+    name, _, value = spec.partition(":")
+    if name == "causal":
+        def mask_mod(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+        return mask_mod
+    if name == "window":
+        width = int(value)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx <= width)
+        return mask_mod
+    count = max(1, int(value))
+    gen = torch.Generator().manual_seed(seed + 3)
+    starts = torch.randperm(max(positions - 1, 1), generator=gen)[:count - 1] + 1
+    ids = torch.zeros(max(positions, 1), dtype=torch.int32)
+    ids[starts[starts < positions]] = 1
+    docs = ids.cumsum(0).to(torch.int32).to(device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return docs[q_idx] == docs[kv_idx]
+    return mask_mod
 
 
 def _random(shape, dtype, gen, device):

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.flop_counter import register_flop_formula
 
 from . import dispatch
-from .options import OP_FIELDS, OP_SCHEMA, from_op_args, op_args, parse_cached
+from .options import OP_FIELDS, OP_SCHEMA, from_op_args, op_args
 from .problem import default_out_dtype, accumulate_dtype
 from .validation import kernel_options, lse_shape, out_shape
 

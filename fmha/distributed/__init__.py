@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from .. import api
 from .layouts import (LAYOUTS, _check_document_lengths, _check_layout_name, _offsets_list, segments, shard,
-                      shard_varlen, unshard, unshard_varlen, varlen_segments)
+                      shard_varlen, unshard, unshard_varlen)
 from .plan import _dense_shards, _varlen_shards
 from .ring import _METHODS, _ContextParallelAttention, _Ring
 

@@ -81,7 +81,6 @@ def fake_mod_arguments(signature) -> tuple:
     """(mod tensors, block lists) as fake tensors for a kernel built with mods ``signature``:
     any sizes and strides (a broadcast block mask has stride 0), the innermost stride 1 where the
     signature says the tensor has it."""
-    import cutlass
     import cutlass.cute as cute
 
     if signature is None:

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import cuda.bindings.driver as cuda
-import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Int32, const_expr

@@ -2,6 +2,7 @@
 
 import cutlass.cute as cute
 from cutlass import const_expr
+from cutlass.tensor_utils import LayoutEnum
 
 
 def bshd_to_sdhb(t: cute.Tensor, varlen: bool, d_first: bool = False) -> cute.Tensor:
@@ -34,7 +35,7 @@ def ring_layout(one_stage: cute.ComposedLayout, stages: int, stage_elems: int) -
     return cute.make_composed_layout(one_stage.inner, 0, outer)
 
 
-def mma_operand_smem_layout(operand: str, layout: "LayoutEnum", mma_tiler_mnk: tuple, dtype, stages: int,
+def mma_operand_smem_layout(operand: str, layout: LayoutEnum, mma_tiler_mnk: tuple, dtype, stages: int,
                             atom_major_size: int):
     """``sm90_utils.make_smem_layout_a`` / ``_b`` (``operand`` "a" / "b") with the swizzle atom
     chosen for ``atom_major_size`` elements of the major mode instead of the whole tile's: a
