@@ -3,6 +3,8 @@ per work tile the TMA loads of Q and of the K/V tiles its mask keeps, into the r
 the consumers' loop (``mainloop.py``) waits for them; from a paged cache each tile in runs that
 stay within a page, looked up through the block table."""
 
+from typing import Callable
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr, pipeline
@@ -11,6 +13,21 @@ from ..common import sequence_descriptors as seq_desc
 from ..common.kv_cache import KvCache
 from ..common.seqinfo import SequenceInfo
 from ..common.tma import tma_tiles
+
+
+@cute.jit
+def in_kv_order(total, state, load_k: Callable, load_v: Callable):
+    """K_0, then (K_n, V_n-1) pairs, then the last V: the order in which ``mainloop`` waits for
+    the K/V ring's stages, for whoever fills it (the producer's loads, a converted cache's
+    converting warps). ``load_k(i, state)`` and ``load_v(i, state, last)`` fill step i's tile
+    and return ``state`` advanced (the pipeline states they carry through the loop)."""
+    if total > 0:
+        state = load_k(0, state)
+        for i in cutlass.range(1, total, unroll=1):
+            state = load_k(i, state)
+            state = load_v(i - 1, state, False)
+        state = load_v(total - 1, state, True)
+    return state
 
 
 class ProducerWarp:
@@ -84,18 +101,13 @@ class ProducerWarp:
 
     @cute.jit
     def load_kv(self, k_load, v_load, kv_tiles, kv_producer: pipeline.PipelineProducer):
-        """K_0, then (K_n, V_n-1) pairs, then the last V: the order ``mainloop`` waits in.
-        ``k_load``/``v_load``: (TMA atom, the global tile of step i as ``tile(i)``, shared stages,
-        descriptor or None)."""
+        """The walk's K/V tiles in ring order (``in_kv_order``). ``k_load``/``v_load``: (TMA atom,
+        the global tile of step i as ``tile(i)``, shared stages, descriptor or None)."""
         tma_k, k_tile, tKsK, desc_k = k_load
         tma_v, v_tile, tVsV, desc_v = v_load
-        if kv_tiles.total > 0:
-            kv_producer = self.load_stage(kv_producer, tma_k, k_tile(0), tKsK, desc_k, True)
-            for i in cutlass.range(1, kv_tiles.total, unroll=1):
-                kv_producer = self.load_stage(kv_producer, tma_k, k_tile(i), tKsK, desc_k, True)
-                kv_producer = self.load_stage(kv_producer, tma_v, v_tile(i - 1), tVsV, desc_v, False)
-            kv_producer = self.load_stage(kv_producer, tma_v, v_tile(kv_tiles.total - 1), tVsV, desc_v, False)
-        return kv_producer
+        return in_kv_order(kv_tiles.total, kv_producer,
+                           lambda i, p: self.load_stage(p, tma_k, k_tile(i), tKsK, desc_k, True),
+                           lambda i, p, last: self.load_stage(p, tma_v, v_tile(i), tVsV, desc_v, False))
 
     def rows_from(self, tma, s_stages, m_cur: cute.Tensor, row, is_k: bool):
         """The TMA source of a tile of a walk over key rows (``SelectedKvWalk``): ``tile_n``
@@ -132,16 +144,20 @@ class ProducerWarp:
                       mV_cur: cute.Tensor, tma_k, tma_v, sK, sV, kv_producer: pipeline.PipelineProducer):
         """``load_kv`` from a paged cache: each K or V tile in runs of ``kv_load_rows`` keys, each
         run from the page the block table names (every run lies within one page). A tile's pages
-        are looked up once, for its K, and kept for its V one step later."""
-        if kv_tiles.total > 0:
-            rows = self.page_rows(cache, batch, seq, kv_tiles.block(0), mK_cur.shape[0])
-            kv_producer = self.load_stage_paged(kv_producer, rows, mK_cur, tma_k, sK, True)
-            for i in cutlass.range(1, kv_tiles.total, unroll=1):
-                next_rows = self.page_rows(cache, batch, seq, kv_tiles.block(i), mK_cur.shape[0])
-                kv_producer = self.load_stage_paged(kv_producer, next_rows, mK_cur, tma_k, sK, True)
-                kv_producer = self.load_stage_paged(kv_producer, rows, mV_cur, tma_v, sV, False)
-                rows = next_rows
-            kv_producer = self.load_stage_paged(kv_producer, rows, mV_cur, tma_v, sV, False)
+        are looked up once, for its K, and kept for its V one step later: the state carries the
+        page rows of the V tile due next and of the K tile loaded last."""
+
+        def load_k(i, state):
+            p, _, last_k_rows = state
+            rows = self.page_rows(cache, batch, seq, kv_tiles.block(i), mK_cur.shape[0])
+            return self.load_stage_paged(p, rows, mK_cur, tma_k, sK, True), last_k_rows, rows
+
+        def load_v(i, state, last):
+            p, v_rows, k_rows = state
+            p = self.load_stage_paged(p, k_rows if last else v_rows, mV_cur, tma_v, sV, False)
+            return p, v_rows, k_rows
+
+        kv_producer, _, _ = in_kv_order(kv_tiles.total, (kv_producer, Int32(0), Int32(0)), load_k, load_v)
         return kv_producer
 
     @cute.jit

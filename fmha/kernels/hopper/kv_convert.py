@@ -12,7 +12,7 @@ into the score and output scales (launch scalars, or read per work tile from ten
 Both staged tiles are (keys, head dim) with the head dim contiguous, as the cache stores them;
 V is written transposed into the ring's (head dim, keys) view. The converters walk the same work
 tiles and K/V walk as the producer and take the stages in its order (K_0, then (K_n, V_n-1), then
-the last V: ``fwd_producer.load_kv``).
+the last V: ``fwd_producer.in_kv_order``).
 """
 
 import cutlass
@@ -21,6 +21,7 @@ from cutlass import Int32, pipeline
 
 from ..common.kv_cache import KvCache
 from ..common.pipelines import release_by_one_lane
+from .fwd_producer import in_kv_order
 
 #: warps 1..3 of the producer warpgroup (converting threads 0..95), then the converting
 #: warpgroup (threads 96..223)
@@ -58,16 +59,10 @@ class CacheConverter:
             if tile.m_block * cfg.tile_m < seq.seqlen_q:
                 kv_tiles = self.kv_walk(tile.m_block, seq, window_left, window_right, split, cache.num_splits,
                                         mBlockLists, batch, tile.head)
-                if kv_tiles.total > 0:
-                    staged_consumer, kv_producer = self.convert_stage(
-                        sK_staged, sK, cfg.head_dim, staged_consumer, kv_producer, tidx)
-                    for _ in cutlass.range(1, kv_tiles.total, unroll=1):
-                        staged_consumer, kv_producer = self.convert_stage(
-                            sK_staged, sK, cfg.head_dim, staged_consumer, kv_producer, tidx)
-                        staged_consumer, kv_producer = self.convert_stage(
-                            sV_staged, sV_rows, cfg.head_dim_v, staged_consumer, kv_producer, tidx)
-                    staged_consumer, kv_producer = self.convert_stage(
-                        sV_staged, sV_rows, cfg.head_dim_v, staged_consumer, kv_producer, tidx)
+                staged_consumer, kv_producer = in_kv_order(
+                    kv_tiles.total, (staged_consumer, kv_producer),
+                    lambda i, st: self.convert_stage(sK_staged, sK, cfg.head_dim, *st, tidx),
+                    lambda i, st, last: self.convert_stage(sV_staged, sV_rows, cfg.head_dim_v, *st, tidx))
             tile_idx, cursor = scheduler.consumer_next(tile_idx, cursor)
 
     @cute.jit
