@@ -332,9 +332,9 @@ def test_each_varlen_ring_step_keeps_what_the_document_mask_keeps_exactly_once(w
             want &= (j <= i).long()
         for rank in range(world):
             shards = cp.plan._varlen_shards(layout, rank, world, offsets, cu, causal)
-            q_pos = _positions(cp.varlen_segments(layout, rank, world, offsets), total // world)
+            q_pos = _positions(cp.layouts.varlen_segments(layout, rank, world, offsets), total // world)
             for src in range(world):
-                k_pos = _positions(cp.varlen_segments(layout, src, world, offsets), total // world)
+                k_pos = _positions(cp.layouts.varlen_segments(layout, src, world, offsets), total // world)
                 got = torch.zeros(total, total, dtype=torch.int64)
                 calls = shards.calls(src)
                 assert len(calls) <= 1
