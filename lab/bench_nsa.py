@@ -5,11 +5,10 @@ block 0, then random earlier blocks up to ``--count``, ascending, -1 padded), on
 of T tokens, bf16, D=128:
 
 * ``fmha``: ``fmha.nsa.selection_attention(..., backend="kernel")``: the forward on the selection
-  kernel (each query tile of a few tokens' GQA heads walks their own blocks), the backward on
-  fmha's backward kernel with the lists as a block mask;
-* ``fmha_bwd_kernel``: ``fmha`` with the selection backward kernel (each K/V tile of a sequence
-  walks the query tiles that chose it; chosen by ``FMHA_SELECTION_BACKWARD_KERNEL=1`` until the
-  GPU check has run it);
+  kernel (each query tile of a few tokens' GQA heads walks their own blocks), the backward on the
+  selection backward kernel (each K/V tile of a sequence walks the query tiles that chose it);
+* ``fmha_bwd_block_mask``: fwd+bwd only: ``fmha``'s forward, then the backward on fmha's backward
+  kernel with the lists as a block mask (the form before the selection backward kernel);
 * ``fmha_block_mask``: the forward with the lists as a block mask on fmha's attention kernel (the
   form before the selection kernel; only up to ``--torch-max``);
 * ``fmha_torch``: the PyTorch gather path (``backend="reference"``; only up to ``--torch-max``);
@@ -28,10 +27,10 @@ wheels: ``python3 -m pip install --no-deps --target /tmp/site fla_core-0.6.0-py3
 and ``export PYTHONPATH=/tmp/site:$PYTHONPATH``.
 
     python lab/bench_nsa.py --backward --out results/bench/nsa/nsa.json
+    python lab/bench_nsa.py --backward --profile --impls fmha  # where fmha's time goes, per kernel
 """
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -43,8 +42,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import fmha  # noqa: E402
 import fmha.nsa as nsa  # noqa: E402
-from fmha.kernels.hopper.selection_runner import BACKWARD_KERNEL_SWITCH  # noqa: E402
-from fmha.nsa.selection import selection_forward_block_mask  # noqa: E402
+from fmha.nsa.selection import selection_backward_block_mask, selection_forward_block_mask  # noqa: E402
+from lab.profile_step import profile_point  # noqa: E402
 from lab.timing import keep_row, seconds_per_call  # noqa: E402
 
 BLOCK = 64
@@ -77,11 +76,13 @@ def main(argv=None):
     ap.add_argument("--tokens", default="8192,16384,32768,65536")
     ap.add_argument("--heads", default="64/4,32/8", help="H_q/H_k pairs")
     ap.add_argument("--count", type=int, default=16)
-    ap.add_argument("--impls", default="fmha,fmha_bwd_kernel,fmha_block_mask,fmha_torch,fla,fmha_causal,fa4_causal")
+    ap.add_argument("--impls", default="fmha,fmha_bwd_block_mask,fmha_block_mask,fmha_torch,fla,fmha_causal,fa4_causal")
     ap.add_argument("--torch-max", type=int, default=8192, help="longest T the PyTorch gather path runs")
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--rep", type=int, default=200)
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new points after this")
+    ap.add_argument("--profile", action="store_true",
+                    help="add fmha's per-kernel times (lab.profile_step's table) to its rows")
     ap.add_argument("--out", default=None)
     ap.add_argument("--table", metavar="JSON", help="print the markdown table of a results file and exit")
     args = ap.parse_args(argv)
@@ -123,6 +124,8 @@ def main(argv=None):
                         flops *= 3.5 if direction == "fwd+bwd" else 1.0
                         row.update(ms=round(sec * 1e3, 4), tflops=round(flops / sec / 1e12, 1))
                         timings[(impl, direction)] = sec
+                        if args.profile and impl == "fmha":
+                            row["kernels"] = profile_point(fn, torch, steps=3)
                         if not impl.endswith("causal") and direction == "fwd":
                             o = out_of().float()[:check_rows]
                             if want is None:
@@ -171,15 +174,20 @@ def _call(impl, q, k, v, sel, cu, total, hq, hk, args, direction):
     if impl == "fmha":
         def run():
             return nsa.selection_attention(*leaves, sel, cu, BLOCK, backend="kernel")[0]
-    elif impl == "fmha_bwd_kernel":
+    elif impl == "fmha_bwd_block_mask":
         if not grad:
-            return None, "the backward kernel only (the forward is fmha's)"
+            return None, "fwd+bwd only (the forward is fmha's)"
 
         def run():
-            return nsa.selection_attention(*leaves, sel, cu, BLOCK, backend="kernel")[0]
+            return nsa.selection_attention(q, k, v, sel, cu, BLOCK, backend="kernel")[0]
+
+        def step():
+            o, lse = nsa.selection_attention(q, k, v, sel, cu, BLOCK, backend="kernel")
+            selection_backward_block_mask(dout, q, k, v, o, lse, None, sel, cu, BLOCK, q.shape[-1] ** -0.5)
+        return step, run
     elif impl == "fmha_block_mask":  # the form before the selection kernel: the lists as a block mask
         if grad:
-            return None, "forward only (the backward is the block-mask form in both)"
+            return None, "forward only (fmha_bwd_block_mask times that backward)"
         if total > args.torch_max:
             return None, f"T > --torch-max {args.torch_max}"
 
@@ -219,22 +227,8 @@ def _call(impl, q, k, v, sel, cu, total, hq, hk, args, direction):
     def step():
         for t in leaves:
             t.grad = None
-        with _switched(BACKWARD_KERNEL_SWITCH, impl == "fmha_bwd_kernel"):
-            run().backward(dout)
+        run().backward(dout)
     return step, run
-
-
-@contextlib.contextmanager
-def _switched(name: str, on: bool):
-    """Environment variable ``name`` set to "1" inside the block where ``on``."""
-    if not on:
-        yield
-        return
-    os.environ[name] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop(name, None)
 
 
 if __name__ == "__main__":

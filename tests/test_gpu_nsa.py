@@ -339,24 +339,24 @@ SELECTION_BACKWARD_CASES = [  # (lengths, H_q, H_k, D, D_v, select_block, count,
     ([333, 1, 0, 1000], 16, 4, 64, 64, 64, 8, torch.float16),  # 128-row query tiles, 32 positions each
     ([1500, 77], 4, 2, 128, 64, 128, 6, torch.bfloat16),
     ([700, 5, 190], 2, 1, 128, 128, 192, 5, torch.bfloat16),
+    ([999, 64], 8, 1, 96, 96, 64, 7, torch.bfloat16),
+    ([1, 1300], 16, 4, 64, 64, 128, 9, torch.bfloat16),
+    ([640, 211], 32, 2, 64, 128, 64, 4, torch.float16),
 ]
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the selection kernel needs an SM90 GPU")
 @pytest.mark.parametrize("case", range(len(SELECTION_BACKWARD_CASES)))
-def test_the_selection_backward_kernel_against_the_reference(case, monkeypatch):
+def test_the_selection_backward_kernel_against_the_reference(case):
     """The selection backward (each K/V tile of a sequence walks the query tiles that chose its
-    blocks) on random lists, against the fp64 reference's gradients with the same out and LSE;
-    the gradients and the fp32 dQ accumulator come from memory just filled with NaN, so an
-    element the kernels did not write shows."""
+    blocks) on random lists, against the fp64 reference's gradients with the same out and LSE
+    (and a gradient on the LSE in every other case); the gradients and the fp32 dQ accumulator
+    come from memory just filled with NaN, so an element the kernels did not write shows."""
     from fmha.backends import SELECTION_BACKWARD, runner_for, unsupported_reasons
     from fmha.nsa.selection_visits import SelectionProblem
     from fmha.problem import KernelOptions
     from gpu_cases import _poisoned_dq_accumulator
 
-    from fmha.kernels.hopper.selection_runner import BACKWARD_KERNEL_SWITCH
-
-    monkeypatch.setenv(BACKWARD_KERNEL_SWITCH, "1")
     lens, hq, hk, d, dv, lsel, n, dt = SELECTION_BACKWARD_CASES[case]
     q, k, v, sel, cu = _selection_inputs(lens, hq, hk, d, dv, lsel, n, dt, seed=100 + case)
     scale = d ** -0.5
@@ -364,16 +364,21 @@ def test_the_selection_backward_kernel_against_the_reference(case, monkeypatch):
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     want_o, want_lse = ref.selection_attention_reference(q64, k64, v64, dedup, cu, lsel, softmax_scale=scale)
     dout = torch.randn(want_o.shape, device="cuda").to(dt)
-    want = torch.autograd.grad(want_o, (q64, k64, v64), dout.double())
+    dlse = None
+    if case % 2:
+        dlse = torch.randn(want_lse.shape, device="cuda").masked_fill(torch.isneginf(want_lse), 0)
+    outputs, cotangents = (want_o, want_lse), (dout.double(), None if dlse is None else dlse.double())
+    used = [i for i, c in enumerate(cotangents) if c is not None]
+    want = torch.autograd.grad([outputs[i] for i in used], (q64, k64, v64), [cotangents[i] for i in used])
     problem = SelectionProblem.of(q, k, v, lsel)
     chosen, reasons = unsupported_reasons(problem, KernelOptions(), kind=SELECTION_BACKWARD)
     assert chosen is not None, reasons
     runner = runner_for(SELECTION_BACKWARD, chosen, problem, KernelOptions())
     out, lse = want_o.detach().to(dt), want_lse.detach().float()
-    poison = [torch.full_like(t, float("nan")) for t in (q, k, v, q)]
-    del poison
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
     with _poisoned_dq_accumulator(torch):
-        got = runner(problem, dout, q, k, v, out, lse, None, sel, cu, scale)
+        got = runner(problem, dout, q, k, v, out, lse, dlse, sel, cu, scale, grads=grads)
+    assert all(a is b for a, b in zip(got, grads))
     torch.cuda.synchronize()
     for name, a, b in zip("dq dk dv".split(), got, want):
         assert not a.isnan().any(), name

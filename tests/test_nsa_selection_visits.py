@@ -286,3 +286,29 @@ def test_the_selection_backward_launch_packs_rows_and_unpacks_dq(monkeypatch):
     got = runner(problem, dout, q, k, v, out, lse, None, sel, cu, scale)
     for name, a, b in zip("dq dk dv".split(), got, want):
         assert torch.allclose(a, b, atol=1e-6), name  # the LSE and delta rows are fp32, as the kernel's
+
+
+def test_the_selection_kernels_say_what_they_do_not_serve():
+    """The selection kernels' refusals (``why_unsupported_selection``/``_backward``): each names
+    what to change, and the problems the GPU check runs are served; a refused backward falls
+    back to the block-mask form, which serves the rest."""
+    from fmha.kernels.hopper import selection_runner as R
+    from fmha.nsa.selection_visits import SelectionProblem
+
+    def problem(dtype=torch.bfloat16, d=128, d_v=128, heads_q=16, heads_k=2, select_block=64):
+        return SelectionProblem(dtype, d, d_v, heads_q, heads_k, select_block, torch.device("cpu"))
+
+    for served in (problem(), problem(d=96, d_v=96, heads_q=8, heads_k=1), problem(d=128, d_v=64, heads_q=4),
+                   problem(torch.float16, 64, 128, 32, 2), problem(select_block=192, heads_q=2, heads_k=1)):
+        assert R.why_unsupported_selection_backward(served) == [], served
+    refusals = {
+        "float16/bfloat16": problem(torch.float32),
+        "multiples of 32 up to 128": problem(d=192, d_v=64),
+        "multiples of 64 keys": problem(select_block=32),
+        "GQA groups": problem(heads_q=2, heads_k=2),
+    }
+    for words, refused in refusals.items():
+        reasons = R.why_unsupported_selection_backward(refused)
+        assert len(reasons) == 1 and words in reasons[0], (words, reasons)
+    assert "GQA groups of 2 to 64" in R.why_unsupported_selection(problem(heads_q=3, heads_k=1))[0]
+    assert "multiple of 64" in R.why_unsupported_selection(problem(select_block=96))[0]

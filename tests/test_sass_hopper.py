@@ -362,7 +362,8 @@ def test_the_selection_kernel_loads_any_key_row_and_keeps_its_registers(group, h
 
 
 @pytest.mark.parametrize("dtype,head_dim,head_dim_v,group", [(torch.bfloat16, 128, 128, 16), (torch.float16, 64, 64, 4),
-                                                             (torch.bfloat16, 128, 64, 2)])
+                                                             (torch.bfloat16, 128, 64, 2), (torch.bfloat16, 96, 96, 8),
+                                                             (torch.bfloat16, 64, 64, 4), (torch.float16, 64, 128, 16)])
 def test_the_selection_backward_keeps_its_registers(dtype, head_dim, head_dim_v, group, tmp_root):
     """NSA's selection backward (``bwd_config.selection_backward_config``): the varlen backward
     over listed K/V tiles, each warpgroup's keys masked by its visit's positions; no registers in

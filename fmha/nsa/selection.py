@@ -118,6 +118,12 @@ def _selection_backward_torch(dout, q, k, v, out, lse, dlse, selected, cu, selec
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _packed_rows_fit(q: Tensor, k: Tensor) -> bool:
+    """Whether the selection kernels' packed rows (each token's GQA group, T * g of them) have
+    int32 row indices."""
+    return q.shape[0] * (q.shape[1] // k.shape[1]) < 2 ** 31
+
+
 def _selection_forward_kernels(q, k, v, selected, cu, select_block, scale):
     """The selection kernel where one serves the call (each query tile walks its tokens' own
     blocks), else fmha's attention kernels with the lists as a block mask."""
@@ -127,7 +133,7 @@ def _selection_forward_kernels(q, k, v, selected, cu, select_block, scale):
 
     problem = SelectionProblem.of(q, k, v, select_block)
     chosen, _ = unsupported_reasons(problem, KernelOptions(), kind=SELECTION)
-    if chosen is not None:
+    if chosen is not None and _packed_rows_fit(q, k):
         return runner_for(SELECTION, chosen, problem, KernelOptions())(problem, q, k, v, selected, cu, scale)
     return selection_forward_block_mask(q, k, v, selected, cu, select_block, scale)
 
@@ -152,7 +158,7 @@ def _selection_backward_kernels(dout, q, k, v, out, lse, dlse, selected, cu, sel
 
     problem = SelectionProblem.of(q, k, v, select_block)
     chosen, _ = unsupported_reasons(problem, KernelOptions(), kind=SELECTION_BACKWARD)
-    if chosen is not None:
+    if chosen is not None and _packed_rows_fit(q, k):
         runner = runner_for(SELECTION_BACKWARD, chosen, problem, KernelOptions())
         return runner(problem, dout, q, k, v, out, lse, dlse, selected, cu, scale)
     return selection_backward_block_mask(dout, q, k, v, out, lse, dlse, selected, cu, select_block, scale)

@@ -8,7 +8,6 @@ as a varlen batch of the packed rows. Results go back to the tokens' layout."""
 from __future__ import annotations
 
 import math
-import os
 from typing import Callable
 
 import torch
@@ -79,24 +78,17 @@ class HopperSelectionRunner:
         return out, lse
 
 
-#: the selection backward kernel is chosen only where this is "1" until the GPU check has run it
-#: (docs/nsa.md); the block-mask form serves the backward meanwhile
-BACKWARD_KERNEL_SWITCH = "FMHA_SELECTION_BACKWARD_KERNEL"
-
-
 def why_unsupported_selection_backward(problem: SelectionProblem) -> list:
     """Every reason the selection backward kernel cannot run ``problem``."""
     reasons = []
-    if os.environ.get(BACKWARD_KERNEL_SWITCH) != "1":
-        reasons.append(f"the Hopper selection backward kernel has not yet passed the GPU check; "
-                       f"{BACKWARD_KERNEL_SWITCH}=1 chooses it")
     d, d_v = problem.head_dim, problem.head_dim_v
     if problem.dtype not in (torch.float16, torch.bfloat16):
         reasons.append(f"the Hopper selection backward takes float16/bfloat16 inputs, not {problem.dtype}")
         return reasons
-    if not (backward_head_dim_served(d) and backward_head_dim_served(d_v) and d + d_v <= 256):
-        reasons.append(f"the Hopper selection backward takes head dims that are multiples of 32 with D + D_v at "
-                       f"most 256, got {d} and {d_v}")
+    # past 128, a warpgroup's dK or dV of 64 keys beside S^T and dP^T spills registers
+    if not (backward_head_dim_served(d) and backward_head_dim_served(d_v) and max(d, d_v) <= 128):
+        reasons.append(f"the Hopper selection backward takes head dims that are multiples of 32 up to 128, got "
+                       f"{d} and {d_v}")
         return reasons
     if problem.select_block % 64:
         reasons.append(f"the Hopper selection backward takes selection blocks that are multiples of 64 keys (one "
@@ -131,11 +123,12 @@ class HopperSelectionBackwardRunner:
         self.runner = HopperBackwardRunner(self.cfg, disk_cache.load_or_compile(self.cfg, compile_backward))
 
     def __call__(self, problem: SelectionProblem, dout, q, k, v, out, lse, dlse, selected, cu_seqlens,
-                 softmax_scale: float):
-        """(dq, dk, dv) of selection attention on packed tokens; ``lse``/``dlse`` (H_q, T)."""
+                 softmax_scale: float, grads=None):
+        """(dq, dk, dv) of selection attention on packed tokens; ``lse``/``dlse`` (H_q, T); into
+        ``grads`` (three tensors shaped as q, k, v) where given."""
         total, heads_q, _ = q.shape
         heads_k, group = problem.heads_k, problem.group
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         if total == 0:
             return dq, dk, dv
         cfg = self.cfg
