@@ -28,6 +28,13 @@ and ``export PYTHONPATH=/tmp/site:$PYTHONPATH``.
 
     python lab/bench_nsa.py --backward --out results/bench/nsa/nsa.json
     python lab/bench_nsa.py --backward --profile --impls fmha  # where fmha's time goes, per kernel
+    python lab/bench_nsa.py --topk --impls fmha,fla  # the top-k alone (rows with direction "topk")
+
+``--topk`` times the top-k selection instead, at fla's geometry (l = d = l' = 64, mean pooling, the
+compression LSE from fmha's kernel, not timed): ``fmha`` = ``fmha.nsa.select_blocks`` (PyTorch today),
+``fla`` = ``fla.ops.nsa.parallel.parallel_nsa_topk`` (Triton); ``same_lists`` is the fraction of
+(token, KV head) lists on which fla agrees with fmha (fla's scores are bf16, ours fp32, so near-ties
+may differ).
 """
 
 import argparse
@@ -79,6 +86,7 @@ def main(argv=None):
     ap.add_argument("--impls", default="fmha,fmha_bwd_block_mask,fmha_block_mask,fmha_torch,fla,fmha_causal,fa4_causal")
     ap.add_argument("--torch-max", type=int, default=8192, help="longest T the PyTorch gather path runs")
     ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--topk", action="store_true", help="time the top-k selection instead (module doc)")
     ap.add_argument("--rep", type=int, default=200)
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new points after this")
     ap.add_argument("--profile", action="store_true",
@@ -101,6 +109,9 @@ def main(argv=None):
             sel = selection_lists(total, hk, args.count, gen)
             kept = kept_pairs(sel) * hq
             causal_kept = hq * total * (total + 1) // 2
+            if args.topk:
+                _bench_topk(rows, impls, q, k, cu, total, hq, hk, args, start)
+                continue
             check_rows = min(total, 2048)
             want = None
             timings = {}
@@ -144,6 +155,49 @@ def main(argv=None):
     print(f"done in {time.time() - start:.0f} s")
 
 
+def _bench_topk(rows, impls, q, k, cu, total, hq, hk, args, start):
+    """Rows of direction "topk" for one point (module doc)."""
+    k_cmp, cu_cmp = nsa.mean_pool(k, cu, BLOCK, BLOCK)
+    v_cmp = k_cmp
+    lse = nsa.compression_attention(q, k_cmp, v_cmp, cu, cu_cmp, BLOCK, BLOCK, backend="kernel")[1]
+    mine = None
+    for impl in impls:
+        row = dict(T=total, H_q=hq, H_k=hk, impl=impl, direction="topk")
+        if time.time() - start > args.budget_s:
+            keep_row(rows, dict(row, skipped="time budget"), args.out)
+            continue
+        if impl == "fmha":
+            def run():
+                return nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, BLOCK, BLOCK, BLOCK, args.count)
+        elif impl == "fla":
+            from fla.ops.nsa.parallel import parallel_nsa_topk
+
+            if hq // hk < 16 or (hq // hk) & (hq // hk - 1):
+                keep_row(rows, dict(row, skipped="fla's NSA needs H_q/H_k a power of two >= 16"), args.out)
+                continue
+            lse_fla = lse.T.contiguous()[None]
+
+            def run():
+                return parallel_nsa_topk(q[None], k_cmp[None], total, lse_fla, args.count, BLOCK,
+                                         q.shape[-1] ** -0.5)[0]
+        else:
+            keep_row(rows, dict(row, skipped="--topk times fmha and fla"), args.out)
+            continue
+        try:
+            sec = seconds_per_call(run, args.rep)
+            row["ms"] = round(sec * 1e3, 4)
+            got = run().long()
+            if impl == "fmha":
+                mine = got
+            elif mine is not None:
+                ours = torch.where(mine >= 0, mine, 1 << 30).sort(-1).values
+                theirs = torch.where(got >= 0, got, 1 << 30).sort(-1).values[..., :ours.shape[-1]]
+                row["same_lists"] = round(float((ours == theirs).all(-1).float().mean()), 4)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        keep_row(rows, row, args.out)
+
+
 def table(rows) -> str:
     """Markdown: per point and direction, each impl's TFLOP/s and its time against fmha's kernel
     form and dense causal fmha."""
@@ -160,7 +214,8 @@ def table(rows) -> str:
         def ratio(a, b):
             return f"{got[b]['ms'] / got[a]['ms']:.2f}x" if got.get(a) and got.get(b) else "-"
         cells = [str(point[0]), f"{point[1]}/{point[2]}", point[3]]
-        cells += [f"{got[i]['tflops']}" if got[i] else "-" for i in impls]
+        cells += [(f"{got[i]['tflops']}" if "tflops" in got[i] else f"{got[i]['ms']} ms") if got[i] else "-"
+                  for i in impls]
         cells += [ratio("fmha", "fla"), ratio("fmha", "fmha_causal"), ratio("fla", "fmha_causal")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
