@@ -259,6 +259,55 @@ def test_decode_step_replays_in_a_cuda_graph():
     assert torch.equal(captured, eager)
 
 
+def _replays_to_eager(run, inputs, fresh):
+    """Capture ``run(*inputs)`` in a CUDA graph, copy ``fresh`` into ``inputs``, replay: the
+    captured output must equal an eager call on ``fresh`` bit for bit."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(*inputs)  # warm: every kernel compiled before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = run(*inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    for dst, src in zip(inputs, fresh):
+        dst.copy_(src)
+    captured.fill_(-7 if captured.dtype == torch.int32 else float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, run(*fresh))
+
+
+def test_topk_replays_in_a_cuda_graph():
+    """The top-k reads nothing on the host: a packed batch with empty and length-1 sequences."""
+    lens, l, s, lsel, n = [1300, 0, 1, 877], 32, 16, 64, 16
+    q, k, _, _, cu = bf16_inputs(lens, 16, 2, 128, "cuda", seed=4)
+    k_cmp, cu_cmp = nsa.mean_pool(k, cu, l, s)
+    _, lse = nsa.compression_attention(q, k_cmp, k_cmp, cu, cu_cmp, l, s)
+    q2, _, _, _, _ = bf16_inputs(lens, 16, 2, 128, "cuda", seed=5)
+    _, lse2 = nsa.compression_attention(q2, k_cmp, k_cmp, cu, cu_cmp, l, s)
+
+    def run(q, lse):
+        return torch.ops.fmha_nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, l, s, lsel, n, 128 ** -0.5, "auto",
+                                                max(lens))
+    _replays_to_eager(run, (q, lse), (q2, lse2))
+    assert torch.equal(run(q2, lse2), nsa.select_blocks(q2, k_cmp, lse2, cu, cu_cmp, l, s, lsel, n))
+
+
+@pytest.mark.skipif(not _HOPPER, reason="fmha's kernels need an SM90 GPU")
+def test_dense_nsa_forward_replays_in_a_cuda_graph():
+    """Dense NSA reads nothing on the host: pooling, the three branches, the top-k and the gates
+    replay from one capture."""
+    def dense(seed):
+        q, k, v, gates, _ = bf16_inputs([1100] * 2, 16, 2, 128, "cuda", seed=seed)
+        return tuple(t.view(2, 1100, *t.shape[1:]) for t in (q, k, v) + gates)
+
+    def run(*tensors):
+        with torch.no_grad():
+            return nsa.nsa_attention(*tensors, **PAPER)
+    _replays_to_eager(run, dense(6), dense(7))
+
+
 SELECTION_CASES = [  # (lengths, H_q, H_k, D, D_v, select_block, count, dtype)
     ([2048 + 77, 0, 1, 1531], 16, 2, 128, 128, 64, 16, torch.bfloat16),
     ([4099], 64, 4, 128, 128, 64, 16, torch.bfloat16),

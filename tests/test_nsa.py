@@ -131,6 +131,45 @@ def test_select_blocks_with_fewer_slots_than_forced_blocks():
     assert got[3].tolist() == [[0, -1]] and got[20].tolist() == [[1, 2]]
 
 
+@pytest.mark.parametrize("chunk_rows", [1, 5, 23, 44])
+@pytest.mark.parametrize("geometry", ["paper_ratios", "l>l'"])
+def test_select_blocks_in_chunks_across_sequences(geometry, chunk_rows, monkeypatch):
+    """Chunks of a few rows that start and end inside sequences and span empty and length-1 ones:
+    each chunk's window of compressed keys must still hold every key its rows see; an unknown
+    longest length (0: T) picks the same blocks."""
+    from fmha.nsa import topk
+    l, d, lsel, n, _ = GEOMETRIES[geometry]
+    lens = [3, 0, 1, 44, 0, 2, 60]
+    q, k, _, cu = inputs(lens, 4, 2, seed=5)
+    k_cmp, cu_cmp = nsa.mean_pool(k, cu, l, d)
+    _, lse = nsa.compression_attention(q, k_cmp, k_cmp, cu, cu_cmp, l, d)
+    want = naive_topk(q, k_cmp, lens, l, d, lsel, n, q.shape[-1] ** -0.5)
+    for longest in (max(lens), 0):
+        seen = max(1, n_compressed(longest or sum(lens), l, d))
+        slc = -(-(longest or sum(lens)) // lsel)
+        monkeypatch.setattr(topk, "CHUNK_BYTES", chunk_rows * q.shape[1] * (seen + slc + 2) * 12)
+        got = torch.ops.fmha_nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, l, d, lsel, n, q.shape[-1] ** -0.5,
+                                               "auto", longest)
+        assert torch.equal(got, want), (longest, chunk_rows)
+
+
+def test_select_blocks_reads_nothing_on_the_host():
+    """Under fake tensors a host read (tolist, item, a data-dependent shape) raises: the top-k
+    shapes follow from the token counts and the longest length alone, so a CUDA graph captures it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from fmha.nsa.topk import _select_blocks_torch
+    lens = [19, 0, 1, 44]
+    q, k, _, cu = inputs(lens, 4, 2, seed=5)
+    k_cmp, cu_cmp = nsa.mean_pool(k, cu, 4, 2)
+    _, lse = nsa.compression_attention(q, k_cmp, k_cmp, cu, cu_cmp, 4, 2)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        args = [mode.from_tensor(t) for t in (q, k_cmp, lse, cu, cu_cmp)]
+        out = _select_blocks_torch(*args, 4, 2, 8, 4, 0.3, max(lens))
+    assert out.shape == (sum(lens), 2, 4) and out.dtype == torch.int32
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, pytest.raises(Exception):
+        mode.from_tensor(cu).tolist()  # the probe: a host read does raise here
+
+
 def random_selection(lens, hk, n, lsel, seed=0):
     """Lists in any order with -1 slots and blocks in the query's future (they contribute nothing)."""
     g = torch.Generator().manual_seed(seed)

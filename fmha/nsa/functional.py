@@ -3,8 +3,8 @@
 
 Inputs are dense (B, S, H, D) with gates (B, S, H_q), or packed (T, H, D) with ``cu_seqlens`` and
 gates (T, H_q). Dense inputs keep every shape static (nothing is read on the host, so
-torch.compile traces the whole call); packed ones read ``cu_seqlens`` once for the checks and the
-compressed length.
+torch.compile traces the whole call and a CUDA graph captures it); packed ones read ``cu_seqlens``
+once for the checks, the compressed length and the longest sequence.
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ def _compressed_kv(k, v, k_cmp, v_cmp, cu_seqlens, block, stride):
     return k_cmp, v_cmp
 
 
-def _check_call(q, k, v, gates, cu_seqlens, block, stride, select_block, select_count, window, backend, selected):
+def _check_call(q, k, v, gates, cu_seqlens, block, stride, select_block, select_count, window, backend,
+                selected) -> int:
+    """Checks the call; returns the longest sequence's length (0 while torch.compile traces)."""
     check_geometry(block, stride, select_block, select_count, window)
     check_backend_name(backend)
     if backend == "kernel" and selected is None:
@@ -70,8 +72,11 @@ def _check_call(q, k, v, gates, cu_seqlens, block, stride, select_block, select_
     check_qkv(q, k, v, packed=cu_seqlens is not None)
     for name, g in zip(("g_cmp", "g_slc", "g_win"), gates):
         check_like_q(name, g, q, q.shape[:-1], "one gate per query token and head")
-    if cu_seqlens is not None and not torch.compiler.is_compiling():
-        read_seqlens("cu_seqlens", cu_seqlens, q.shape[0], q.device)
+    if cu_seqlens is None:
+        return q.shape[1]
+    if torch.compiler.is_compiling():
+        return 0
+    return max(read_seqlens("cu_seqlens", cu_seqlens, q.shape[0], q.device), default=0)
 
 
 def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor, g_win: Tensor, *,
@@ -93,7 +98,8 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
     kernels); the top-k runs in PyTorch, so "kernel" needs ``selected``.
     """
     gates = (g_cmp, g_slc, g_win)
-    _check_call(q, k, v, gates, cu_seqlens, block, stride, select_block, select_count, window, backend, selected)
+    longest = _check_call(q, k, v, gates, cu_seqlens, block, stride, select_block, select_count, window, backend,
+                          selected)
     scale = check_scale(softmax_scale, q.shape[-1])
     k_cmp, v_cmp = _compressed_kv(k, v, k_cmp, v_cmp, cu_seqlens, block, stride)
     if selected is not None:
@@ -114,7 +120,7 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
         o_win, lse_win = _flatten(*window_attention(q, k, v, None, window, softmax_scale=scale, backend=backend))
     if sel is None:
         sel = torch.ops.fmha_nsa.select_blocks(qp.detach(), kc.detach(), lse_cmp.detach(), cu, cu_cmp, block, stride,
-                                               select_block, select_count, scale, backend)
+                                               select_block, select_count, scale, backend, longest)
     o_slc, lse_slc = torch.ops.fmha_nsa.selection_forward(qp, kp, vp, sel, cu, select_block, scale, backend)
 
     acc = torch.promote_types(q.dtype, torch.float32)

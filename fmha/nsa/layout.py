@@ -62,11 +62,12 @@ def dense_cu_seqlens(batch: int, length: int, device) -> torch.Tensor:
 
 class TokenPositions(NamedTuple):
     """Per packed token: its sequence's first row, its position in the sequence, its sequence's
-    length (int64 tensors of length T)."""
+    length, and which sequence it is in (int64 tensors of length T; ``sequence`` may be None)."""
 
     start: torch.Tensor
     position: torch.Tensor
     length: torch.Tensor
+    sequence: Optional[torch.Tensor] = None
 
 
 def token_positions(cu_seqlens: torch.Tensor, total: int) -> TokenPositions:
@@ -76,7 +77,7 @@ def token_positions(cu_seqlens: torch.Tensor, total: int) -> TokenPositions:
     # Sequence b holds rows [cu[b], cu[b+1]); searching the ends finds b even past empty ones.
     seq = torch.searchsorted(cu[1:], rows, right=True).clamp(max=max(cu.numel() - 2, 0))
     start = cu[seq]
-    return TokenPositions(start, rows - start, cu[seq + 1] - start)
+    return TokenPositions(start, rows - start, cu[seq + 1] - start, seq)
 
 
 class Packed(NamedTuple):

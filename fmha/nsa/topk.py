@@ -9,7 +9,10 @@ blocks that start at or before the query. The list is returned in ascending bloc
 with -1 at the end.
 
 Runs as the custom op ``fmha_nsa::select_blocks`` (no autograd: indices), today in PyTorch
-(``_select_blocks_torch``, a bounded chunk of queries at a time); a kernel goes behind the same op.
+(``_select_blocks_torch``, a bounded chunk of queries at a time, each against one window of
+compressed keys); a kernel goes behind the same op. It reads nothing on the host: its shapes
+follow from the token counts and ``max_seqlen`` (the longest sequence; 0 = unknown, taken as T),
+so a CUDA graph captures it.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from torch import Tensor
 from ..backends import UnsupportedError, check_backend_name
 from ..problem import accumulate_dtype
 from .checks import check_compressed_offsets, check_geometry, check_like_q, check_qkv, check_scale
-from .layout import num_selection_blocks
+from .layout import num_compressed_blocks, num_selection_blocks, token_positions, visible_compressed_blocks
 
-__all__ = ["select_blocks", "overlap_matrix", "block_scores", "rank_blocks"]
+__all__ = ["select_blocks", "overlap_matrix", "block_probabilities", "block_scores", "rank_blocks"]
 
 #: budget of one chunk of scores (C x H_q x T_c)
 CHUNK_BYTES = 128 << 20
@@ -58,51 +61,77 @@ def rank_blocks(scores: Tensor, positions: Tensor, select_block: int, select_cou
     return chosen
 
 
-def block_scores(s: Tensor, lse: Tensor, visible: Tensor, overlap: Tensor) -> Tensor:
-    """Selection-block scores (..., H_k, N_s) from the scaled compression scores s (..., H_k, g,
-    C) of queries whose compression LSE is ``lse`` (..., H_k, g, 1): the probabilities of the
-    compressed blocks each query sees (``visible`` broadcasts against s), summed over the group and
-    mapped onto selection blocks by ``overlap`` (C, N_s)."""
+def block_probabilities(s: Tensor, lse: Tensor, visible: Tensor) -> Tensor:
+    """The compression probabilities (..., H_k, C) of queries' scaled scores s (..., H_k, g, C)
+    whose compression LSE is ``lse`` (..., H_k, g, 1), summed over the group: zero where
+    ``visible`` (broadcast against s) is False or the query sees no compressed block."""
     keep = visible & torch.isfinite(lse)
     p = torch.where(keep, (s - torch.where(keep, lse, torch.zeros_like(lse))).exp(), torch.zeros_like(s))
-    return p.sum(-2) @ overlap
+    return p.sum(-2)
 
 
-def _select_blocks_torch(q, k_cmp, lse_cmp, cu, cu_cmp, block, stride, select_block, select_count, scale):
+def block_scores(s: Tensor, lse: Tensor, visible: Tensor, overlap: Tensor) -> Tensor:
+    """Selection-block scores (..., H_k, N_s): ``block_probabilities`` mapped onto selection
+    blocks by ``overlap`` (C, N_s)."""
+    return block_probabilities(s, lse, visible) @ overlap
+
+
+def _select_blocks_torch(q, k_cmp, lse_cmp, cu, cu_cmp, block, stride, select_block, select_count, scale,
+                         max_seqlen):
+    # The offsets stay on the device (no host read, so CUDA graphs capture it): every shape
+    # follows from T, T_c and the longest sequence's length.
     cdt = accumulate_dtype(q.dtype)
-    heads_k = k_cmp.shape[1]
+    rows, rows_cmp, heads_k = q.shape[0], k_cmp.shape[0], k_cmp.shape[1]
     group = q.shape[1] // heads_k
-    out = torch.full((q.shape[0], heads_k, select_count), -1, dtype=torch.int32, device=q.device)
-    offsets, offsets_cmp = cu.tolist(), cu_cmp.tolist()
-    for b in range(len(offsets) - 1):
-        r0, r1, c0, c1 = offsets[b], offsets[b + 1], offsets_cmp[b], offsets_cmp[b + 1]
-        n_slc = num_selection_blocks(r1 - r0, select_block)
-        overlap = overlap_matrix(c1 - c0, n_slc, block, stride, select_block, cdt, q.device)
-        kc = k_cmp[c0:c1].to(cdt)
-        step = max(1, CHUNK_BYTES // max(1, q.shape[1] * max(c1 - c0, n_slc) * 4 * 3))
-        for a in range(r0, r1, step):
-            z = min(a + step, r1)
-            positions = torch.arange(a - r0, z - r0, device=q.device)
+    out = torch.full((rows, heads_k, select_count), -1, dtype=torch.int32, device=q.device)
+    if rows == 0:
+        return out
+    longest = max_seqlen if max_seqlen > 0 else rows
+    n_seen = max(1, num_compressed_blocks(longest, block, stride))  # the most one query sees
+    n_slc = num_selection_blocks(longest, select_block)
+    overlap = overlap_matrix(n_seen, n_slc, block, stride, select_block, cdt, q.device)
+    where = token_positions(cu, rows)
+    first_cmp = cu_cmp.long()[where.sequence]  # each row's sequence's first compressed key
+    seen = visible_compressed_blocks(where.position, block, stride)
+    own = torch.arange(n_seen, device=q.device)[None, :]
+    step = max(1, CHUNK_BYTES // (q.shape[1] * (n_seen + n_slc + 2) * 4 * 3))
+    step = min(step, stride * (n_seen + 1))  # the window below grows by step / stride
+    for a in range(0, rows, step):
+        z = min(a + step, rows)
+        if rows_cmp == 0:
+            scores = torch.zeros((z - a, heads_k, n_slc), dtype=cdt, device=q.device)
+        else:
+            # Rows a..z-1 see compressed keys of row a's sequence (at most longest / stride) and
+            # of later sequences within the chunk (at most (z - a) / stride): one window of keys.
+            width = min(rows_cmp, (longest + z - a) // stride + 1)
+            base = first_cmp[a]
+            kc = k_cmp.index_select(0, (base + torch.arange(width, device=q.device)).clamp(max=rows_cmp - 1))
             qc = q[a:z].to(cdt).view(z - a, heads_k, group, -1)
-            s = torch.einsum("chgd,khd->chgk", qc, kc) * scale
+            s = torch.einsum("chgd,whd->chgw", qc, kc.to(cdt)) * scale
             lse = lse_cmp[:, a:z].to(cdt).T.reshape(z - a, heads_k, group, 1)
-            visible = torch.arange(c1 - c0, device=q.device)[None, :] * stride + block - 1 <= positions[:, None]
-            scores = block_scores(s, lse, visible[:, None, None, :], overlap)  # (C, H_k, N_s)
-            out[a:z] = rank_blocks(scores, positions, select_block, select_count, group)
+            offset = (first_cmp[a:z] - base)[:, None]  # where each row's sequence starts in the window
+            w = torch.arange(width, device=q.device)[None, :]
+            visible = (w >= offset) & (w < offset + seen[a:z, None])
+            p = block_probabilities(s, lse, visible[:, None, None, :])  # (C, H_k, width)
+            # into each row's own frame (compressed block i of its sequence), then onto selection blocks
+            p = p.gather(-1, (offset + own).clamp(max=width - 1)[:, None, :].expand(-1, heads_k, -1))
+            p = torch.where((own < seen[a:z, None])[:, None, :], p, torch.zeros_like(p))  # and the clamped ones
+            scores = p @ overlap
+        out[a:z] = rank_blocks(scores, where.position[a:z], select_block, select_count, group)
     return out
 
 
 @torch.library.custom_op("fmha_nsa::select_blocks", mutates_args=())
 def _select_blocks_op(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
                       block: int, stride: int, select_block: int, select_count: int, softmax_scale: float,
-                      backend: str) -> Tensor:
+                      backend: str, max_seqlen: int = 0) -> Tensor:
     return _select_blocks_torch(q, k_cmp, lse_cmp, cu_seqlens, cu_seqlens_cmp, block, stride, select_block,
-                                select_count, softmax_scale)
+                                select_count, softmax_scale, max_seqlen)
 
 
 @_select_blocks_op.register_fake
 def _select_blocks_fake(q, k_cmp, lse_cmp, cu_seqlens, cu_seqlens_cmp, block, stride, select_block, select_count,
-                        softmax_scale, backend):
+                        softmax_scale, backend, max_seqlen=0):
     return q.new_empty((q.shape[0], k_cmp.shape[1], select_count), dtype=torch.int32)
 
 
@@ -120,7 +149,8 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, cu_seqlens: Tensor,
     check_qkv(q, k_cmp, k_cmp, packed=True, names=("q", "k_cmp", "k_cmp"), same_tokens=False)
     check_like_q("lse_cmp", lse_cmp, q, (q.shape[1], q.shape[0]), "(H_q, T), compression_attention's LSE")
     scale = check_scale(softmax_scale, q.shape[-1])
-    check_compressed_offsets(cu_seqlens, cu_seqlens_cmp, q.shape[0], k_cmp.shape[0], block, stride, q.device)
+    lens = check_compressed_offsets(cu_seqlens, cu_seqlens_cmp, q.shape[0], k_cmp.shape[0], block, stride,
+                                    q.device)
     return torch.ops.fmha_nsa.select_blocks(q.detach(), k_cmp.detach(), lse_cmp.detach(), cu_seqlens,
                                             cu_seqlens_cmp, block, stride, select_block, select_count, scale,
-                                            backend)
+                                            backend, max(lens or [0]))
