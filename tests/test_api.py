@@ -215,8 +215,6 @@ def test_fused_attention_unchecked_execute():
 
 
 def _counting_validate(monkeypatch):
-    import fmha.api as api
-
     calls = []
     real = dispatch.validate
 

@@ -186,7 +186,7 @@ def test_block_mask_tiles_claimed_longest_first_on_a_long_problem():
 
     gen = torch.Generator(device="cuda").manual_seed(11)
     b, s, h, d = 2, 4099, 16, 128
-    aux = _setup(gen, s)
+    _setup(gen, s)  # the document ids doc_mask reads
     q, k, v = (torch.randn(b, s, h, d, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
                for _ in range(3))
     bm = fmha.create_block_mask(doc_mask, None, None, s, s)

@@ -129,7 +129,7 @@ def flash2_reference(q, k, v, causal, left, right, scale):
 
 @pytest.mark.parametrize("causal,left,right", [(True, None, None), (False, 3, 1), (True, 4, -1), (False, -1, 0)])
 def test_flash_op_varlen_with_windows_matches_flash_attention_2_semantics(active, causal, left, right):
-    lens_q, lens_k = [5, 9, 1], [8, 9, 6]  # S_q <= S_k: the masks are aligned to the last key
+    # lengths q 5, 9, 1 and k 8, 9, 6: S_q <= S_k, so the masks are aligned to the last key
     cu_q = torch.tensor([0, 5, 14, 15], dtype=torch.int32)
     cu_k = torch.tensor([0, 8, 17, 23], dtype=torch.int32)
     g = torch.Generator().manual_seed(0)
