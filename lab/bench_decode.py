@@ -27,6 +27,8 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 
+from lab.timing import bar_plot, not_timed
+
 REL_L2_LIMIT = 2e-2
 #: fp8-cache rows are checked against the bf16 cache they were quantized from (e4m3 keeps 3
 #: mantissa bits)
@@ -287,31 +289,13 @@ def write_reports(rows: list, out_dir: str, meta: dict) -> str:
     if fp8_speedups:
         lines += [f"Median speed of the fp8 cache / the bf16 cache (dense, graph times): "
                   f"{statistics.median(fp8_speedups):.2f}x"]
-    errors = [f"- {r['label']} {r['impl']}: {r['error']}" for r in rows if "error" in r]
-    if errors:
-        lines += ["", "Not timed:"] + errors
+    lines += not_timed(rows)
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "decode.md"), "w") as f:
         f.write(text)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(11, 4.5))
-        width = 0.8 / len(impls)
-        for i, impl in enumerate(impls):
-            ys = [by.get((label, impl), {}).get("graph_us", 0) for label in labels]
-            ax.bar([x + i * width for x in range(len(labels))], ys, width, label=impl)
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))])
-        ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
-        ax.set_ylabel("us per call (CUDA graph), lower is better")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, "decode.png"), dpi=120)
-    except ImportError:
-        pass
+    bar_plot(os.path.join(out_dir, "decode.png"), labels, impls,
+             lambda label, impl: by.get((label, impl), {}).get("graph_us", 0),
+             "us per call (CUDA graph), lower is better")
     return text
 
 

@@ -29,6 +29,8 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 
+from lab.timing import bar_plot, not_timed
+
 REL_L2_LIMIT = 2e-2
 
 
@@ -216,33 +218,16 @@ def write_reports(rows: list, out_dir: str, meta: dict) -> str:
     if ratios:
         lines += ["", f"fmha speed / FA4's (graph times): median {statistics.median(ratios):.2f}x, "
                       f"min {min(ratios):.2f}x"]
-    errors = [f"- {r['label']} {r['impl']}: {r['error']}" for r in rows if "error" in r]
-    if errors:
-        lines += ["", "Not timed:"] + errors
+    lines += not_timed(rows)
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "mixed.md"), "w") as f:
         f.write(text)
-    try:
-        import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(11, 4.5))
-        width = 0.8 / len(impls)
-        for i, impl in enumerate(impls):
-            ys = [by.get((label, impl), {}).get("graph_us", by.get((label, impl), {}).get("eager_us", 0))
-                  for label in labels]
-            ax.bar([x + i * width for x in range(len(labels))], ys, width, label=impl)
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))])
-        ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=7)
-        ax.set_ylabel("us per call (CUDA graph; gather: eager), lower is better")
-        ax.set_yscale("log")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, "mixed.png"), dpi=120)
-    except ImportError:
-        pass
+    def height(label, impl):
+        row = by.get((label, impl), {})
+        return row.get("graph_us", row.get("eager_us", 0))
+    bar_plot(os.path.join(out_dir, "mixed.png"), labels, impls, height,
+             "us per call (CUDA graph; gather: eager), lower is better", rotation=20, log=True)
     return text
 
 
