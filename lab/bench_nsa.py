@@ -28,10 +28,11 @@ and ``export PYTHONPATH=/tmp/site:$PYTHONPATH``.
 
     python lab/bench_nsa.py --backward --out results/bench/nsa/nsa.json
     python lab/bench_nsa.py --backward --profile --impls fmha  # where fmha's time goes, per kernel
-    python lab/bench_nsa.py --topk --impls fmha,fla  # the top-k alone (rows with direction "topk")
+    python lab/bench_nsa.py --topk --impls fmha,fmha_graph,fla  # the top-k alone (direction "topk")
 
 ``--topk`` times the top-k selection instead, at fla's geometry (l = d = l' = 64, mean pooling, the
 compression LSE from fmha's kernel, not timed): ``fmha`` = ``fmha.nsa.select_blocks`` (PyTorch today),
+``fmha_graph`` = its op replayed from a CUDA graph (the GPU time without checks and launches),
 ``fla`` = ``fla.ops.nsa.parallel.parallel_nsa_topk`` (Triton); ``same_lists`` is the fraction of
 (token, KV head) lists on which fla agrees with fmha (fla's scores are bf16, ours fp32, so near-ties
 may differ).
@@ -155,6 +156,27 @@ def main(argv=None):
     print(f"done in {time.time() - start:.0f} s")
 
 
+def _topk_graph(q, k_cmp, lse, cu, cu_cmp, total, count):
+    """fmha's top-k op replayed from a CUDA graph (no checks, no launch cost): returns the replay,
+    which returns the captured output."""
+    def step():
+        return torch.ops.fmha_nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, BLOCK, BLOCK, BLOCK, count,
+                                                q.shape[-1] ** -0.5, "auto", total)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = step()
+    torch.cuda.current_stream().wait_stream(stream)
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
+
+
 def _bench_topk(rows, impls, q, k, cu, total, hq, hk, args, start):
     """Rows of direction "topk" for one point (module doc)."""
     k_cmp, cu_cmp = nsa.mean_pool(k, cu, BLOCK, BLOCK)
@@ -169,6 +191,8 @@ def _bench_topk(rows, impls, q, k, cu, total, hq, hk, args, start):
         if impl == "fmha":
             def run():
                 return nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, BLOCK, BLOCK, BLOCK, args.count)
+        elif impl == "fmha_graph":
+            run = _topk_graph(q, k_cmp, lse, cu, cu_cmp, total, args.count)
         elif impl == "fla":
             from fla.ops.nsa.parallel import parallel_nsa_topk
 
