@@ -120,7 +120,7 @@ def main(argv=None):
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"])
     ap.add_argument("--varlen", action="store_true",
-                    help="the benchmark's packed documents (lab.bench.realistic_lengths) instead of B x S")
+                    help="the benchmark's packed documents (lab.bench_grid.realistic_lengths) instead of B x S")
     ap.add_argument("--calls", type=int, default=3, help="calls after the compiling one")
     ap.add_argument("--backward", action="store_true",
                     help="call the backward (autograd of the implementation's forward) instead")
@@ -135,7 +135,8 @@ def main(argv=None):
 
     import torch
 
-    from lab.bench import Point, _implementations, _inputs, realistic_lengths
+    from lab.bench import _implementations, _inputs
+    from lab.bench_grid import Point, realistic_lengths
 
     p = Point(args.batch, args.seqlen, args.heads, args.heads_k or args.heads, args.head_dim, args.causal,
               dtype=args.dtype, varlen=realistic_lengths() if args.varlen else None)

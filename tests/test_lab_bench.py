@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from lab import bench
+from lab import bench, bench_report
 
 
 class _Clock:
@@ -57,11 +57,11 @@ def test_the_report_names_points_whose_rounds_disagree(tmp_path, monkeypatch):
     point = bench.asdict(bench.Point(2, 8192, 16, 16, 128, False))
     rows = [dict(point=point, impl="fmha", ms=1.0, ms_rounds=[1.0, 1.08, 1.01], tflops=600.0),
             dict(point=point, impl="fa4", ms=1.0, ms_rounds=[1.0, 1.01, 1.0], tflops=600.0)]
-    spreads = bench.round_spreads(rows)
+    spreads = bench_report.round_spreads(rows)
     assert [impl for _, impl, _ in spreads] == ["fmha", "fa4"]
     assert abs(spreads[0][0] - 0.08) < 1e-9
-    monkeypatch.setattr(bench, "_plot", lambda *a, **k: None)  # no plotting library needed for the text
-    text = bench.write_reports(rows, str(tmp_path), dict(device="GPU", date="today", command="x"))
+    monkeypatch.setattr(bench_report, "_plot", lambda *a, **k: None)  # no plotting library needed for the text
+    text = bench_report.write_reports(rows, str(tmp_path), dict(device="GPU", date="today", command="x"))
     noise = next(line for line in text.splitlines() if line.startswith("- noise"))
     assert "fmha B2 S8192 H16/16 D128 (8.0%)" in noise and "fa4 B2" not in noise
 
@@ -121,8 +121,8 @@ def test_the_report_divides_by_every_peer_and_finds_fp8s_bf16_twin_in_any_group(
             t(d256, "fmha", 600.0), t(d256, "fa3", 500.0), t(d256, "fa4", 600.0),
             t(d256_fp8, "fmha", 960.0), t(d256_fp8, "fa3", 1200.0), t(d256_fp8, "cudnn_fp8", 800.0),
             dict(point=d256_fp8, impl="fa4", error="NotImplementedError: no fp8")]
-    monkeypatch.setattr(bench, "_plot", lambda *a, **k: None)
-    text = bench.write_reports(rows, str(tmp_path), dict(device="GPU", date="today", command="x"))
+    monkeypatch.setattr(bench_report, "_plot", lambda *a, **k: None)
+    text = bench_report.write_reports(rows, str(tmp_path), dict(device="GPU", date="today", command="x"))
     lines = text.splitlines()
     assert lines[4].endswith("| fmha / fa4 | fmha / fa3 | fmha / cudnn_fp8 |")
     fp8_row = next(line for line in lines if line.startswith("| B2 S8192 H8/8 D256 causal fp8 |"))
