@@ -3,7 +3,7 @@
 
 Inputs are dense (B, S, H, D) with gates (B, S, H_q), or packed (T, H, D) with ``cu_seqlens`` and
 gates (T, H_q). Dense inputs keep every shape static (nothing is read on the host, so
-torch.compile traces the whole call and a CUDA graph captures it); packed ones read ``cu_seqlens``
+torch.compile traces the whole call; docs/nsa.md on CUDA graphs); packed ones read ``cu_seqlens``
 once for the checks, the compressed length and the longest sequence.
 """
 
