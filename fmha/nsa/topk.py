@@ -12,7 +12,7 @@ Runs as the custom op ``fmha_nsa::select_blocks`` (no autograd: indices), today 
 (``_select_blocks_torch``, a bounded chunk of queries at a time, each against one window of
 compressed keys); a kernel goes behind the same op. It reads nothing on the host: its shapes
 follow from the token counts and ``max_seqlen`` (the longest sequence; 0 = unknown, taken as T),
-so a CUDA graph can capture it.
+so a CUDA graph captures it.
 """
 
 from __future__ import annotations
