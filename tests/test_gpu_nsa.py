@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import fmha.nsa as nsa
 from fmha.nsa import reference as ref
+from gpu_cases import capture_graph
 from gpu_checks import lse_max_err, rel_l2
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore"),
@@ -262,14 +263,9 @@ def test_decode_step_replays_in_a_cuda_graph():
 def _replays_to_eager(run, inputs, fresh):
     """Capture ``run(*inputs)`` in a CUDA graph, copy ``fresh`` into ``inputs``, replay: the
     captured output must equal an eager call on ``fresh`` bit for bit."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run(*inputs)  # warm: every kernel compiled before capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            captured = run(*inputs)
-    torch.cuda.current_stream().wait_stream(stream)
+    outputs = []
+    graph = capture_graph(lambda: outputs.append(run(*inputs)), torch)
+    captured = outputs[-1]  # the capture's output, which each replay rewrites
     for dst, src in zip(inputs, fresh):
         dst.copy_(src)
     captured.fill_(-7 if captured.dtype == torch.int32 else float("nan"))
