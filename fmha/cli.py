@@ -127,8 +127,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tolerance", type=float, default=None,
                    help="max relative L2 error of O (default: by dtype)")
     args = p.parse_args(_values_joined(sys.argv[1:] if argv is None else list(argv)))
-    if args.page_size is not None and (args.page_size <= 0 or args.page_size % 16):
-        p.error(f"--page_size must be a positive multiple of 16, got {args.page_size}")
+    if args.page_size is not None and not 1 <= args.page_size <= 256:
+        p.error(f"--page_size must be from 1 to 256, got {args.page_size}")
     if args.page_size is not None and not args.kvcache:
         p.error("--page_size pages the KV cache of --kvcache")
     if args.k_shape is None:

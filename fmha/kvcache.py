@@ -33,8 +33,8 @@ from .problem import (INPUT_DTYPES, ScoreScaling, accumulate_dtype, default_out_
 from .options import parse_cached
 from .validation import _check_layout, _dtype_name, _require_tensor, check_index_tensor, check_sinks
 
-#: page sizes a paged cache may have (the kernels' TMA boxes are 16-row multiples)
-PAGE_SIZES = tuple(range(16, 257, 16))
+#: page sizes a paged cache may have (the kernel loads each tile in runs that stay within a page)
+PAGE_SIZES = tuple(range(1, 257))
 
 
 def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out_dtype,
@@ -83,8 +83,7 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_n
             raise ValueError(f"block_table has {block_table.shape[0]} rows for a batch of {batch}")
         page_size = k_cache.shape[1]
         if page_size not in PAGE_SIZES:
-            raise ValueError(f"the page size (k_cache.shape[1]) must be a multiple of 16 from 16 to 256, "
-                             f"got {page_size}")
+            raise ValueError(f"the page size (k_cache.shape[1]) must be from 1 to 256 keys, got {page_size}")
         capacity = block_table.shape[1] * page_size
     else:
         if k_cache.shape[0] != batch:

@@ -52,7 +52,8 @@ def case(page_size: int, num_splits, seed: int) -> bool:
 
 
 def main() -> int:
-    ok = all([case(16, 1, 0), case(16, 3, 1), case(48, None, 2), case(256, 2, 3)])
+    ok = all([case(16, 1, 0), case(16, 3, 1), case(48, None, 2), case(256, 2, 3), case(1, 1, 4), case(1, 3, 5),
+              case(7, None, 6)])
     return 0 if ok else 1
 
 

@@ -33,9 +33,9 @@ def _paged_cache(dense, page_size, seed, spare_pages=3):
     return cache, table
 
 
-@pytest.mark.parametrize("page_size", [16, 4])  # 16: fmha's paged cache; 4: gathered
+@pytest.mark.parametrize("page_size,strided", [(16, False), (4, False), (4, True)])  # strided pages: gathered
 @pytest.mark.parametrize("varlen_q", [False, True])
-def test_paged_cache(page_size, varlen_q, monkeypatch):
+def test_paged_cache(page_size, strided, varlen_q, monkeypatch):
     batch, s_cache = 3, 32
     lens = [32, 1, 17]
     kd, vd = _randn(batch, s_cache, 2, 16, seed=1), _randn(batch, s_cache, 2, 16, seed=2)
@@ -44,6 +44,8 @@ def test_paged_cache(page_size, varlen_q, monkeypatch):
         vd[b, lens[b]:] = float("nan")
     kc, table = _paged_cache(kd, page_size, seed=3)
     vc, _ = _paged_cache(vd, page_size, seed=3)
+    if strided:  # pages that do not follow each other in memory: not fmha's paged cache
+        kc, vc = (torch.cat([c, torch.full_like(c, float("nan"))], dim=1)[:, :page_size] for c in (kc, vc))
     sink = _randn(4, seed=4)
     calls = []
     monkeypatch.setattr(fmha, "attention_with_kvcache",
@@ -71,7 +73,7 @@ def test_paged_cache(page_size, varlen_q, monkeypatch):
             assert_close(out[b], ref_o)
             assert_close(lse[b], ref_l)
     # dense or packed queries over pages fmha's paged cache takes go to fmha.attention_with_kvcache
-    assert calls == ([1] if page_size == 16 else [])
+    assert calls == ([] if strided else [1])
 
 
 def test_paged_without_seqused_uses_every_page_and_checks_pages():

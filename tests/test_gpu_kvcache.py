@@ -1,6 +1,6 @@
 """Decode over a KV cache on a Hopper GPU (marked ``gpu``): ``attention_with_kvcache`` through the
 kernel against the fp32 reference on the same inputs, for dense and paged caches (pages shuffled,
-page sizes 16..256, lengths that are not multiples of the page or the tile, empty caches), GQA
+page sizes 1..256, lengths that are not multiples of the page or the tile, empty caches), GQA
 packing, split-KV with the heuristic's and given split counts, chunked prefill (hundreds of query
 rows against a paged cache), appended keys, causal and window
 masks, and rows past each cache's length poisoned with NaN (a kernel that read them into P.V
@@ -88,6 +88,14 @@ CASES = [
     DecodeCase(4, 8, 8, 64, (777, 300, 5), 777, num_splits=3, fp8_cache=True, tensor_scales="seq_head"),
     DecodeCase(2, 32, 8, 128, (129, 0, 300), 512, page_size=128, seqlen_new=2, fp8_cache=True,
                tensor_scales="head"),
+    # pages smaller than 16 keys or not a multiple of 16: each tile loads in runs of gcd(page, tile) keys
+    DecodeCase(1, 32, 8, 128, (0, 1, 2, 17, 700), 704, page_size=1),  # token-granular (SGLang's default)
+    DecodeCase(3, 8, 2, 64, (7 * 5 + 3, 1, 0), 7 * 8, page_size=7, num_splits=2),  # runs of one key
+    DecodeCase(2, 16, 4, 128, (300, 45), 320, page_size=8, causal=False, window=(20, 3), dtype=torch.float16),
+    DecodeCase(2, 32, 8, 128, (129, 0, 300), 512, page_size=4, seqlen_new=2),  # appended into 4-key pages
+    DecodeCase(100, 8, 2, 64, (500, 100), 504, page_size=24, num_splits=2),  # runs of 8, 400 packed rows
+    DecodeCase(1, 32, 8, 128, (0, 15, 16, 17, 700), 704, page_size=1, fp8_cache=True),
+    DecodeCase(2, 16, 4, 128, (300, 45), 312, page_size=24, fp8_cache=True, tensor_scales="head"),
 ]
 #: an fp8 cache's dequantization factors (values = stored x scale); unit-normal keys and values
 #: stay well inside e4m3's range
@@ -212,8 +220,9 @@ def test_decode_matches_the_reference(index, decode_kernels):
         assert torch.equal(_bytes(v), _bytes(v_ref))
 
 
-def test_bad_lengths_and_block_tables_raise_through_the_device_flag(decode_kernels):
-    case = CASES[8]  # paged, 16-key pages
+@pytest.mark.parametrize("index", [8, -7], ids=["pages16", "pages1"])
+def test_bad_lengths_and_block_tables_raise_through_the_device_flag(decode_kernels, index):
+    case = CASES[index]  # paged: 16-key pages, 1-key pages
     q, k, v, seqlens, table, _, _ = _inputs(case, 8)
     too_long = seqlens.clone()
     too_long[1] = table.shape[1] * case.page_size + 1  # past what the block table can hold

@@ -1,6 +1,6 @@
 """Mixed batches on a Hopper GPU (marked ``gpu``): packed query rows of any per-sequence length
 (decodes of one row, chunked prefills of hundreds, empty sequences) over a dense or paged KV cache
-(pages of 16..256 keys in shuffled order, cache lengths that are not multiples of the page or the
+(pages of 1..256 keys in shuffled order, cache lengths that are not multiples of the page or the
 tile, empty caches), as serving engines call ``flash_attn_varlen_func(..., seqused_k=,
 block_table=)``: ``fmha.attention_varlen(q, k_cache, v_cache, cu_seqlens_q, seqused_k=,
 block_table=)`` through the kernel against the fp32 reference on the same inputs, with GQA
@@ -83,6 +83,11 @@ CASES = [
               dtype=torch.float16, fp8_cache=True),
     MixedCase((130, 1), (2000, 900), heads_q=16, heads_k=16, page_size=0, softcap=30.0, sinks=True,
               fp8_cache=True),
+    # small pages and pages not a multiple of 16 (runs of gcd(page, tile) keys)
+    MixedCase((300, 1, 1, 17, 1), (1000, 77, 1, 2047, 40), heads_q=16, heads_k=4, page_size=1),
+    MixedCase((33, 1, 2), (90, 450, 2), heads_q=8, heads_k=2, head_dim=64, page_size=5, causal=False,
+              fp8_cache=True),
+    MixedCase((64, 1, 9), (1000, 513, 256), heads_q=16, heads_k=4, page_size=24, causal=False, window=(100, 0)),
 ]
 #: an fp8 cache's dequantization factors (values = stored x scale)
 SCALE_K, SCALE_V = 0.05, 0.02

@@ -64,7 +64,7 @@ def test_paged_and_dense_caches_match_the_naive_attention(s_q, kwargs, mask):
     lens = torch.tensor(LENS, dtype=torch.int32)
     want_o, want_lse = _want(q, k, v, LENS, mask)
     dense_o, dense_lse = fmha.attention_with_kvcache(q, k, v, lens, return_lse=True, **kwargs)
-    for page_size in (16, 32):
+    for page_size in (1, 5, 16, 32):
         kp, vp, table = _paged(k, v, page_size)
         o, lse = fmha.attention_with_kvcache(q, kp, vp, lens, block_table=table, return_lse=True, **kwargs)
         assert torch.equal(o, dense_o) and torch.equal(lse, dense_lse)
@@ -104,8 +104,9 @@ def test_bad_caches_and_block_tables_say_what_to_change():
     k, v = _dense()
     lens = torch.tensor(LENS, dtype=torch.int32)
     kp, vp, table = _paged(k, v, 16)
-    with pytest.raises(ValueError, match="page size .* multiple of 16"):
-        fmha.attention_with_kvcache(q, kp[:, :8].contiguous(), vp[:, :8].contiguous(), lens, block_table=table)
+    big = kp.new_zeros((kp.shape[0], 257) + kp.shape[2:])
+    with pytest.raises(ValueError, match="page size .* from 1 to 256 keys, got 257"):
+        fmha.attention_with_kvcache(q, big, big, lens, block_table=table)
     with pytest.raises(TypeError, match="block_table must be int32"):
         fmha.attention_with_kvcache(q, kp, vp, lens, block_table=table.long())
     with pytest.raises(ValueError, match="block_table has 3 rows"):

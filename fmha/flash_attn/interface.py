@@ -158,6 +158,17 @@ def _check_varlen_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused
     return batch
 
 
+def _attention_with_kvcache(*args, **kwargs):
+    """``fmha.attention_with_kvcache``, its errors naming the block table as FlashAttention's
+    caller passed it (``page_table``)."""
+    try:
+        return fmha.attention_with_kvcache(*args, **kwargs)
+    except (ValueError, TypeError) as e:
+        if "block_table" not in str(e):
+            raise
+        raise type(e)(str(e).replace("block_table", "page_table")) from e
+
+
 def _serves_as_cache(k, cu_seqlens_q, cu_seqlens_k, seqused_q, page_table, grad: bool) -> bool:
     """Whether fmha.attention_with_kvcache computes the call as it is: dense queries or packed
     ones (a mixed batch), nothing to differentiate, and a dense cache or one whose page size its
@@ -226,7 +237,7 @@ def flash_attn_varlen_func(
         # fmha.attention_varlen, whose kernels may still serve them (another architecture, fp8)
         backend = "kernel" if cu_seqlens_q is not None and q.device.type == "cuda" else "auto"
         try:
-            result = fmha.attention_with_kvcache(q, k, v, lengths, block_table=page_table, causal=False,
+            result = _attention_with_kvcache(q, k, v, lengths, block_table=page_table, causal=False,
                                                  return_lse=want_lse, backend=backend, **packed, **common)
             return _fa4_result(result, want_lse, return_lse)
         except fmha.UnsupportedError:
@@ -375,7 +386,7 @@ def flash_attn_with_kvcache(
             one = torch.ones((), dtype=torch.float32, device=q.device)
             common.update(scale_k=one if k_descale is None else k_descale,
                           scale_v=one if v_descale is None else v_descale)
-        return fmha.attention_with_kvcache(q, k_cache, v_cache, lengths, block_table=page_table, k_new=k, v_new=v,
+        return _attention_with_kvcache(q, k_cache, v_cache, lengths, block_table=page_table, k_new=k, v_new=v,
                                            causal=False, return_lse=bool(return_softmax_lse), num_splits=splits,
                                            **common)
     if k is not None:

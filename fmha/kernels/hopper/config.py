@@ -266,9 +266,8 @@ class HopperForwardConfig:
                                   or self.mask_kind != MaskKind.NONE or element_bytes(self.dtype) != 2):
             raise ValueError("selection packs 2..32 query positions' GQA heads in a tile (a divisor of its rows) "
                              "over one dense run of 16-bit keys, each block at most a key tile, without other masks")
-        if self.page_run and (not self.cache_lengths or self.page_run % 16 or self.tile_n % self.page_run):
-            raise ValueError("a paged cache has lengths per sequence, and loads runs of a multiple of 16 keys "
-                             "that divide the key tile")
+        if self.page_run and (not self.cache_lengths or self.tile_n % self.page_run):
+            raise ValueError("a paged cache has lengths per sequence, and loads runs of keys that divide the key tile")
 
     @staticmethod
     def from_problem(problem: AttentionProblem, options: KernelOptions) -> "HopperForwardConfig":

@@ -145,40 +145,51 @@ class ProducerWarp:
         """``load_kv`` from a paged cache: each K or V tile in runs of ``kv_load_rows`` keys, each
         run from the page the block table names (every run lies within one page). A tile's pages
         are looked up once, for its K, and kept for its V one step later: the state carries the
-        page rows of the V tile due next and of the K tile loaded last."""
+        page rows of the V tile due next and of the K tile loaded last (``page_lookups`` values
+        each, flat)."""
+        lookups = self.page_lookups
 
         def load_k(i, state):
-            p, _, last_k_rows = state
+            p, last_k_rows = state[0], state[1 + lookups:]
             rows = self.page_rows(cache, batch, seq, kv_tiles.block(i), mK_cur.shape[0])
-            return self.load_stage_paged(p, rows, mK_cur, tma_k, sK, True), last_k_rows, rows
+            return (self.load_stage_paged(p, rows, mK_cur, tma_k, sK, True),) + last_k_rows + rows
 
         def load_v(i, state, last):
-            p, v_rows, k_rows = state
+            p, v_rows, k_rows = state[0], state[1:1 + lookups], state[1 + lookups:]
             p = self.load_stage_paged(p, k_rows if last else v_rows, mV_cur, tma_v, sV, False)
-            return p, v_rows, k_rows
+            return (p,) + v_rows + k_rows
 
-        kv_producer, _, _ = in_kv_order(kv_tiles.total, (kv_producer, Int32(0), Int32(0)), load_k, load_v)
-        return kv_producer
+        state = in_kv_order(kv_tiles.total, (kv_producer,) + (Int32(0),) * (2 * lookups), load_k, load_v)
+        return state[0]
+
+    @property
+    def page_lookups(self) -> int:
+        """Block-table lookups per K/V tile: one per lane of the producer warp, 32 runs each."""
+        return -(-(self.cfg.tile_n // self.cfg.kv_load_rows) // 32)
 
     @cute.jit
-    def page_rows(self, cache: KvCache, batch: Int32, seq: SequenceInfo, n_block: Int32, num_rows: Int32) -> Int32:
-        """Lane i of the producer warp: the cache row where run i of K/V tile ``n_block`` starts
-        (one block-table round trip for the whole tile)."""
+    def page_rows(self, cache: KvCache, batch: Int32, seq: SequenceInfo, n_block: Int32, num_rows: Int32) -> tuple:
+        """Lookup j, lane i of the producer warp: the cache row where run 32 j + i of K/V tile
+        ``n_block`` starts (one block-table round trip per 32 runs)."""
         cfg = self.cfg
         runs = cfg.tile_n // cfg.kv_load_rows
-        key = n_block * cfg.tile_n + cutlass.min(cute.arch.lane_idx(), runs - 1) * cfg.kv_load_rows
-        return cache.physical_row(cache.page_of(batch, key), key, seq.seqlen_k, num_rows)
+        rows = ()
+        for j in cutlass.range_constexpr(self.page_lookups):
+            run = cutlass.min(j * 32 + cute.arch.lane_idx(), runs - 1)
+            key = n_block * cfg.tile_n + run * cfg.kv_load_rows
+            rows = rows + (cache.physical_row(cache.page_of(batch, key), key, seq.seqlen_k, num_rows),)
+        return rows
 
     @cute.jit
-    def load_stage_paged(self, kv_producer: pipeline.PipelineProducer, lane_rows: Int32, m_cur: cute.Tensor, tma,
+    def load_stage_paged(self, kv_producer: pipeline.PipelineProducer, lane_rows: tuple, m_cur: cute.Tensor, tma,
                          s_stages, is_k: cutlass.Constexpr):
-        """One K (``is_k``) or V tile into the ring's next stage, run i from the cache row lane i
-        holds (``page_rows``)."""
+        """One K (``is_k``) or V tile into the ring's next stage, run r from the cache row lane
+        r % 32 of lookup r // 32 holds (``page_rows``)."""
         cfg = self.cfg
         rows = cfg.kv_load_rows
         handle = self.acquire_stage(kv_producer, is_k)
         for run in cutlass.range_constexpr(cfg.tile_n // rows):
-            row = cute.arch.shuffle_sync(lane_rows, run)
+            row = cute.arch.shuffle_sync(lane_rows[run // 32], run % 32)
             stage = s_stages[None, None, handle.index]
             if const_expr(is_k or cfg.kv_converted):  # (keys, head dim): K, or a converted cache's V
                 width = cfg.head_dim if const_expr(is_k) else cfg.head_dim_v
