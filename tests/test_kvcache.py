@@ -399,3 +399,29 @@ def test_attention_varlen_over_an_fp8_cache_takes_tensor_scales():
     want = fmha.attention_with_kvcache(q, k8, v8, lens, cu_seqlens_q=cu, max_seqlen_q=max(ROWS), scale_k=sk,
                                        scale_v=sv)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("head_dim,cache_dtype,page_size,served", [
+    (128, DT, 1, True), (64, DT, 7, True), (128, E4M3, 1, True), (64, E4M3, 6, True), (64, E4M3, 5, False),
+    (32, DT, 3, False), (32, DT, 2, True), (96, DT, 9, False), (96, DT, 48, True), (256, DT, 16, False)])
+def test_the_decode_kernel_takes_pages_whose_runs_stay_128_byte_aligned(head_dim, cache_dtype, page_size, served):
+    """A paged cache loads each K/V tile in runs of gcd(page, tile) keys, one TMA box per swizzle
+    atom column, whose shared memory address must be 128-byte aligned: runs of one key for
+    128-byte rows, of two for fp8 or D=96's 64-byte atom columns. A page size that breaks that is
+    refused with the multiple to use (the GPU raised a misaligned address for fp8 D=64 pages of
+    5); the configuration built for a served one passes its own check."""
+    from fmha.kernels.hopper.config import why_unsupported_decode
+    from fmha.kernels.hopper.decode_runner import HopperDecodeRunner
+    from fmha.kvcache import decode_problem
+
+    q = torch.randn(2, 1, 8, head_dim).to(DT)
+    k = torch.zeros(2 * 10, page_size, 2, head_dim, dtype=cache_dtype)
+    table = torch.arange(20, dtype=torch.int32).view(2, 10)
+    problem, _ = decode_problem(q, k, k, torch.tensor([3, 10 * page_size], dtype=torch.int32), block_table=table,
+                                **({"scale_k": 0.5} if cache_dtype == E4M3 else {}))
+    reasons = why_unsupported_decode(problem)
+    assert (reasons == []) == served, reasons
+    if served:
+        assert HopperDecodeRunner(problem).plan(problem, 132).cfg.page_run >= 1
+    elif head_dim != 256:
+        assert "use a page size that is a multiple of" in reasons[0]

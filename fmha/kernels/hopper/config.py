@@ -266,8 +266,11 @@ class HopperForwardConfig:
                                   or self.mask_kind != MaskKind.NONE or element_bytes(self.dtype) != 2):
             raise ValueError("selection packs 2..32 query positions' GQA heads in a tile (a divisor of its rows) "
                              "over one dense run of 16-bit keys, each block at most a key tile, without other masks")
-        if self.page_run and (not self.cache_lengths or self.tile_n % self.page_run):
-            raise ValueError("a paged cache has lengths per sequence, and loads runs of keys that divide the key tile")
+        if self.page_run and (not self.cache_lengths or self.tile_n % self.page_run
+                              or self.page_run % page_run_quantum(self.head_dim, self.head_dim_v,
+                                                                  self.kv_dtype or self.dtype)):
+            raise ValueError("a paged cache has lengths per sequence, and loads runs of keys that divide the key tile "
+                             "and start 128-byte aligned in shared memory (page_run_quantum)")
 
     @staticmethod
     def from_problem(problem: AttentionProblem, options: KernelOptions) -> "HopperForwardConfig":
@@ -392,6 +395,14 @@ class HopperForwardConfig:
         return self.page_run or self.tile_n
 
 
+def page_run_quantum(head_dim: int, head_dim_v: int, kv_dtype: torch.dtype) -> int:
+    """The keys a paged load's run must be a multiple of: each run is one TMA box per swizzle
+    atom column, whose shared memory address must be 128-byte aligned; an atom column holds
+    gcd(128, row bytes) bytes of a key (the swizzle the row's width allows)."""
+    size = element_bytes(kv_dtype)
+    return max(128 // math.gcd(128, width * size) for width in (head_dim, head_dim_v))
+
+
 def decode_tile(dtype: torch.dtype, head_dim: int, head_dim_v: int = None,
                 kv_dtype: Optional[torch.dtype] = None) -> tuple:
     """Decode's (tile_m, tile_n): the fewest query rows the kernel is built for; 64 over a
@@ -417,6 +428,15 @@ def why_unsupported_decode(problem) -> list:
         # runs shorter than the 80-key tile are not verified on hardware at D=256
         reasons.append("the Hopper decode kernel reads D=256 pages whose size is a multiple of 80 keys, "
                        f"not {problem.page_size}")
+    elif problem.page_size:
+        kv_dtype = problem.kv_dtype or problem.dtype
+        tile_n = decode_tile(problem.dtype, problem.head_dim, problem.head_dim_v, kv_dtype)[1]
+        quantum = page_run_quantum(problem.head_dim, problem.head_dim_v, kv_dtype)
+        if math.gcd(problem.page_size, tile_n) % quantum:
+            reasons.append(f"the Hopper decode kernel loads a {str(kv_dtype)[6:]} cache with head dims "
+                           f"{problem.head_dim}/{problem.head_dim_v} in runs of a multiple of {quantum} keys that "
+                           f"stay within a page: use a page size that is a multiple of {quantum}, not "
+                           f"{problem.page_size}")
     if not (0 < problem.score_scale < float("inf")):
         reasons.append("the Hopper decode kernel needs softmax_scale * scale_q * scale_k to be a positive finite "
                        f"number, got {problem.score_scale}")
