@@ -541,3 +541,18 @@ def test_an_fp8_cache_is_staged_then_converted_for_16_bit_products(q_dtype, head
     assert ".e4m3.e4m3" not in kernel  # no fp8 product: Q is never rounded to fp8
     name = "bf16" if q_dtype == torch.bfloat16 else "f16"
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.{name}\.{name}", kernel)
+
+
+def test_one_key_pages_load_each_key_with_its_own_tma_box(tmp_path):
+    """Pages of one key (SGLang's token-granular cache): the paged producer loads a K/V tile in
+    runs of gcd(page, tile) = 1 key, one TMA box per key and 64-column atom (128 runs, more than
+    the producer warp's 32 lanes hold in one block-table lookup)."""
+    from fmha.kernels.hopper.config import decode_config
+    from fmha.masking import MaskKind
+
+    cfg = decode_config(torch.bfloat16, torch.bfloat16, 128, MaskKind.NONE, False, False, True, True, 4, False, 1,
+                        4096)
+    assert cfg.page_run == 1 and cfg.tile_n == 128
+    kernel = next(entry for entry in _ptx(cfg, tmp_path).split(".entry")[1:] if "wgmma" in entry)
+    # K and V tiles of 128 keys, two 64-column boxes a key each, in the loop and after it
+    assert kernel.count("cp.async.bulk.tensor") >= 4 * cfg.tile_n
