@@ -22,7 +22,7 @@ import fmha
 def case(page_size: int, num_splits, seed: int) -> bool:
     g = torch.Generator(device="cuda").manual_seed(seed)
     b, hq, hk, d, per_seq = 3, 8, 2, 128, 5
-    lengths = torch.tensor([page_size * 3 + 5 % page_size, 1, page_size * per_seq], dtype=torch.int32, device="cuda")
+    lengths = torch.tensor([page_size * 3 + (5 % page_size), 1, page_size * per_seq], dtype=torch.int32, device="cuda")
     pages = b * per_seq + 1
     k = torch.randn(pages, page_size, hk, d, generator=g, device="cuda").to(torch.bfloat16)
     v = torch.randn(pages, page_size, hk, d, generator=g, device="cuda").to(torch.bfloat16)
