@@ -290,6 +290,20 @@ def test_topk_replays_in_a_cuda_graph():
     assert torch.equal(run(q2, lse2), nsa.select_blocks(q2, k_cmp, lse2, cu, cu_cmp, l, s, lsel, n))
 
 
+def test_the_top_k_op_flags_a_max_seqlen_below_the_longest_sequence():
+    """On the GPU the op reads no offsets on the host: a too-small bound raises the device flag."""
+    lens, l, s, lsel, n = [300, 0, 1, 177], 32, 16, 64, 16
+    q, k, _, _, cu = bf16_inputs(lens, 16, 2, 128, "cuda", seed=6)
+    k_cmp, cu_cmp = nsa.mean_pool(k, cu, l, s)
+    _, lse = nsa.compression_attention(q, k_cmp, k_cmp, cu, cu_cmp, l, s)
+    fmha.check_device_errors()
+    torch.ops.fmha_nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, l, s, lsel, n, 128 ** -0.5, "auto", 300)
+    fmha.check_device_errors()  # the longest sequence's own length is no error
+    torch.ops.fmha_nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, l, s, lsel, n, 128 ** -0.5, "auto", 299)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        fmha.check_device_errors()
+
+
 @pytest.mark.skipif(not _HOPPER, reason="fmha's kernels need an SM90 GPU")
 def test_dense_nsa_forward_replays_in_a_cuda_graph():
     """Dense NSA reads nothing on the host: pooling, the three branches, the top-k and the gates

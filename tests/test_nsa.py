@@ -100,6 +100,22 @@ def test_select_blocks(geometry, hq, hk):
     assert not torch.equal(got, naive_topk(q * 0, k_cmp, LENS, l, d, lsel, n, 1.0))
 
 
+def test_the_top_k_op_refuses_a_max_seqlen_below_the_longest_sequence():
+    """The op's bound shapes its score window: a shorter one would drop later blocks silently."""
+    l, d, lsel, n, _ = GEOMETRIES["paper_ratios"]
+    q, k, _, cu = inputs(LENS, 4, 2, seed=2)
+    k_cmp, cu_cmp = nsa.mean_pool(k, cu, l, d)
+    _, lse = nsa.compression_attention(q, k_cmp, k_cmp, cu, cu_cmp, l, d)
+
+    def op(max_seqlen):
+        return torch.ops.fmha_nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, l, d, lsel, n, 8 ** -0.5, "auto",
+                                                max_seqlen)
+    want = nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, l, d, lsel, n)
+    assert torch.equal(op(max(LENS)), want) and torch.equal(op(0), want)
+    with pytest.raises(ValueError, match="longer than max_seqlen = 49"):
+        op(max(LENS) - 1)
+
+
 def test_select_blocks_breaks_ties_toward_the_lower_block():
     """q = 0: every visible compressed block weighs the same. With l = d = l' each selection
     block's score is one compressed block's probability, so all visible blocks tie exactly."""

@@ -12,7 +12,8 @@ Runs as the custom op ``fmha_nsa::select_blocks`` (no autograd: indices), today 
 (``_select_blocks_torch``, a bounded chunk of queries at a time, each against one window of
 compressed keys); a kernel goes behind the same op. It reads nothing on the host: its shapes
 follow from the token counts and ``max_seqlen`` (the longest sequence; 0 = unknown, taken as T),
-so a CUDA graph captures it.
+so a CUDA graph captures it. A sequence longer than ``max_seqlen`` sets the device error flag
+(``fmha.check_device_errors``; on the CPU it raises).
 """
 
 from __future__ import annotations
@@ -76,6 +77,22 @@ def block_scores(s: Tensor, lse: Tensor, visible: Tensor, overlap: Tensor) -> Te
     return block_probabilities(s, lse, visible) @ overlap
 
 
+def _check_longest(cu: Tensor, max_seqlen: int) -> None:
+    """A sequence longer than the op's ``max_seqlen`` would lose its later blocks silently: on a
+    GPU it sets the device error flag (no host read, so graphs still capture); on the CPU it raises."""
+    too_long = ((cu[1:] - cu[:-1]) > max_seqlen).any()
+    if cu.device.type != "cuda":
+        if bool(too_long):
+            raise ValueError(f"a sequence of cu_seqlens is longer than max_seqlen = {max_seqlen}; pass the "
+                             "longest sequence's length, or 0 to bound it by the packed token count")
+        return
+    from .. import device_errors
+    from ..kernels.common.error_bits import BAD_OFFSETS
+
+    device_errors.flag(cu.device).bitwise_or_(too_long.int() * BAD_OFFSETS)
+    device_errors.watch(cu.device)
+
+
 def _select_blocks_torch(q, k_cmp, lse_cmp, cu, cu_cmp, block, stride, select_block, select_count, scale,
                          max_seqlen):
     # The offsets stay on the device (no host read, so CUDA graphs capture it): every shape
@@ -125,6 +142,8 @@ def _select_blocks_torch(q, k_cmp, lse_cmp, cu, cu_cmp, block, stride, select_bl
 def _select_blocks_op(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
                       block: int, stride: int, select_block: int, select_count: int, softmax_scale: float,
                       backend: str, max_seqlen: int = 0) -> Tensor:
+    if max_seqlen > 0:
+        _check_longest(cu_seqlens, max_seqlen)
     return _select_blocks_torch(q, k_cmp, lse_cmp, cu_seqlens, cu_seqlens_cmp, block, stride, select_block,
                                 select_count, softmax_scale, max_seqlen)
 
