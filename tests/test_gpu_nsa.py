@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fmha
 import fmha.nsa as nsa
 from fmha.nsa import reference as ref
 from gpu_cases import capture_graph
