@@ -90,6 +90,25 @@ def test_paged_without_seqused_uses_every_page_and_checks_pages():
         flash_attn_varlen_func(q, kc, kc, page_table=bad, seqused_k=torch.tensor([8, 8], dtype=torch.int32))
 
 
+def test_errors_name_the_arguments_as_flash_attention_spells_them():
+    """fmha.attention_with_kvcache serves these calls; its errors say k/v, page_table, seqused_k
+    and k_descale, not its own k_new/v_new, block_table, cache_seqlens and scale_k."""
+    q = _randn(3, 4, 64, seed=0)
+    kp = _randn(8, 16, 2, 64, seed=1)
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    with pytest.raises(ValueError, match=r"^seqused_k\[1\] = -1 does not fit .*\(page_table columns"):
+        flash_attn_varlen_func(q, kp, kp, cu_seqlens_q=cu, max_seqlen_q=2, page_table=table,
+                               seqused_k=torch.tensor([5, -1], dtype=torch.int32))
+    qd, cache = _randn(2, 1, 4, 64, seed=2), _randn(2, 32, 2, 64, seed=3)
+    new = _randn(2, 1, 2, 32, seed=4)
+    with pytest.raises(ValueError, match=r"^k must be \(B, S_new, H_k, D\)"):
+        flash_attn_with_kvcache(qd, cache, cache, k=new, v=new, cache_seqlens=4)
+    fp8 = cache.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"^k_descale must have shape"):
+        flash_attn_with_kvcache(qd.to(torch.bfloat16), fp8, fp8, cache_seqlens=4, k_descale=torch.ones(3, 3))
+
+
 # ---------------------------------------------------------------------------------------------
 # flash_attn_with_kvcache (FlashAttention-3's signature)
 

@@ -15,6 +15,7 @@ into a packed batch (``packing``). FlashAttention features fmha does not have ra
 from __future__ import annotations
 
 import operator
+import re
 
 import torch
 
@@ -158,15 +159,23 @@ def _check_varlen_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused
     return batch
 
 
-def _attention_with_kvcache(*args, **kwargs):
-    """``fmha.attention_with_kvcache``, its errors naming the block table as FlashAttention's
-    caller passed it (``page_table``)."""
+#: fmha.attention_with_kvcache's argument names as FlashAttention's callers spell them
+_VARLEN_NAMES = {"block_table": "page_table", "k_cache": "k", "v_cache": "v", "cache_seqlens": "seqused_k"}
+_KVCACHE_NAMES = {"block_table": "page_table", "k_new": "k", "v_new": "v", "scale_k": "k_descale",
+                  "scale_v": "v_descale"}
+
+
+def _attention_with_kvcache(*args, caller_names: dict, **kwargs):
+    """``fmha.attention_with_kvcache``, its errors naming the arguments as FlashAttention's
+    caller passed them (``caller_names``: fmha's name -> the caller's)."""
     try:
         return fmha.attention_with_kvcache(*args, **kwargs)
     except (ValueError, TypeError) as e:
-        if "block_table" not in str(e):
+        pattern = r"\b(" + "|".join(caller_names) + r")\b"
+        text = re.sub(pattern, lambda m: caller_names[m.group(1)], str(e))
+        if text == str(e):
             raise
-        raise type(e)(str(e).replace("block_table", "page_table")) from e
+        raise type(e)(text) from e
 
 
 def _serves_as_cache(k, cu_seqlens_q, cu_seqlens_k, seqused_q, page_table, grad: bool) -> bool:
@@ -238,7 +247,8 @@ def flash_attn_varlen_func(
         backend = "kernel" if cu_seqlens_q is not None and q.device.type == "cuda" else "auto"
         try:
             result = _attention_with_kvcache(q, k, v, lengths, block_table=page_table, causal=False,
-                                                 return_lse=want_lse, backend=backend, **packed, **common)
+                                             return_lse=want_lse, backend=backend, caller_names=_VARLEN_NAMES,
+                                             **packed, **common)
             return _fa4_result(result, want_lse, return_lse)
         except fmha.UnsupportedError:
             pass
@@ -387,8 +397,8 @@ def flash_attn_with_kvcache(
             common.update(scale_k=one if k_descale is None else k_descale,
                           scale_v=one if v_descale is None else v_descale)
         return _attention_with_kvcache(q, k_cache, v_cache, lengths, block_table=page_table, k_new=k, v_new=v,
-                                           causal=False, return_lse=bool(return_softmax_lse), num_splits=splits,
-                                           **common)
+                                       causal=False, return_lse=bool(return_softmax_lse), num_splits=splits,
+                                       caller_names=_KVCACHE_NAMES, **common)
     if k is not None:
         lengths = _append_new_keys(k_cache, v_cache, kernel_layout(k), kernel_layout(v), lengths, page_table,
                                    cu_seqlens_k_new, batch)
