@@ -28,7 +28,9 @@ A kernel backend is any object with
   cu_seqlens, softmax_scale) -> (o, lse)`` on packed tokens; its backward likewise
   (``why_unsupported_selection_backward``, ``selection_backward_cache_key``,
   ``prepare_selection_backward``): ``runner(problem, dout, q, k, v, out, lse, dlse, selected,
-  cu_seqlens, softmax_scale) -> (dq, dk, dv)``.
+  cu_seqlens, softmax_scale) -> (dq, dk, dv)``; and its top-k (``why_unsupported_topk``,
+  ``topk_cache_key``, ``prepare_topk`` for a ``fmha.nsa.topk.TopKProblem``): ``runner(problem,
+  q, k_cmp, lse_cmp, cu_seqlens, cu_seqlens_cmp, softmax_scale) -> selected``.
 - optionally, for ``attention_with_kvcache``: ``why_unsupported_decode(problem, options)``,
   ``decode_cache_key(problem, options)`` and ``prepare_decode(problem, options) -> runner`` for a
   ``fmha.kvcache.DecodeProblem``: ``runner(problem, q, k_cache, v_cache, lengths, block_table, out,
@@ -37,7 +39,7 @@ A kernel backend is any object with
   capacity)``, which writes a call's new keys into the cache first.
 
 One selection serves them all (``Kind``: ``FORWARD``, ``BACKWARD``, ``DECODE``, ``SELECTION``,
-``SELECTION_BACKWARD``): ``select``
+``SELECTION_BACKWARD``, ``TOPK``): ``select``
 picks the backend, ``runner_for`` its prepared runner.
 
 Kernel backends are imported lazily (the CuTe DSL costs about a second to import) and only
@@ -71,6 +73,7 @@ __all__ = [
     "DECODE",
     "SELECTION",
     "SELECTION_BACKWARD",
+    "TOPK",
     "select",
     "runner_for",
     "clear_cache",
@@ -216,6 +219,8 @@ BACKWARD = Kind("backward", "why_unsupported_backward", "backward_cache_key", "p
 DECODE = Kind("decode", "why_unsupported_decode", "decode_cache_key", "prepare_decode", False)
 #: NSA's selection branch (``fmha.nsa.selection_visits.SelectionProblem``); PyTorch runs it elsewhere
 SELECTION = Kind("selection", "why_unsupported_selection", "selection_cache_key", "prepare_selection", False)
+#: NSA's top-k block selection (``fmha.nsa.topk.TopKProblem``); PyTorch runs it elsewhere
+TOPK = Kind("topk", "why_unsupported_topk", "topk_cache_key", "prepare_topk", False)
 #: its backward
 SELECTION_BACKWARD = Kind("selection_backward", "why_unsupported_selection_backward", "selection_backward_cache_key",
                           "prepare_selection_backward", False)

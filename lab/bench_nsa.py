@@ -31,11 +31,12 @@ and ``export PYTHONPATH=/tmp/site:$PYTHONPATH``.
     python lab/bench_nsa.py --topk --impls fmha,fmha_graph,fla  # the top-k alone (direction "topk")
 
 ``--topk`` times the top-k selection instead, at fla's geometry (l = d = l' = 64, mean pooling, the
-compression LSE from fmha's kernel, not timed): ``fmha`` = ``fmha.nsa.select_blocks`` (PyTorch today),
-``fmha_graph`` = its op replayed from a CUDA graph (the GPU time without checks and launches),
-``fla`` = ``fla.ops.nsa.parallel.parallel_nsa_topk`` (Triton); ``same_lists`` is the fraction of
-(token, KV head) lists on which fla agrees with fmha (fla's scores are bf16, ours fp32, so near-ties
-may differ).
+compression LSE from fmha's kernel, not timed): ``fmha`` = ``fmha.nsa.select_blocks`` (the fused
+top-k kernel on Hopper), ``fmha_graph`` = its op replayed from a CUDA graph (the GPU time without
+checks and launches), ``fmha_torch`` = its PyTorch path (``backend="reference"``, up to
+``--torch-max``), ``fla`` = ``fla.ops.nsa.parallel.parallel_nsa_topk`` (Triton); ``same_lists`` is
+the fraction of (token, KV head) lists on which an impl agrees with ``fmha`` (fla's scores are
+bf16, ours fp32, in another order on the PyTorch path, so near-ties may differ).
 """
 
 import argparse
@@ -193,6 +194,14 @@ def _bench_topk(rows, impls, q, k, cu, total, hq, hk, args, start):
                 return nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, BLOCK, BLOCK, BLOCK, args.count)
         elif impl == "fmha_graph":
             run = _topk_graph(q, k_cmp, lse, cu, cu_cmp, total, args.count)
+        elif impl == "fmha_torch":
+            if total > args.torch_max:
+                keep_row(rows, dict(row, skipped=f"T > --torch-max {args.torch_max}"), args.out)
+                continue
+
+            def run():
+                return nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, BLOCK, BLOCK, BLOCK, args.count,
+                                         backend="reference")
         elif impl == "fla":
             from fla.ops.nsa.parallel import parallel_nsa_topk
 

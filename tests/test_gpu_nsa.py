@@ -83,14 +83,15 @@ def reference_block_keys(q, k_cmp, cu, cu_cmp, l, s, lsel):
     return keys
 
 
-def check_topk(device, lens, hq, hk, d, geometry):
+def check_topk(device, lens, hq, hk, d, geometry, backend="auto", dtype=torch.bfloat16):
     """The bf16 top-k picks the reference's blocks, or blocks whose reference scores add up to
     the best total within a near-tie margin."""
     l, s, lsel, n = geometry["block"], geometry["stride"], geometry["select_block"], geometry["select_count"]
     q, k, _, _, cu = bf16_inputs(lens, hq, hk, d, device, seed=1)
+    q, k = q.to(dtype), k.to(dtype)
     k_cmp, cu_cmp = nsa.mean_pool(k, cu, l, s)
     _, lse = nsa.compression_attention(q, k_cmp, k_cmp, cu, cu_cmp, l, s)
-    got = nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, l, s, lsel, n)
+    got = nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, l, s, lsel, n, backend=backend)
     want = ref.select_blocks_reference(q, k_cmp, cu, cu_cmp, l, s, lsel, n)
     keys = reference_block_keys(q, k_cmp, cu, cu_cmp, l, s, lsel)
 
@@ -148,6 +149,31 @@ def test_window_and_compression_run_on_fmha_kernels():
 @pytest.mark.parametrize("hq,hk", HEADS)
 def test_topk_in_bf16(hq, hk):
     check_topk("cuda", LENS, hq, hk, 128, PAPER)
+
+
+def _geometry(block, stride, select_block, select_count):
+    return dict(block=block, stride=stride, select_block=select_block, select_count=select_count)
+
+
+# (lens, H_q, H_k, D, geometry, dtype): groups 1 to 64, head dims 64 to 192, 1 to 32 blocks per
+# token, compressed blocks over one to three selection blocks, inputs smaller than one tile
+TOPK_KERNEL_CASES = [
+    (LENS, 16, 2, 128, PAPER, torch.bfloat16),
+    (LENS, 32, 8, 128, PAPER, torch.bfloat16),
+    ([4100, 65, 0, 3], 64, 4, 128, _geometry(64, 64, 64, 16), torch.bfloat16),
+    ([777, 1, 0, 300], 8, 8, 64, _geometry(16, 8, 32, 5), torch.bfloat16),
+    ([1000], 64, 1, 64, _geometry(32, 16, 64, 3), torch.float16),
+    ([1500, 2], 4, 2, 192, _geometry(64, 32, 32, 32), torch.float16),
+    ([3, 0, 2], 2, 2, 64, _geometry(4, 2, 4, 2), torch.bfloat16),
+    ([1200, 900], 64, 8, 96, _geometry(32, 16, 64, 1), torch.bfloat16),
+]
+
+
+@pytest.mark.skipif(not _HOPPER, reason="fmha's kernels need an SM90 GPU")
+@pytest.mark.parametrize("case", range(len(TOPK_KERNEL_CASES)))
+def test_the_topk_kernel_against_the_reference(case):
+    lens, hq, hk, d, geometry, dtype = TOPK_KERNEL_CASES[case]
+    check_topk("cuda", lens, hq, hk, d, geometry, backend="kernel", dtype=dtype)
 
 
 @pytest.mark.parametrize("hq,hk", HEADS)

@@ -379,3 +379,27 @@ def test_the_selection_backward_keeps_its_registers(dtype, head_dim, head_dim_v,
     ins, _ = _instructions(subprocess.run([NVDISASM, "-c", cubin], capture_output=True, text=True, check=True).stdout)
     assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
     assert any(f"HGMMA.64x{cfg.tile_m}x16" in t for t in ins)
+
+
+@pytest.mark.parametrize("dtype,head_dim,group,geometry", [(torch.bfloat16, 128, 16, (32, 16, 64, 16)),
+                                                           (torch.bfloat16, 64, 1, (16, 8, 32, 5)),
+                                                           (torch.float16, 192, 2, (64, 32, 32, 32)),
+                                                           (torch.bfloat16, 96, 8, (64, 64, 64, 1)),
+                                                           (torch.bfloat16, 64, 64, (32, 16, 64, 3))])
+def test_the_topk_kernel_scores_on_the_tensor_cores_and_keeps_its_registers(dtype, head_dim, group, geometry,
+                                                                            tmp_root):
+    """NSA's fused top-k (``kernels/common/block_topk.py``): the scores by warp MMAs, their
+    probabilities summed per token in registers and shared memory, no registers in local memory."""
+    from fmha.kernels.common.block_topk import BlockTopKConfig
+    from fmha.kernels.hopper.topk_runner import compile_block_topk
+
+    cfg = BlockTopKConfig(dtype, head_dim, group, *geometry, score_capacity=1024)
+    out = os.path.join(tmp_root, f"topk{abs(hash(cfg))}")
+    os.makedirs(out, exist_ok=True)
+    compile_block_topk(cfg, extra_options=f"--keep-cubin --dump-dir={out}")
+    cubin = next(os.path.join(out, f) for f in os.listdir(out) if f.endswith(".cubin"))
+    ins, _ = _instructions(subprocess.run([NVDISASM, "-c", cubin], capture_output=True, text=True, check=True).stdout)
+    assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
+    assert any(t.startswith("HMMA.16816.F32") for t in ins)
+    # a token of at most 16 rows is summed within its warp: plain shared stores, no atomics
+    assert any(t.startswith("ATOMS") for t in ins) == (group > 16)

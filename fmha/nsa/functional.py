@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import api
-from ..backends import UnsupportedError, check_backend_name
+from ..backends import check_backend_name
 from .checks import (check_compressed_kv, check_geometry, check_int, check_like_q, check_qkv, check_scale,
                      check_selected, read_seqlens)
 from .compression import run_compression
@@ -65,10 +65,6 @@ def _check_call(q, k, v, gates, cu_seqlens, block, stride, select_block, select_
     """Checks the call; returns the longest sequence's length (0 while torch.compile traces)."""
     check_geometry(block, stride, select_block, select_count, window)
     check_backend_name(backend)
-    if backend == "kernel" and selected is None:
-        raise UnsupportedError(["fmha.nsa has no top-k kernel yet: backend='kernel' needs selected= (the block "
-                                "indices); backend='auto' runs the top-k in PyTorch and every attention branch on "
-                                "fmha's kernels where they serve it"])
     check_qkv(q, k, v, packed=cu_seqlens is not None)
     for name, g in zip(("g_cmp", "g_slc", "g_win"), gates):
         check_like_q(name, g, q, q.shape[:-1], "one gate per query token and head")
@@ -94,8 +90,8 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
     q's dtype; with ``return_branches``, ``(o, NSABranches)``. Differentiable in q, k, v, the
     gates, and k_cmp/v_cmp (or through the mean pooling); the top-k's choice is not.
     ``backend`` goes to fmha for the window and compression branches and to
-    ``selection_attention`` (on CUDA, "auto" and "kernel" run the lists as a block mask on fmha's
-    kernels); the top-k runs in PyTorch, so "kernel" needs ``selected``.
+    ``selection_attention`` and to the top-k (``select_blocks``): "kernel" runs every branch and
+    the top-k on fmha's kernels or raises ``UnsupportedError``.
     """
     gates = (g_cmp, g_slc, g_win)
     longest = _check_call(q, k, v, gates, cu_seqlens, block, stride, select_block, select_count, window, backend,

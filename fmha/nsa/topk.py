@@ -8,9 +8,10 @@ taken (in that priority), then the highest scores, the lower block index winning
 blocks that start at or before the query. The list is returned in ascending block order, padded
 with -1 at the end.
 
-Runs as the custom op ``fmha_nsa::select_blocks`` (no autograd: indices), today in PyTorch
-(``_select_blocks_torch``, a bounded chunk of queries at a time, each against one window of
-compressed keys); a kernel goes behind the same op. It reads nothing on the host: its shapes
+Runs as the custom op ``fmha_nsa::select_blocks`` (no autograd: indices): on a Hopper GPU the
+fused kernel (``kernels/common/block_topk.py``: the scores never leave the chip), elsewhere, or
+where the kernel does not serve the call, PyTorch (``_select_blocks_torch``, a bounded chunk of
+queries at a time, each against one window of compressed keys). It reads nothing on the host: its shapes
 follow from the token counts and ``max_seqlen`` (the longest sequence; 0 = unknown, taken as T),
 so a CUDA graph captures it. A sequence longer than ``max_seqlen`` sets the device error flag
 (``fmha.check_device_errors``; on the CPU it raises).
@@ -18,6 +19,7 @@ so a CUDA graph captures it. A sequence longer than ``max_seqlen`` sets the devi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -138,12 +140,51 @@ def _select_blocks_torch(q, k_cmp, lse_cmp, cu, cu_cmp, block, stride, select_bl
     return out
 
 
+@dataclass(frozen=True)
+class TopKProblem:
+    """What a top-k kernel is asked (``fmha.backends.TOPK``): everything it is compiled for, the
+    longest sequence (its scores per token) and the device."""
+
+    dtype: torch.dtype
+    head_dim: int
+    heads_q: int
+    heads_k: int
+    block: int
+    stride: int
+    select_block: int
+    select_count: int
+    max_seqlen: int
+    device: torch.device
+
+
+def _topk_kernel(q, k_cmp, block, stride, select_block, select_count, max_seqlen, backend):
+    """(runner, problem) of the top-k kernel where one serves the call, else None
+    (``backend="kernel"`` raises instead)."""
+    from ..backends import TOPK, runner_for, unsupported_reasons
+    from ..problem import KernelOptions
+
+    if backend == "reference":
+        return None
+    problem = TopKProblem(q.dtype, q.shape[-1], q.shape[1], k_cmp.shape[1], block, stride, select_block,
+                          select_count, max_seqlen if max_seqlen > 0 else q.shape[0], q.device)
+    chosen, reasons = unsupported_reasons(problem, KernelOptions(), every_reason=backend == "kernel", kind=TOPK)
+    if chosen is None:
+        if backend == "kernel":
+            raise UnsupportedError(reasons)
+        return None
+    return runner_for(TOPK, chosen, problem, KernelOptions()), problem
+
+
 @torch.library.custom_op("fmha_nsa::select_blocks", mutates_args=())
 def _select_blocks_op(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
                       block: int, stride: int, select_block: int, select_count: int, softmax_scale: float,
                       backend: str, max_seqlen: int = 0) -> Tensor:
     if max_seqlen > 0:
         _check_longest(cu_seqlens, max_seqlen)
+    kernel = _topk_kernel(q, k_cmp, block, stride, select_block, select_count, max_seqlen, backend)
+    if kernel is not None:
+        runner, problem = kernel
+        return runner(problem, q, k_cmp, lse_cmp, cu_seqlens, cu_seqlens_cmp, softmax_scale)
     return _select_blocks_torch(q, k_cmp, lse_cmp, cu_seqlens, cu_seqlens_cmp, block, stride, select_block,
                                 select_count, softmax_scale, max_seqlen)
 
@@ -159,12 +200,11 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, cu_seqlens: Tensor,
                   softmax_scale: Optional[float] = None, backend: str = "auto") -> Tensor:
     """int32 (T, H_k, select_count): the selection blocks of each packed query (T, H_q, D) and KV
     group, from the compressed keys k_cmp (T_c, H_k, D) and the compression branch's LSE
-    (H_q, T) (``compression_attention``'s). Module doc for the rule. ``backend``: "auto" and
-    "reference" run the PyTorch path; "kernel" raises until a top-k kernel exists."""
+    (H_q, T) (``compression_attention``'s). Module doc for the rule. ``backend``: "auto" runs
+    the fused top-k kernel where one serves the call (module doc) and PyTorch elsewhere;
+    "kernel" the kernel or raises ``UnsupportedError``; "reference" PyTorch."""
     check_geometry(block, stride, select_block, select_count)
     check_backend_name(backend)
-    if backend == "kernel":
-        raise UnsupportedError(["fmha.nsa has no top-k selection kernel yet; backend='auto' runs it in PyTorch"])
     check_qkv(q, k_cmp, k_cmp, packed=True, names=("q", "k_cmp", "k_cmp"), same_tokens=False)
     check_like_q("lse_cmp", lse_cmp, q, (q.shape[1], q.shape[0]), "(H_q, T), compression_attention's LSE")
     scale = check_scale(softmax_scale, q.shape[-1])

@@ -1,6 +1,7 @@
 """The Hopper backend: the dispatcher's view of the kernels (support check, cache key, prepare,
-for the forward, the backward, decode and NSA's selection). Their host sides:
-``forward_runner.py``, ``backward_runner.py``, ``decode_runner.py``, ``selection_runner.py``."""
+for the forward, the backward, decode, NSA's selection and its top-k). Their host sides:
+``forward_runner.py``, ``backward_runner.py``, ``decode_runner.py``, ``selection_runner.py``,
+``topk_runner.py``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from .forward_runner import HopperRunner, compile_forward
 from .selection_runner import (HopperSelectionBackwardRunner, HopperSelectionRunner, backward_config_of,
                                why_unsupported_selection, why_unsupported_selection_backward)
 from .selection_runner import config_of as selection_config_of
+from .topk_runner import HopperTopKRunner, why_unsupported_topk
+from .topk_runner import config_of as topk_config_of
 
 
 class HopperBackend:
@@ -57,6 +60,15 @@ class HopperBackend:
 
     def prepare_selection(self, problem, options: KernelOptions) -> HopperSelectionRunner:
         return HopperSelectionRunner(problem)
+
+    def why_unsupported_topk(self, problem, options: KernelOptions) -> list:
+        return why_unsupported_topk(problem)
+
+    def topk_cache_key(self, problem, options: KernelOptions):
+        return topk_config_of(problem)
+
+    def prepare_topk(self, problem, options: KernelOptions) -> HopperTopKRunner:
+        return HopperTopKRunner(problem)
 
     def why_unsupported_selection_backward(self, problem, options: KernelOptions) -> list:
         return why_unsupported_selection_backward(problem)
