@@ -31,8 +31,8 @@ and ``export PYTHONPATH=/tmp/site:$PYTHONPATH``.
     python lab/bench_nsa.py --topk --impls fmha,fmha_graph,fla  # the top-k alone (direction "topk")
 
 ``--topk`` times the top-k selection instead, at fla's geometry (l = d = l' = 64, mean pooling, the
-compression LSE from fmha's kernel, not timed): ``fmha`` = ``fmha.nsa.select_blocks`` (the fused
-top-k kernel on Hopper), ``fmha_graph`` = its op replayed from a CUDA graph (the GPU time without
+compression LSE from fmha's kernel, not timed): ``fmha`` = ``fmha.nsa.select_blocks(..., backend="kernel")``
+(the fused top-k kernel), ``fmha_graph`` = its op replayed from a CUDA graph (the GPU time without
 checks and launches), ``fmha_torch`` = its PyTorch path (``backend="reference"``, up to
 ``--torch-max``), ``fla`` = ``fla.ops.nsa.parallel.parallel_nsa_topk`` (Triton); ``same_lists`` is
 the fraction of (token, KV head) lists on which an impl agrees with ``fmha`` (fla's scores are
@@ -162,7 +162,7 @@ def _topk_graph(q, k_cmp, lse, cu, cu_cmp, total, count):
     which returns the captured output."""
     def step():
         return torch.ops.fmha_nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, BLOCK, BLOCK, BLOCK, count,
-                                                q.shape[-1] ** -0.5, "auto", total)
+                                                q.shape[-1] ** -0.5, "kernel", total)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -191,7 +191,7 @@ def _bench_topk(rows, impls, q, k, cu, total, hq, hk, args, start):
             continue
         if impl == "fmha":
             def run():
-                return nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, BLOCK, BLOCK, BLOCK, args.count)
+                return nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, BLOCK, BLOCK, BLOCK, args.count, backend="kernel")
         elif impl == "fmha_graph":
             run = _topk_graph(q, k_cmp, lse, cu, cu_cmp, total, args.count)
         elif impl == "fmha_torch":

@@ -176,6 +176,21 @@ def test_the_topk_kernel_against_the_reference(case):
     check_topk("cuda", lens, hq, hk, d, geometry, backend="kernel", dtype=dtype)
 
 
+@pytest.mark.skipif(not _HOPPER, reason="fmha's kernels need an SM90 GPU")
+def test_the_topk_kernel_replays_in_a_cuda_graph():
+    lens, l, s, lsel, n = [1300, 0, 1, 877], 32, 16, 64, 16
+    q, k, _, _, cu = bf16_inputs(lens, 16, 2, 128, "cuda", seed=7)
+    k_cmp, cu_cmp = nsa.mean_pool(k, cu, l, s)
+    _, lse = nsa.compression_attention(q, k_cmp, k_cmp, cu, cu_cmp, l, s)
+    q2, _, _, _, _ = bf16_inputs(lens, 16, 2, 128, "cuda", seed=8)
+    _, lse2 = nsa.compression_attention(q2, k_cmp, k_cmp, cu, cu_cmp, l, s)
+
+    def run(q, lse):
+        return torch.ops.fmha_nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, l, s, lsel, n, 128 ** -0.5, "kernel",
+                                                max(lens))
+    _replays_to_eager(run, (q, lse), (q2, lse2))
+
+
 @pytest.mark.parametrize("hq,hk", HEADS)
 def test_nsa_forward_and_backward_in_bf16(hq, hk):
     check_nsa_forward_backward("cuda", LENS, hq, hk, 128, PAPER)
