@@ -39,13 +39,17 @@ def _config(head_dim, causal, seqlen=16384):
     return library_config(torch.bfloat16, head_dim, "causal" if causal else "none", lse=False, seqlen_k=seqlen)
 
 
-@functools.lru_cache(maxsize=None)
-def _sass(cfg, tmp_root):
-    out = os.path.join(tmp_root, f"k{abs(hash(cfg))}")
+def _disassembly(compile_fn, cfg, out: str) -> str:
+    """The SASS of ``compile_fn(cfg)``, its cubin kept in the directory ``out``."""
     os.makedirs(out, exist_ok=True)
-    compile_kernel(cfg, extra_options=f"--keep-cubin --dump-dir={out}")
+    compile_fn(cfg, extra_options=f"--keep-cubin --dump-dir={out}")
     cubin = next(os.path.join(out, f) for f in os.listdir(out) if f.endswith(".cubin"))
     return subprocess.run([NVDISASM, "-c", cubin], capture_output=True, text=True, check=True).stdout
+
+
+@functools.lru_cache(maxsize=None)
+def _sass(cfg, tmp_root):
+    return _disassembly(compile_kernel, cfg, os.path.join(tmp_root, f"k{abs(hash(cfg))}"))
 
 
 def _instructions(sass: str) -> tuple:
@@ -152,10 +156,7 @@ def _backward_sass(head_dim, causal, tmp_root, **variant) -> tuple:
     if variant:
         cfg = backward_variant_config(cfg, **variant)
     out = os.path.join(tmp_root, f"bwd{head_dim}{int(causal)}" + "".join(f"_{k}{v}" for k, v in variant.items()))
-    os.makedirs(out, exist_ok=True)
-    compile_backward(cfg, extra_options=f"--keep-cubin --dump-dir={out}")
-    cubin = next(os.path.join(out, f) for f in os.listdir(out) if f.endswith(".cubin"))
-    return _instructions(subprocess.run([NVDISASM, "-c", cubin], capture_output=True, text=True, check=True).stdout)
+    return _instructions(_disassembly(compile_backward, cfg, out))
 
 
 @pytest.mark.parametrize("head_dim,causal", [(64, False), (64, True), (128, False), (128, True)])
@@ -373,10 +374,7 @@ def test_the_selection_backward_keeps_its_registers(dtype, head_dim, head_dim_v,
 
     cfg = selection_backward_config(dtype, head_dim, head_dim_v, group)
     out = os.path.join(tmp_root, f"selbwd{head_dim}_{head_dim_v}_{group}")
-    os.makedirs(out, exist_ok=True)
-    compile_backward(cfg, extra_options=f"--keep-cubin --dump-dir={out}")
-    cubin = next(os.path.join(out, f) for f in os.listdir(out) if f.endswith(".cubin"))
-    ins, _ = _instructions(subprocess.run([NVDISASM, "-c", cubin], capture_output=True, text=True, check=True).stdout)
+    ins, _ = _instructions(_disassembly(compile_backward, cfg, out))
     assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
     assert any(f"HGMMA.64x{cfg.tile_m}x16" in t for t in ins)
 
@@ -394,11 +392,7 @@ def test_the_topk_kernel_scores_on_the_tensor_cores_and_keeps_its_registers(dtyp
     from fmha.kernels.hopper.topk_runner import compile_block_topk
 
     cfg = BlockTopKConfig(dtype, head_dim, group, *geometry, score_capacity=1024)
-    out = os.path.join(tmp_root, f"topk{abs(hash(cfg))}")
-    os.makedirs(out, exist_ok=True)
-    compile_block_topk(cfg, extra_options=f"--keep-cubin --dump-dir={out}")
-    cubin = next(os.path.join(out, f) for f in os.listdir(out) if f.endswith(".cubin"))
-    ins, _ = _instructions(subprocess.run([NVDISASM, "-c", cubin], capture_output=True, text=True, check=True).stdout)
+    ins, _ = _instructions(_disassembly(compile_block_topk, cfg, os.path.join(tmp_root, f"topk{abs(hash(cfg))}")))
     assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
     assert any(t.startswith("HMMA.16816.F32") for t in ins)
     # a token of at most 16 rows is summed within its warp: plain shared stores, no atomics
