@@ -176,21 +176,6 @@ def test_the_topk_kernel_against_the_reference(case):
     check_topk("cuda", lens, hq, hk, d, geometry, backend="kernel", dtype=dtype)
 
 
-@pytest.mark.skipif(not _HOPPER, reason="fmha's kernels need an SM90 GPU")
-def test_the_topk_kernel_replays_in_a_cuda_graph():
-    lens, l, s, lsel, n = [1300, 0, 1, 877], 32, 16, 64, 16
-    q, k, _, _, cu = bf16_inputs(lens, 16, 2, 128, "cuda", seed=7)
-    k_cmp, cu_cmp = nsa.mean_pool(k, cu, l, s)
-    _, lse = nsa.compression_attention(q, k_cmp, k_cmp, cu, cu_cmp, l, s)
-    q2, _, _, _, _ = bf16_inputs(lens, 16, 2, 128, "cuda", seed=8)
-    _, lse2 = nsa.compression_attention(q2, k_cmp, k_cmp, cu, cu_cmp, l, s)
-
-    def run(q, lse):
-        return torch.ops.fmha_nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, l, s, lsel, n, 128 ** -0.5, "kernel",
-                                                max(lens))
-    _replays_to_eager(run, (q, lse), (q2, lse2))
-
-
 @pytest.mark.parametrize("hq,hk", HEADS)
 def test_nsa_forward_and_backward_in_bf16(hq, hk):
     check_nsa_forward_backward("cuda", LENS, hq, hk, 128, PAPER)
@@ -316,8 +301,11 @@ def _replays_to_eager(run, inputs, fresh):
     assert torch.equal(captured, run(*fresh))
 
 
-def test_topk_replays_in_a_cuda_graph():
-    """The top-k reads nothing on the host: a packed batch with empty and length-1 sequences."""
+@pytest.mark.parametrize("backend", ["auto", pytest.param("kernel", marks=pytest.mark.skipif(
+    not _HOPPER, reason="fmha's kernels need an SM90 GPU"))])
+def test_topk_replays_in_a_cuda_graph(backend):
+    """The top-k reads nothing on the host, on the PyTorch path and on its kernel: a packed
+    batch with empty and length-1 sequences."""
     lens, l, s, lsel, n = [1300, 0, 1, 877], 32, 16, 64, 16
     q, k, _, _, cu = bf16_inputs(lens, 16, 2, 128, "cuda", seed=4)
     k_cmp, cu_cmp = nsa.mean_pool(k, cu, l, s)
@@ -326,10 +314,10 @@ def test_topk_replays_in_a_cuda_graph():
     _, lse2 = nsa.compression_attention(q2, k_cmp, k_cmp, cu, cu_cmp, l, s)
 
     def run(q, lse):
-        return torch.ops.fmha_nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, l, s, lsel, n, 128 ** -0.5, "auto",
+        return torch.ops.fmha_nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, l, s, lsel, n, 128 ** -0.5, backend,
                                                 max(lens))
     _replays_to_eager(run, (q, lse), (q2, lse2))
-    assert torch.equal(run(q2, lse2), nsa.select_blocks(q2, k_cmp, lse2, cu, cu_cmp, l, s, lsel, n))
+    assert torch.equal(run(q2, lse2), nsa.select_blocks(q2, k_cmp, lse2, cu, cu_cmp, l, s, lsel, n, backend=backend))
 
 
 def test_the_top_k_op_flags_a_max_seqlen_below_the_longest_sequence():
