@@ -128,6 +128,32 @@ def kernel_readable_rows(t: torch.Tensor) -> bool:
     return (t.shape[-1] * t.element_size()) % ALIGN_BYTES == 0
 
 
+def _aligned_pointer(t: torch.Tensor) -> bool:
+    return t.data_ptr() % ALIGN_BYTES == 0
+
+
+def _aligned_layout(t: torch.Tensor) -> bool:
+    if t.stride(-1) != 1 or not _aligned_pointer(t):
+        return False
+    per_row = max(1, ALIGN_BYTES // t.element_size())
+    return all(s == 0 or s % per_row == 0 for s in t.stride()[:-1])
+
+
+def kernel_layout(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``t`` itself when its pointer and strides are 16-byte aligned with a contiguous last dim,
+    else a contiguous copy (differentiable): what fmha's kernels read. FlashAttention copies
+    such inputs where fmha refuses them, so its compatibility layer makes that copy, and so do
+    host sides that feed a kernel internal tensors (the NSA top-k)."""
+    if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return t
+    if t.is_contiguous():
+        # a contiguous view at an odd offset: contiguous() would return it unchanged
+        return t if _aligned_pointer(t) else t.clone(memory_format=torch.contiguous_format)
+    if not _aligned_pointer(t):
+        return t.clone(memory_format=torch.contiguous_format)
+    return t if _aligned_layout(t) else t.contiguous()
+
+
 def _check_layout(name: str, t: torch.Tensor) -> None:
     if not kernel_readable_rows(t):
         return

@@ -15,9 +15,6 @@ from typing import Iterable, Optional, Tuple
 
 import torch
 
-#: the byte alignment FlashAttention (and fmha's kernels) assume for pointers and strides
-ALIGN_BYTES = 16
-
 #: dtypes FlashAttention-4 takes for ``learnable_sink``
 SINK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -77,31 +74,6 @@ def window_fa3(causal, window_size) -> Window:
     if causal:
         right = 0
     return left, right
-
-
-def _aligned_pointer(t: torch.Tensor) -> bool:
-    return t.data_ptr() % ALIGN_BYTES == 0
-
-
-def _aligned_layout(t: torch.Tensor) -> bool:
-    if t.stride(-1) != 1 or not _aligned_pointer(t):
-        return False
-    per_row = max(1, ALIGN_BYTES // t.element_size())
-    return all(s == 0 or s % per_row == 0 for s in t.stride()[:-1])
-
-
-def kernel_layout(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """``t`` itself when its pointer and strides are 16-byte aligned with a contiguous last dim,
-    else a contiguous copy (differentiable): FlashAttention copies such inputs, fmha refuses
-    them, so the compatibility layer makes the copy FlashAttention would make."""
-    if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
-        return t
-    if t.is_contiguous():
-        # a contiguous view at an odd offset: contiguous() would return it unchanged
-        return t if _aligned_pointer(t) else t.clone(memory_format=torch.contiguous_format)
-    if not _aligned_pointer(t):
-        return t.clone(memory_format=torch.contiguous_format)
-    return t if _aligned_layout(t) else t.contiguous()
 
 
 def check_learnable_sink(sink, num_heads_q: int) -> None:

@@ -21,11 +21,11 @@ import torch
 
 import fmha
 from fmha.kvcache import PAGE_SIZES
-from fmha.validation import check_index_tensor
+from fmha.validation import check_index_tensor, kernel_layout
 
 from . import packing
-from .conventions import (check_learnable_sink, kernel_layout, lse_for_caller, needs_grad,
-                          refuse_unsupported, wants_lse, window_fa3, window_fa4)
+from .conventions import (check_learnable_sink, lse_for_caller, needs_grad, refuse_unsupported, wants_lse,
+                          window_fa3, window_fa4)
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 

@@ -4,6 +4,7 @@ for one tile padded). Nothing is read on the host, so a CUDA graph captures it."
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -70,14 +71,6 @@ def compile_block_topk(cfg, extra_options: str = ""):
                        fake_vector(cutlass.Int32), out, Float32(1.0), extra_options=extra_options)
 
 
-def _aligned_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the kernel loads it: unit innermost stride, 16-byte aligned start and rows."""
-    elems = 16 // t.element_size()
-    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % elems == 0 for s in t.stride()[:-1]):
-        return t
-    return t.contiguous()
-
-
 def _padded_rows(t: torch.Tensor, rows: int, dim: int = 0, value: float = 0.0) -> torch.Tensor:
     """``t`` with at least ``rows`` entries along ``dim`` (the kernel's tiles never read past
     the end): the extra ones ``value``."""
@@ -99,6 +92,7 @@ class HopperTopKRunner:
         """int32 (T, H_k, select_count) block lists of packed q (T, H_q, D), compressed keys
         (T_c, H_k, D) and the compression LSE (H_q, T)."""
         from fmha.nsa.layout import token_positions
+        from fmha.validation import kernel_layout
 
         cfg = self.cfg
         tokens, heads_k = q.shape[0], k_cmp.shape[1]
@@ -106,11 +100,11 @@ class HopperTopKRunner:
             return torch.full((0, heads_k, cfg.select_count), -1, dtype=torch.int32, device=q.device)
         seq_of = token_positions(cu_seqlens, tokens).sequence.to(torch.int32)
         rows = max(tokens, cfg.tokens_per_tile)  # tokens past T (cu_seqlens[-1]) are no token's
-        q_in = _aligned_rows(_padded_rows(q, rows))
+        q_in = kernel_layout(_padded_rows(q, rows))
         lse_in = _padded_rows(lse_cmp.float(), rows, dim=1, value=float("-inf")).contiguous()
         seq_in = _padded_rows(seq_of, rows, value=0)
-        k_in = _aligned_rows(_padded_rows(k_cmp, 64))
+        k_in = kernel_layout(_padded_rows(k_cmp, 64))
         out = torch.empty((rows, heads_k, cfg.select_count), dtype=torch.int32, device=q.device)
         self.compiled(q_in, k_in, lse_in, cu_seqlens, cu_seqlens_cmp, seq_in, out,
-                      softmax_scale * 1.4426950408889634)
+                      softmax_scale * math.log2(math.e))
         return out[:tokens]
