@@ -175,13 +175,14 @@ def _kept_by_the_lists(sel, cu, select_block, heads_q):
 
 
 BWD_CASES = [([0, 1, 70, 330, 5], 16, 2, 64, 3, 64), ([300, 77], 8, 2, 128, 4, 64),
-             ([260, 0, 140], 4, 1, 64, 5, 128), ([129, 1], 2, 1, 192, 3, 64), ([400], 32, 1, 64, 6, 64)]
+             ([260, 0, 140], 4, 1, 64, 5, 128), ([129, 1], 2, 1, 192, 3, 64), ([400], 32, 1, 64, 6, 64),
+             ([0, 1, 70, 330, 5], 16, 1, 64, 4, 16), ([300, 77, 1], 8, 2, 128, 5, 32)]
 
 
 @pytest.mark.parametrize("lens,heads_q,heads_k,select_block,count,tile_m", BWD_CASES)
 def test_the_backward_visits_compute_the_selection_gradients(lens, heads_q, heads_k, select_block, count, tile_m):
-    """GQA groups of 2 to 32 (32 and 2 positions per query tile: bit 31 used), query tiles of 64
-    and 128 rows, blocks of 64, 128 and 192 keys (a K/V tile's halves in different blocks, or in
+    """GQA groups of 2 to 32 (32 and 2 positions per query tile: bit 31 used; one position per
+    16-row tile), query tiles of 16 to 128 rows, blocks of 64, 128 and 192 keys (a K/V tile's halves in different blocks, or in
     one), empty and length-1 sequences, future blocks in the lists: every kept pair counted once,
     and the gradients equal the gather path's in fp64."""
     q, k, v, sel, cu = _case(lens, heads_q, heads_k, select_block, count, seed=len(lens) * 5 + select_block)

@@ -70,6 +70,8 @@ class HopperBackwardConfig:
     select_block: int = 0
     #: query rows per query position (selection packs a position's GQA group as its rows)
     rows_per_query: int = 1
+    #: query rows per step, where a rule other than ``tile_m``'s default chose them (0: the default)
+    query_tile_rows: int = 0
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -113,6 +115,8 @@ class HopperBackwardConfig:
         below that length, and with a causal mask, 64 measured ahead); 64 elsewhere (beside
         D=128's dK and dV, 128-row S and dP tiles would not fit in registers; D=32 is not
         measured)."""
+        if self.query_tile_rows:
+            return self.query_tile_rows
         if self.head_dim == self.head_dim_v == 64:
             return 128
         return 80 if self.long_rows and self.head_dim_v == 128 else 64
@@ -188,12 +192,15 @@ class HopperBackwardConfig:
         return cfg
 
 
-def selection_backward_config(dtype: torch.dtype, head_dim: int, head_dim_v: int, group: int) -> HopperBackwardConfig:
+def selection_backward_config(dtype: torch.dtype, head_dim: int, head_dim_v: int, group: int,
+                              query_tile_rows: int = 0) -> HopperBackwardConfig:
     """The backward kernel's configuration for NSA's selection branch (``fmha.nsa``): each
     sequence's tokens as a varlen sequence of (position, head of the group) rows over its keys,
-    each K/V tile walking the query tiles listed for it (``SelectedQueryVisits``)."""
+    each K/V tile walking the query tiles listed for it (``SelectedQueryVisits``);
+    ``query_tile_rows``: the query tile's rows (0: the backward's default)."""
     return HopperBackwardConfig(dtype, head_dim, MaskKind.NONE, False, False, False, varlen=True, tiles_listed=True,
-                                tiles_on_device=True, head_dim_v=head_dim_v, select_block=64, rows_per_query=group)
+                                tiles_on_device=True, head_dim_v=head_dim_v, select_block=64, rows_per_query=group,
+                                query_tile_rows=query_tile_rows)
 
 
 def selection_backward_tile_positions(dtype: torch.dtype, head_dim: int, head_dim_v: int, group: int) -> int:
