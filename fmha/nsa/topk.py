@@ -8,11 +8,11 @@ taken (in that priority), then the highest scores, the lower block index winning
 blocks that start at or before the query. The list is returned in ascending block order, padded
 with -1 at the end.
 
-Runs as the custom op ``fmha_nsa::select_blocks`` (no autograd: indices): with
-``backend="kernel"`` the fused kernel on a Hopper GPU (``kernels/common/block_topk.py``: the
-scores never leave the chip; not yet the default: it has not run on a GPU), otherwise PyTorch
-(``_select_blocks_torch``, a bounded chunk of queries at a time, each against one window of
-compressed keys). It reads nothing on the host: its shapes
+Runs as the custom op ``fmha_nsa::select_blocks`` (no autograd: indices): with "auto" and
+"kernel" the fused kernel on a Hopper GPU (``kernels/common/block_topk.py``: the scores never
+leave the chip), with "reference" and where that kernel does not serve the call ("kernel"
+raises) PyTorch (``_select_blocks_torch``, a bounded chunk of queries at a time, each against
+one window of compressed keys). It reads nothing on the host: its shapes
 follow from the token counts and ``max_seqlen`` (the longest sequence; 0 = unknown, taken as T),
 so a CUDA graph captures it. A sequence longer than ``max_seqlen`` sets the device error flag
 (``fmha.check_device_errors``; on the CPU it raises).
@@ -159,18 +159,21 @@ class TopKProblem:
 
 
 def _topk_kernel(q, k_cmp, block, stride, select_block, select_count, max_seqlen, backend):
-    """(runner, problem) of the top-k kernel for ``backend="kernel"`` (``UnsupportedError`` where
-    none serves the call), else None: the PyTorch path."""
+    """(runner, problem) of the top-k kernel where it serves the call ("kernel" raises
+    ``UnsupportedError`` where it does not), else None: the PyTorch path ("reference", and
+    "auto" where no kernel serves the call)."""
     from ..backends import TOPK, runner_for, unsupported_reasons
     from ..problem import KernelOptions
 
-    if backend != "kernel":  # "auto" takes the kernel once it has passed the GPU check (docs/nsa.md)
+    if backend == "reference" or (backend == "auto" and q.device.type != "cuda"):
         return None
     problem = TopKProblem(q.dtype, q.shape[-1], q.shape[1], k_cmp.shape[1], block, stride, select_block,
                           select_count, max_seqlen if max_seqlen > 0 else q.shape[0], q.device)
     chosen, reasons = unsupported_reasons(problem, KernelOptions(), kind=TOPK)
     if chosen is None:
-        raise UnsupportedError(reasons)
+        if backend == "kernel":
+            raise UnsupportedError(reasons)
+        return None
     return runner_for(TOPK, chosen, problem, KernelOptions()), problem
 
 
@@ -200,8 +203,8 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, cu_seqlens: Tensor,
     """int32 (T, H_k, select_count): the selection blocks of each packed query (T, H_q, D) and KV
     group, from the compressed keys k_cmp (T_c, H_k, D) and the compression branch's LSE
     (H_q, T) (``compression_attention``'s). Module doc for the rule. ``backend``: "kernel"
-    runs the fused top-k kernel (module doc) or raises ``UnsupportedError``; "auto" and
-    "reference" the PyTorch path."""
+    runs the fused top-k kernel (module doc) or raises ``UnsupportedError``; "auto" runs it
+    where it serves the call and PyTorch elsewhere; "reference" PyTorch."""
     check_geometry(block, stride, select_block, select_count)
     check_backend_name(backend)
     check_qkv(q, k_cmp, k_cmp, packed=True, names=("q", "k_cmp", "k_cmp"), same_tokens=False)
