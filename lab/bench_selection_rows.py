@@ -1,18 +1,20 @@
-"""Experiment: the selection backward's query tile (``bwd_config.selection_backward_config``'s
-``query_tile_rows``). Each K/V tile walks the query tiles with a position that chose one of
-its blocks; with GQA groups of g, a 64-row tile holds 64/g positions, most of which did not choose
-the block (docs/nsa.md). Fewer rows per tile waste less but cost more per row.
+"""Experiment: the selection backward's query tile and list splitting
+(``bwd_config.selection_backward_config``'s ``query_tile_rows`` and ``list_pieces``). Each K/V tile
+walks the query tiles with a position that chose one of its blocks; with GQA groups of g, a 64-row
+tile holds 64/g positions, most of which did not choose the block, and block 0's list holds
+every query tile of the sequence (docs/nsa.md).
 
-For each rows value (0 = today's rule) the script patches the selection backward's configuration,
-runs ``tests/test_gpu_nsa.py``'s selection backward cases against the fp64 reference (``--check``;
-only cases at D=128, where a tile of fewer than 64 rows computes dQ transposed), then times the
-backward alone (the kernel's runner, forward outputs given) on one packed sequence with
-``lab/bench_nsa.py``'s lists.
+For each variant ``rows:pieces`` (``default`` = the configuration's rule) the script patches the
+selection backward's configuration, runs ``tests/test_gpu_nsa.py``'s selection backward cases at
+D=128 against the fp64 reference (``--check``), then times the backward alone (the kernel's
+runner, forward outputs given) on one packed sequence with ``lab/bench_nsa.py``'s lists; the
+gradients are compared with the first variant's.
 
-    python lab/bench_selection_rows.py --rows 0,32,16 --check --out /tmp/rows.json
+    python lab/bench_selection_rows.py --variants default,64:1,16:1 --check --out /tmp/rows.json
 """
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -28,16 +30,19 @@ from lab.bench_nsa import BLOCK, selection_lists  # noqa: E402
 from lab.timing import keep_row, seconds_per_call  # noqa: E402
 
 
-def use_rows(rows: int) -> None:
+def use_variant(variant: str) -> None:
     def config_of(problem):
-        served = rows and problem.head_dim == 128
-        return selection_backward_config(problem.dtype, problem.head_dim, problem.head_dim_v, problem.group,
-                                         rows if served else 0)
+        cfg = selection_backward_config(problem.dtype, problem.head_dim, problem.head_dim_v, problem.group)
+        if variant == "default":
+            return cfg
+        rows, pieces = (int(x) for x in variant.split(":"))
+        rows = rows if problem.head_dim == 128 else 0  # fewer than 64 rows: dQ^T, D=128 only
+        return dataclasses.replace(cfg, query_tile_rows=rows, list_pieces=pieces)
     selection_runner.backward_config_of = config_of
     backends._runners.clear()
 
 
-def check(rows: int) -> list:
+def check() -> list:
     import test_gpu_nsa as t
 
     failures = []
@@ -77,7 +82,7 @@ def time_backward(total, hq, hk, rep):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="0,32,16")
+    ap.add_argument("--variants", default="default,64:1")
     ap.add_argument("--tokens", default="8192,65536")
     ap.add_argument("--shapes", default="64/4,32/8")
     ap.add_argument("--rep", type=int, default=20)
@@ -85,20 +90,20 @@ def main(argv=None):
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     rows_out, base = [], {}
-    for rows in (int(r) for r in args.rows.split(",")):
-        use_rows(rows)
+    for variant in args.variants.split(","):
+        use_variant(variant)
         if args.check:
-            fails = check(rows)
-            keep_row(rows_out, dict(rows=rows, check="passed" if not fails else fails), args.out)
+            fails = check()
+            keep_row(rows_out, dict(variant=variant, check="passed" if not fails else fails), args.out)
         for shape in args.shapes.split(","):
             hq, hk = (int(x) for x in shape.split("/"))
             for total in (int(t) for t in args.tokens.split(",")):
-                row = dict(rows=rows, heads=shape, tokens=total)
+                row = dict(variant=variant, heads=shape, tokens=total)
                 try:
                     ms, grads = time_backward(total, hq, hk, args.rep)
                     row["backward_ms"] = round(ms, 3)
                     key = (shape, total)
-                    if key in base:  # the same inputs: the gradients agree with today's rows
+                    if key in base:  # the same inputs: the gradients agree with the first variant's
                         row["speedup"] = round(base[key][0] / ms, 3)
                         row["grad_rel_diff"] = [round(float((a - b).norm() / b.norm()), 5)
                                                 for a, b in zip(grads, base[key][1])]

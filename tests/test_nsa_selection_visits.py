@@ -120,7 +120,7 @@ def emulate_backward(q, k, v, out, lse, dout, sel, cu, select_block, scale, tile
     heads_k = k.shape[1]
     g = heads_q // heads_k
     p = tile_m // g
-    chunk_base, offsets, masked_end, tiles, positions = selection_backward_visits(sel, cu, select_block, p,
+    chunk_base, offsets, masked_end, tiles, positions, _ = selection_backward_visits(sel, cu, select_block, p,
                                                                                   BWD_TILE_N)
     chunks = masked_end.numel() // heads_k
     delta = (dout * out).sum(-1)
@@ -208,7 +208,7 @@ def test_backward_entries_every_position_keeps_whole_come_last():
     sel = torch.full((total, 1, 3), -1, dtype=torch.int32)
     for t in range(total):
         sel[t, 0] = torch.tensor([0, 1, t // 64]) if t >= 128 else torch.tensor([t // 64, -1, -1])
-    chunk_base, offsets, masked_end, tiles, positions = selection_backward_visits(sel, cu, 64, p, BWD_TILE_N)
+    chunk_base, offsets, masked_end, tiles, positions, _ = selection_backward_visits(sel, cu, 64, p, BWD_TILE_N)
     assert chunk_base.tolist() == [0, 3]
     start, masked, end = int(offsets[0]), int(masked_end[0]), int(offsets[1])
     assert sorted(tiles[start:masked].tolist()) == list(range(128 // p))  # positions 0..127 (some not all)
@@ -218,17 +218,23 @@ def test_backward_entries_every_position_keeps_whole_come_last():
         assert pair == [everyone, everyone]
 
 
-def test_the_selection_backward_launch_packs_rows_and_unpacks_dq(monkeypatch):
+@pytest.mark.parametrize("split", [False, True])
+def test_the_selection_backward_launch_packs_rows_and_unpacks_dq(monkeypatch, split):
     """The selection backward's host side (``HopperSelectionBackwardRunner``) with its three
     compiled passes replaced by PyTorch ones that read only what the launch hands them (the
-    packed rows, their offsets, the LSE rows and the visits, as the kernel reads them): the
-    gradients equal the gather path's in fp64, so the packing, the row offsets (cu_seqlens * g)
-    and dQ's unpacking agree with the kernel's reading of them."""
+    packed rows, their offsets, the LSE rows and the visits, as the kernel reads them; each list
+    walked in its shares, one per CTA, a split list's dK and dV added into the fp32
+    accumulators): the gradients equal the gather path's in fp64, so the packing, the row offsets
+    (cu_seqlens * g), the shares, the split keys' conversion and dQ's unpacking agree with the
+    kernel's reading of them. ``split``: shares of a single entry, so that most lists are cut."""
     from fmha import device_errors
     from fmha.kernels.hopper import selection_runner as R
     from fmha.kernels.hopper.backward_runner import BackwardArgs
+    from fmha.nsa import selection_visits as V
     from fmha.nsa.selection_visits import SelectionProblem
 
+    if split:
+        monkeypatch.setattr(V, "MIN_PIECE_ENTRIES", 1)
     lens, heads_q, heads_k, select_block, count = [70, 0, 1, 300], 8, 2, 64, 4
     q, k, v, sel, cu = _case(lens, heads_q, heads_k, select_block, count, seed=3)
     scale = 0.3
@@ -238,7 +244,7 @@ def test_the_selection_backward_launch_packs_rows_and_unpacks_dq(monkeypatch):
     problem = SelectionProblem.of(q, k, v, select_block)
     cfg = R.backward_config_of(problem)
     g = heads_q // heads_k
-    dq_rows_seen = {}
+    dq_rows_seen, cut = {}, []
 
     def row_pass(out_r, dout_r, lse_r, dlse_r, lse2, delta, dq_acc, cu_q, delta_scale):
         lse2.copy_(lse_r)  # natural units here: the emulated kernel below takes them so
@@ -248,7 +254,8 @@ def test_the_selection_backward_launch_packs_rows_and_unpacks_dq(monkeypatch):
         a = BackwardArgs(*args)
         a.mdK.zero_()  # the kernel writes every row of dK and dV; here they are added up
         a.mdV.zero_()
-        chunk_base, offsets, masked_end, tiles, positions = a.mBlockLists
+        chunk_base, offsets, masked_end, tiles, positions, pieces, dk_acc, dv_acc = a.mBlockLists
+        assert dk_acc.dtype == dv_acc.dtype == torch.float32 and not dk_acc.any() and not dv_acc.any()
         chunks = masked_end.numel() // heads_k
         rows_q = torch.zeros(a.mQ.shape, dtype=torch.float64)
         for b in range(a.mCuSeqlensK.numel() - 1):
@@ -260,23 +267,42 @@ def test_the_selection_backward_launch_packs_rows_and_unpacks_dq(monkeypatch):
                 half = (keys - c * cfg.tile_n) // 64
                 for h in range(heads_k):
                     at = h * chunks + int(chunk_base[b]) + c
-                    for i in range(int(offsets[at]), int(offsets[at + 1])):
-                        m = int(tiles[i])
-                        rows = torch.arange(m * cfg.tile_m, min((m + 1) * cfg.tile_m, rows_b))
-                        tok = rows // g
-                        word = positions[i].long() & 0xFFFFFFFF
-                        keep = (((word[half][None, :] >> (tok - m * (cfg.tile_m // g))[:, None]) & 1) == 1) & \
-                            (keys[None, :] <= tok[:, None])
-                        if i >= int(masked_end[at]):
-                            keep = torch.ones_like(keep)
-                        qs, dos, ks, vs = a.mQ[q0 + rows, h], a.mdO[q0 + rows, h], a.mK[k0 + keys, h], a.mV[k0 + keys, h]
-                        s = qs @ ks.T * scale
-                        p = torch.where(keep, (s - a.mLSE2[0, h, q0 + rows][:, None]).exp(), torch.zeros_like(s))
-                        ds = p * (dos @ vs.T - a.mDelta[0, h, q0 + rows][:, None])
-                        a.mdV[k0 + keys, h] += p.T @ dos
-                        a.mdK[k0 + keys, h] += ds.T @ qs * scale
-                        rows_q[q0 + rows, h] += ds @ ks * scale
+                    start, end, shares = int(offsets[at]), int(offsets[at + 1]), int(pieces[at])
+                    assert 1 <= shares <= cfg.list_pieces
+                    cut.append(shares > 1)
+                    share = -(-(end - start) // shares)
+                    for piece in range(shares):  # one CTA each: bwd.SelectedQueryVisits.range
+                        first = min(start + piece * share, end)
+                        walk_share(a, range(first, min(first + share, end)), shares > 1, dk_acc, dv_acc, rows_q,
+                                   b, c, h, q0, k0, rows_b, keys, half, tiles, positions, masked_end[at])
         dq_rows_seen["rows"] = rows_q
+
+    def walk_share(a, entries, into_partials, dk_acc, dv_acc, rows_q, b, c, h, q0, k0, rows_b, keys, half, tiles,
+                   positions, masked_end):
+        """One CTA: its share of a K/V tile's list; dK and dV stored, or added in fp32 where split."""
+        dk_part, dv_part = (torch.zeros(keys.numel(), t.shape[-1], dtype=torch.float64) for t in (a.mdK, a.mdV))
+        for i in entries:
+            m = int(tiles[i])
+            rows = torch.arange(m * cfg.tile_m, min((m + 1) * cfg.tile_m, rows_b))
+            tok = rows // g
+            word = positions[i].long() & 0xFFFFFFFF
+            keep = (((word[half][None, :] >> (tok - m * (cfg.tile_m // g))[:, None]) & 1) == 1) & \
+                (keys[None, :] <= tok[:, None])
+            if i >= int(masked_end):
+                keep = torch.ones_like(keep)
+            qs, dos, ks, vs = a.mQ[q0 + rows, h], a.mdO[q0 + rows, h], a.mK[k0 + keys, h], a.mV[k0 + keys, h]
+            s = qs @ ks.T * scale
+            p = torch.where(keep, (s - a.mLSE2[0, h, q0 + rows][:, None]).exp(), torch.zeros_like(s))
+            ds = p * (dos @ vs.T - a.mDelta[0, h, q0 + rows][:, None])
+            dv_part += p.T @ dos
+            dk_part += ds.T @ qs * scale
+            rows_q[q0 + rows, h] += ds @ ks * scale
+        if into_partials:
+            dk_acc[k0 + keys, h] += dk_part.float()
+            dv_acc[k0 + keys, h] += dv_part.float()
+        else:
+            a.mdK[k0 + keys, h] = dk_part.to(a.mdK.dtype)
+            a.mdV[k0 + keys, h] = dv_part.to(a.mdV.dtype)
 
     runner = object.__new__(R.HopperSelectionBackwardRunner)
     runner.cfg = cfg
@@ -285,8 +311,10 @@ def test_the_selection_backward_launch_packs_rows_and_unpacks_dq(monkeypatch):
     monkeypatch.setattr(device_errors, "flag", lambda device: torch.zeros(1, dtype=torch.int32))  # a GPU's flag
     monkeypatch.setattr(runner.runner, "dq_convert", lambda: lambda acc, dq, cu_q, rows: dq.copy_(dq_rows_seen["rows"]))
     got = runner(problem, dout, q, k, v, out, lse, None, sel, cu, scale)
+    assert any(cut) == split
     for name, a, b in zip("dq dk dv".split(), got, want):
-        assert torch.allclose(a, b, atol=1e-6), name  # the LSE and delta rows are fp32, as the kernel's
+        # the LSE and delta rows are fp32, as the kernel's; so are split lists' dK and dV
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (name, float((a - b).abs().max()))
 
 
 def test_the_selection_kernels_say_what_they_do_not_serve():

@@ -368,7 +368,8 @@ def test_the_selection_kernel_loads_any_key_row_and_keeps_its_registers(group, h
 def test_the_selection_backward_keeps_its_registers(dtype, head_dim, head_dim_v, group, tmp_root):
     """NSA's selection backward (``bwd_config.selection_backward_config``): the varlen backward
     over listed K/V tiles, each warpgroup's keys masked by its visit's positions; no registers in
-    local memory, and the products on the tensor cores (S^T and dP^T 64 keys by the query tile)."""
+    local memory, the products on the tensor cores (S^T and dP^T 64 keys by the query tile: 16
+    rows at D=128 up to groups of 16), and a split list's dK and dV added by fp32 reductions."""
     from fmha.kernels.hopper.backward_runner import compile_backward
     from fmha.kernels.hopper.bwd_config import selection_backward_config
 
@@ -377,6 +378,8 @@ def test_the_selection_backward_keeps_its_registers(dtype, head_dim, head_dim_v,
     ins, _ = _instructions(_disassembly(compile_backward, cfg, out))
     assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
     assert any(f"HGMMA.64x{cfg.tile_m}x16" in t for t in ins)
+    assert cfg.tile_m == (max(16, group) if head_dim == 128 else 128 if head_dim == head_dim_v == 64 else 64)
+    assert sum(t.startswith("REDG.E.ADD.F32") for t in ins) >= (head_dim + head_dim_v) // 2
 
 
 @pytest.mark.parametrize("dtype,head_dim,group,geometry", [(torch.bfloat16, 128, 16, (32, 16, 64, 16)),

@@ -132,23 +132,57 @@ def selection_visits(selected: torch.Tensor, cu_seqlens: torch.Tensor, select_bl
                            chose_out.to(torch.int32)[None].contiguous())
 
 
+#: entries (query tiles) of a K/V tile's list below which it is never split over several CTAs:
+#: a split CTA adds its dK and dV in fp32 atomically, which must stay small beside its walk
+MIN_PIECE_ENTRIES = 128
+
+
 class SelectionBackwardVisits(NamedTuple):
     """The backward's lists (``kernels/hopper/bwd.SelectedQueryVisits``): K/V tile n of sequence
     b is chunk ``chunk_base[b] + n``; for K/V head h its entries are ``offsets[h * chunks +
     chunk]`` up to the next offset, the masked ones before ``masked_end[h * chunks + chunk]``; an
     entry is a query tile of the sequence (``tiles``) and, per half of the K/V tile,
     the bits of the tile's positions that chose the block holding that half (``positions``
-    (entries, 2)). int32, contiguous."""
+    (entries, 2)); ``pieces``: over how many CTAs each list is split (``list_pieces``). int32,
+    contiguous."""
 
     chunk_base: torch.Tensor
     offsets: torch.Tensor
     masked_end: torch.Tensor
     tiles: torch.Tensor
     positions: torch.Tensor
+    pieces: torch.Tensor
+
+
+def list_pieces(offsets: torch.Tensor, max_pieces: int, sms: int) -> torch.Tensor:
+    """Over how many CTAs (1 to ``max_pieces``) each K/V tile's list is walked: block 0, which
+    every position selects, lists every query tile of its sequence, and one CTA walking it would
+    outlast the rest of the grid. A list is cut into equal shares of at least
+    ``MIN_PIECE_ENTRIES`` and about half of what each of the ``sms`` SMs walks on average; the
+    CTAs of a cut list add their dK and dV into fp32 accumulators. int32 per list, from tensor ops
+    (no host sync)."""
+    counts = (offsets[1:] - offsets[:-1]).long()
+    share = (-(-offsets[-1:].long() // (2 * sms))).clamp(min=MIN_PIECE_ENTRIES)
+    return (-(-counts // share)).clamp(1, max_pieces).to(torch.int32)
+
+
+def split_key_rows(visits: SelectionBackwardVisits, cu_seqlens: torch.Tensor, total: int, heads_k: int,
+                   tile_n: int) -> torch.Tensor:
+    """bool (T, H_k): the keys whose K/V tile's list is split (``list_pieces``), whose dK and dV
+    the kernel leaves in the fp32 accumulators."""
+    cu = cu_seqlens.long()
+    batch = cu.numel() - 1
+    where = token_positions(cu_seqlens, total)
+    seq = torch.searchsorted(cu[1:], torch.arange(total, device=cu.device), right=True).clamp(max=max(batch - 1, 0))
+    chunks = visits.masked_end.numel() // heads_k
+    chunk = visits.chunk_base.long()[seq] + where.position // tile_n
+    at = torch.arange(heads_k, device=cu.device).view(1, heads_k) * chunks + chunk.view(total, 1)
+    return visits.pieces.long()[at] > 1
 
 
 def selection_backward_visits(selected: torch.Tensor, cu_seqlens: torch.Tensor, select_block: int,
-                              tokens_per_tile: int, tile_n: int) -> SelectionBackwardVisits:
+                              tokens_per_tile: int, tile_n: int, max_pieces: int = 1,
+                              sms: int = 132) -> SelectionBackwardVisits:
     """What each K/V tile of ``tile_n`` keys (from a sequence's first key on) visits in the
     selection backward: the query tiles of ``tokens_per_tile`` positions (from the sequence's
     first) some position of which chose a block holding the tile's keys, with the bits of those
@@ -156,7 +190,8 @@ def selection_backward_visits(selected: torch.Tensor, cu_seqlens: torch.Tensor, 
     each half lies in one block. Built with tensor ops on the device, without a host sync; a
     block named twice counts once, -1 and blocks that start after the position are dropped. An
     entry is whole (listed after the masked ones) when every position of the tile chose both
-    halves' blocks, the tile of keys is full and ends at or before the first position."""
+    halves' blocks, the tile of keys is full and ends at or before the first position. A list
+    is split over up to ``max_pieces`` CTAs (``list_pieces``, ``sms``: the GPU's SMs)."""
     half = tile_n // 2
     if select_block % half:
         raise ValueError(f"the selection backward takes selection blocks that are multiples of {half} keys (half "
@@ -223,4 +258,4 @@ def selection_backward_visits(selected: torch.Tensor, cu_seqlens: torch.Tensor, 
     positions = torch.where(positions >= 1 << 31, positions - (1 << 32), positions)
     return SelectionBackwardVisits(chunk_base.to(torch.int32), offsets.to(torch.int32),
                                    (offsets[:-1] + masked[:lists]).to(torch.int32), m[order].to(torch.int32),
-                                   positions.to(torch.int32).contiguous())
+                                   positions.to(torch.int32).contiguous(), list_pieces(offsets, max_pieces, sms))

@@ -87,9 +87,11 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
                                                     assumed_align=128)
         errors = fake_vector(cutlass.Int32, 1)
     fake_mods, fake_lists = fake_mod_arguments(cfg.mods)
-    if cfg.select_block:  # chunk bases, offsets, masked ends, query tiles; positions (entries, 2)
+    if cfg.select_block:  # chunk bases, offsets, masked ends, query tiles; positions (entries, 2); pieces;
+        # the fp32 dK and dV of split lists (T, H_k, D)
         fake_lists = tuple(fake_vector(cutlass.Int32) for _ in range(4)) + (cute.runtime.make_fake_tensor(
-            cutlass.Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=8),)
+            cutlass.Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=8), fake_vector(cutlass.Int32),
+            fake_rows(cutlass.Float32, 3, d), fake_rows(cutlass.Float32, 3, cfg.head_dim_v))
     args = BackwardArgs(
         mQ=q, mK=k, mV=v, mdO=do, mLSE2=lse2, mDelta=delta, mdQacc=dq_acc, mdK=dk, mdV=dv, mCuSeqlensQ=cu_q,
         mCuSeqlensK=cu_k, mSeqDescriptors=descriptors, mErrors=errors, mSemaphores=semaphores, mTileTable=tiles,

@@ -140,12 +140,15 @@ class SelectedQueryVisits:
     ``batch`` is chunk ``chunk_base[batch] + n_block``; its entries of head h are ``offsets[h *
     chunks + chunk]`` up to the next offset, those before ``masked_end`` masked, each a query tile
     (``tiles``) and, per consumer warpgroup, its query positions that chose the block holding that
-    warpgroup's keys (``positions``)."""
+    warpgroup's keys (``positions``). A list is cut into ``pieces`` equal shares, one per CTA;
+    this CTA walks share ``piece``, and where the list is cut adds its dK and dV into the fp32
+    accumulators (``dkv_partials``)."""
 
     lists: Any
     batch: Any
     n_block: Any
     num_heads_kv: Any
+    piece: Any
 
     def _list(self, head):
         chunk_base, masked_end = self.lists[0], self.lists[2]
@@ -154,7 +157,24 @@ class SelectedQueryVisits:
 
     def range(self, head):
         at = self._list(head)
-        return self.lists[1][at], self.lists[1][at + 1]
+        start, end = self.lists[1][at], self.lists[1][at + 1]
+        pieces = self.lists[5][at]
+        share = (end - start + pieces - 1) // pieces
+        first = cutlass.min(start + self.piece * share, end)
+        return first, cutlass.min(first + share, end)
+
+    def has_work(self, head):
+        """Share 0 always runs (it writes dK and dV of keys no query chose); the others where
+        they hold entries."""
+        start, end = self.range(head)
+        return (self.piece == 0) | (start < end)
+
+    def split(self, head):
+        return self.lists[5][self._list(head)] > 1
+
+    def dkv_partials(self):
+        """The fp32 dK and dV accumulators ((T, H_k, D), zeroed) that a split list's CTAs add into."""
+        return self.lists[6], self.lists[7]
 
     @cute.jit
     def total(self, head_kv, group):
@@ -313,7 +333,7 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
         if const_expr(cfg.kv_tiles_costliest_first):
             grid = [k.shape[2], num_batches, num_n_blocks]
         if const_expr(cfg.tiles_listed):
-            grid = [k.shape[2] * mTileTable.shape[0], 1, 1]
+            grid = [cfg.list_pieces * k.shape[2] * mTileTable.shape[0], 1, 1]
         if const_expr(varlen):
             self.describe_sequences(tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, q, k, v, do, dk, dv, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, mErrors, max_seqlen_q,
                                     max_seqlen_k).launch(
@@ -374,7 +394,7 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
                sV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout, sdQ_layout, sRow_layout: cute.Layout):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, head_kv, batch = self.work_tile(mTileTable, mTileCount, mK.shape[2])
+        n_block, head_kv, batch, piece = self.work_tile(mTileTable, mTileCount, mK.shape[2])
         if warp_idx == 0:
             for atom in (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_delta):
                 cpasync.prefetch_descriptor(atom)
@@ -405,11 +425,14 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
         seq = SequenceInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, max_seqlen_k)
         group = mQ.shape[2] // mK.shape[2]
         # varlen grids over the longest sequence have K/V tiles past a sequence's end; a listed
-        # grid has entries past its list's count: both have no work
-        if n_block * self.tile_n < seq.seqlen_k:
-            if const_expr(self.cfg.select_block):
-                visits = SelectedQueryVisits(mBlockLists, batch, n_block, mK.shape[2])
-            else:
+        # grid has entries past its list's count, and a selection list fewer shares than CTAs:
+        # none of these has work
+        has_work = n_block * self.tile_n < seq.seqlen_k
+        if const_expr(self.cfg.select_block):
+            visits = SelectedQueryVisits(mBlockLists, batch, n_block, mK.shape[2], piece)
+            has_work = has_work & visits.has_work(head_kv)
+        if has_work:
+            if const_expr(not self.cfg.select_block):
                 m_start, m_end = self.query_tiles(n_block, seq.seqlen_q, seq.seqlen_k, window_left, window_right)
                 visits = QueryVisits(m_start, m_end, mBlockLists, batch, n_block, self.cfg.deterministic)
             if warp_idx < 4:
@@ -432,13 +455,17 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
 
     @cute.jit
     def work_tile(self, mTileTable: Optional[cute.Tensor], mTileCount: Optional[cute.Tensor], num_heads_kv):
-        """(K/V tile, K/V head, sequence) of this CTA: its block index (the tile slowest with
-        ``kv_tiles_costliest_first``), or its entry of the tile list (an entry past the list's
-        count gets a tile past every sequence's end)."""
+        """(K/V tile, K/V head, sequence, share of its list) of this CTA: its block index (the tile
+        slowest with ``kv_tiles_costliest_first``), or its entry of the tile list (an entry past
+        the list's count gets a tile past every sequence's end), the shares of one tile's list
+        (``cfg.list_pieces``) adjacent."""
         n_block, head_kv, batch = cute.arch.block_idx()
+        piece = Int32(0)
         if const_expr(self.cfg.kv_tiles_costliest_first):
             head_kv, batch, n_block = cute.arch.block_idx()
         if const_expr(self.cfg.tiles_listed):
+            if const_expr(self.cfg.list_pieces > 1):
+                piece, n_block = n_block % self.cfg.list_pieces, n_block // self.cfg.list_pieces
             head_kv, entry = n_block % num_heads_kv, n_block // num_heads_kv
             count = mTileTable.shape[0]
             if const_expr(self.cfg.tiles_on_device):  # bad offsets (flagged) may count more than fits
@@ -447,7 +474,7 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
             listed = entry < count
             batch = Int32(cutlass.select_(listed, mTileTable[at, 0], Int32(0)))
             n_block = Int32(cutlass.select_(listed, mTileTable[at, 1], Int32(2**30 // self.tile_n)))
-        return n_block, head_kv, batch
+        return n_block, head_kv, batch, piece
 
     def listed_tiles(self, seq: SequenceInfo):
         """Varlen tile lists (``device_tile_list``): a sequence's K/V tiles with keys."""

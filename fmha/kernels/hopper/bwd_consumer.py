@@ -248,6 +248,47 @@ class BackwardConsumer:
                     warpgroup.wait_group(0)
                     release_by_one_lane(handle)
         release_by_one_lane(kv_handle)
+        if const_expr(cfg.list_pieces > 1):
+            if visits.split(head_kv):  # one share of a list that several CTAs walk
+                self.add_dkv_partials(acc_dk, acc_dv, thr_dkv, thr_dv, visits, n_block, head_kv, seq, score_scale,
+                                      out_scale)
+            else:
+                self.store_dkv(acc_dk, acc_dv, thr_dkv, thr_dv, mma_dkv, mma_dv, sK, sV, mdK, mdV, tma_dk, mdK_tma,
+                               tma_dv, mdV_tma, mSeqDescriptors, score_scale, out_scale, n_block, head_kv, batch,
+                               seq, tidx, wg)
+        else:
+            self.store_dkv(acc_dk, acc_dv, thr_dkv, thr_dv, mma_dkv, mma_dv, sK, sV, mdK, mdV, tma_dk, mdK_tma,
+                           tma_dv, mdV_tma, mSeqDescriptors, score_scale, out_scale, n_block, head_kv, batch, seq,
+                           tidx, wg)
+
+    @cute.jit
+    def add_dkv_partials(self, acc_dk, acc_dv, thr_dkv, thr_dv, visits, n_block, head_kv, seq: SequenceInfo,
+                         score_scale: Float32, out_scale: Float32):
+        """dK and dV of this CTA's share of a split list, added in fp32 into the accumulators
+        (``SelectedQueryVisits.dkv_partials``) that the host converts once every share has added."""
+        cfg = self.cfg
+        dk_scale = Float32(1.0) if const_expr(cfg.ds_prescaled) else score_scale
+        mdKacc, mdVacc = visits.dkv_partials()
+        for acc, thr, m_acc, width, scale in ((acc_dk, thr_dkv, mdKacc, cfg.head_dim, dk_scale),
+                                              (acc_dv, thr_dv, mdVacc, cfg.head_dim_v, out_scale)):
+            rows = cute.domain_offset((seq.offset_k, 0), m_acc[None, head_kv, None])
+            vals = as_rows_cols(acc)
+            coords = as_rows_cols(thr.partition_C(cute.make_identity_tensor((self.tile_n, width))))
+            for r in cutlass.range_constexpr(cute.size(vals, mode=[0])):
+                row = n_block * self.tile_n + coords[r, 0][0]
+                if row < seq.seqlen_k:
+                    for j in cutlass.range_constexpr(cute.size(vals, mode=[1])):
+                        at = rows.iterator + cute.crd2idx((row, coords[r, j][1]), rows.layout)
+                        cute.arch.red(at, vals[r, j] * scale, op="add", dtype=Float32, sem="relaxed", scope="gpu")
+
+    @cute.jit
+    def store_dkv(self, acc_dk, acc_dv, thr_dkv, thr_dv, mma_dkv, mma_dv, sK, sV, mdK, mdV, tma_dk, mdK_tma,
+                  tma_dv, mdV_tma, mSeqDescriptors, score_scale: Float32, out_scale: Float32, n_block, head_kv,
+                  batch, seq: SequenceInfo, tidx, wg):
+        """dK and dV from registers to global memory in the inputs' type."""
+        cfg = self.cfg
+        d, dv, tile_n = cfg.head_dim, cfg.head_dim_v, self.tile_n
+        seqlen_k = seq.seqlen_k
         dk_out = cute.make_rmem_tensor_like(acc_dk, self.dtype)
         dv_out = cute.make_rmem_tensor_like(acc_dv, self.dtype)
         if const_expr(cfg.ds_prescaled):

@@ -16,7 +16,7 @@ from fmha import split_kv
 from fmha.jit import disk_cache
 from fmha.jit.launch import sm_count
 from fmha.masking import MaskSpec
-from fmha.nsa.selection_visits import SelectionProblem, selection_backward_visits, selection_visits
+from fmha.nsa.selection_visits import SelectionProblem, selection_backward_visits, selection_visits, split_key_rows
 from fmha.problem import AttentionProblem
 
 from .backward_runner import HopperBackwardRunner, compile_backward
@@ -133,7 +133,11 @@ class HopperSelectionBackwardRunner:
             return dq, dk, dv
         cfg = self.cfg
         visits = selection_backward_visits(selected, cu_seqlens, problem.select_block, cfg.tile_m // group,
-                                           cfg.tile_n)
+                                           cfg.tile_n, cfg.list_pieces,
+                                           sm_count(q.device) if q.is_cuda else 132)
+        # split lists' CTAs add dK and dV here (fp32); their keys are converted after the kernel
+        dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         rows = total * group
         packed = AttentionProblem(
             dtype=q.dtype, out_dtype=q.dtype, head_dim=problem.head_dim, head_dim_v=problem.head_dim_v,
@@ -143,6 +147,10 @@ class HopperSelectionBackwardRunner:
         dq_rows = q.new_empty((rows, heads_k, problem.head_dim))
         self.runner(packed, _rows(dout, heads_k), _rows(q, heads_k), k, v, _rows(out, heads_k),
                     _lse_rows(lse, heads_k), None if dlse is None else _lse_rows(dlse, heads_k), dq_rows, dk, dv,
-                    cu_seqlens * group, cu_seqlens, query_lists=tuple(visits))
+                    cu_seqlens * group, cu_seqlens, query_lists=tuple(visits) + (dk_acc, dv_acc))
+        split = split_key_rows(visits, cu_seqlens, total, heads_k, cfg.tile_n)[..., None]
+        dk.copy_(torch.where(split, dk_acc.to(dk.dtype), dk))
+        dv.copy_(torch.where(split, dv_acc.to(dv.dtype), dv))
         split_kv.unpack_gqa(dq_rows[None], None, total, dq[None], None)
         return dq, dk, dv
+
