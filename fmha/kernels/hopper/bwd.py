@@ -428,11 +428,14 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
         # grid has entries past its list's count, and a selection list fewer shares than CTAs:
         # none of these has work
         has_work = n_block * self.tile_n < seq.seqlen_k
+        selected = None
         if const_expr(self.cfg.select_block):
-            visits = SelectedQueryVisits(mBlockLists, batch, n_block, mK.shape[2], piece)
-            has_work = has_work & visits.has_work(head_kv)
+            selected = SelectedQueryVisits(mBlockLists, batch, n_block, mK.shape[2], piece)
+            has_work = has_work & selected.has_work(head_kv)
         if has_work:
-            if const_expr(not self.cfg.select_block):
+            if const_expr(self.cfg.select_block):
+                visits = selected
+            else:
                 m_start, m_end = self.query_tiles(n_block, seq.seqlen_q, seq.seqlen_k, window_left, window_right)
                 visits = QueryVisits(m_start, m_end, mBlockLists, batch, n_block, self.cfg.deterministic)
             if warp_idx < 4:
