@@ -4,13 +4,14 @@ walks the query tiles with a position that chose one of its blocks; with GQA gro
 tile holds 64/g positions, most of which did not choose the block, and block 0's list holds
 every query tile of the sequence (docs/nsa.md).
 
-For each variant ``rows:pieces`` (``default`` = the configuration's rule) the script patches the
+For each variant ``rows:pieces``, ``default`` (the configuration fmha runs) or ``candidate``
+(``candidate_config``: 16-row tiles at D=128, lists split over up to 8 CTAs) the script patches the
 selection backward's configuration, runs ``tests/test_gpu_nsa.py``'s selection backward cases at
 D=128 against the fp64 reference (``--check``), then times the backward alone (the kernel's
 runner, forward outputs given) on one packed sequence with ``lab/bench_nsa.py``'s lists; the
 gradients are compared with the first variant's.
 
-    python lab/bench_selection_rows.py --variants default,64:1,16:1 --check --out /tmp/rows.json
+    python lab/bench_selection_rows.py --variants default,candidate,32:8 --check --out /tmp/rows.json
 """
 
 import argparse
@@ -30,11 +31,31 @@ from lab.bench_nsa import BLOCK, selection_lists  # noqa: E402
 from lab.timing import keep_row, seconds_per_call  # noqa: E402
 
 
+#: the candidate's CTAs per K/V tile list (``HopperBackwardConfig.list_pieces``)
+CANDIDATE_LIST_PIECES = 8
+
+
+def candidate_query_rows(head_dim: int, group: int) -> int:
+    """The candidate's query tile: at D=128 as few rows as hold one position's group, 16 at least
+    (dQ^T's product takes any multiple of 8 there); 0 elsewhere (the backward's own tile: dQ's
+    products need 64 rows or D=128; groups of 1 stay refused, as the forward refuses them)."""
+    if head_dim == 128 and 2 <= group <= 64 and group & (group - 1) == 0:
+        return max(16, group)
+    return 0
+
+
+def candidate_config(dtype, head_dim, head_dim_v, group):
+    return selection_backward_config(dtype, head_dim, head_dim_v, group, candidate_query_rows(head_dim, group),
+                                     CANDIDATE_LIST_PIECES)
+
+
 def use_variant(variant: str) -> None:
     def config_of(problem):
         cfg = selection_backward_config(problem.dtype, problem.head_dim, problem.head_dim_v, problem.group)
         if variant == "default":
             return cfg
+        if variant == "candidate":
+            return candidate_config(problem.dtype, problem.head_dim, problem.head_dim_v, problem.group)
         rows, pieces = (int(x) for x in variant.split(":"))
         rows = rows if problem.head_dim == 128 else 0  # fewer than 64 rows: dQ^T, D=128 only
         return dataclasses.replace(cfg, query_tile_rows=rows, list_pieces=pieces)
@@ -82,7 +103,7 @@ def time_backward(total, hq, hk, rep):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default="default,64:1")
+    ap.add_argument("--variants", default="default,candidate")
     ap.add_argument("--tokens", default="8192,65536")
     ap.add_argument("--shapes", default="64/4,32/8")
     ap.add_argument("--rep", type=int, default=20)

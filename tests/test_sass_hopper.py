@@ -368,18 +368,25 @@ def test_the_selection_kernel_loads_any_key_row_and_keeps_its_registers(group, h
 def test_the_selection_backward_keeps_its_registers(dtype, head_dim, head_dim_v, group, tmp_root):
     """NSA's selection backward (``bwd_config.selection_backward_config``): the varlen backward
     over listed K/V tiles, each warpgroup's keys masked by its visit's positions; no registers in
-    local memory, the products on the tensor cores (S^T and dP^T 64 keys by the query tile: 16
-    rows at D=128 up to groups of 16), and a split list's dK and dV added by fp32 reductions."""
+    local memory, the products on the tensor cores (S^T and dP^T 64 keys by the query tile); the
+    candidate configuration (``lab/bench_selection_rows.py``: 16-row tiles at D=128, split lists)
+    too, its split lists' dK and dV added by fp32 reductions."""
     from fmha.kernels.hopper.backward_runner import compile_backward
     from fmha.kernels.hopper.bwd_config import selection_backward_config
+    from lab.bench_selection_rows import candidate_config
 
-    cfg = selection_backward_config(dtype, head_dim, head_dim_v, group)
-    out = os.path.join(tmp_root, f"selbwd{head_dim}_{head_dim_v}_{group}")
-    ins, _ = _instructions(_disassembly(compile_backward, cfg, out))
-    assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
-    assert any(f"HGMMA.64x{cfg.tile_m}x16" in t for t in ins)
-    assert cfg.tile_m == (max(16, group) if head_dim == 128 else 128 if head_dim == head_dim_v == 64 else 64)
-    assert sum(t.startswith("REDG.E.ADD.F32") for t in ins) >= (head_dim + head_dim_v) // 2
+    for candidate in (False, True):
+        cfg = (candidate_config if candidate else selection_backward_config)(dtype, head_dim, head_dim_v, group)
+        out = os.path.join(tmp_root, f"selbwd{head_dim}_{head_dim_v}_{group}_{candidate}")
+        ins, _ = _instructions(_disassembly(compile_backward, cfg, out))
+        assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
+        assert any(f"HGMMA.64x{cfg.tile_m}x16" in t for t in ins)
+        reductions = sum(t.startswith("REDG.E.ADD.F32") for t in ins)
+        if candidate:
+            assert cfg.tile_m == (max(16, group) if head_dim == 128 else 128 if head_dim == head_dim_v == 64 else 64)
+            assert reductions >= (head_dim + head_dim_v) // 2
+        else:
+            assert reductions == 0
 
 
 @pytest.mark.parametrize("dtype,head_dim,group,geometry", [(torch.bfloat16, 128, 16, (32, 16, 64, 16)),
