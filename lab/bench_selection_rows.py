@@ -4,8 +4,9 @@ walks the query tiles with a position that chose one of its blocks; with GQA gro
 tile holds 64/g positions, most of which did not choose the block, and block 0's list holds
 every query tile of the sequence (docs/nsa.md).
 
-For each variant ``rows:pieces``, ``default`` (the configuration fmha runs) or ``candidate``
-(``candidate_config``: 16-row tiles at D=128, lists split over up to 8 CTAs) the script patches the
+For each variant ``rows:pieces``, ``default`` (the configuration fmha runs: at D=128 16-row tiles
+and split lists) or ``candidate`` (``candidate_config``: the split at every head dim) the script
+patches the
 selection backward's configuration, runs ``tests/test_gpu_nsa.py``'s selection backward cases at
 D=128 against the fp64 reference (``--check``), then times the backward alone (the kernel's
 runner, forward outputs given) on one packed sequence with ``lab/bench_nsa.py``'s lists; the
@@ -26,27 +27,17 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import fmha.backends as backends  # noqa: E402
 import fmha.kernels.hopper.selection_runner as selection_runner  # noqa: E402
-from fmha.kernels.hopper.bwd_config import selection_backward_config  # noqa: E402
+from fmha.kernels.hopper.bwd_config import (SELECTION_LIST_PIECES, selection_backward_config,  # noqa: E402
+                                            selection_query_rows)
 from lab.bench_nsa import BLOCK, selection_lists  # noqa: E402
 from lab.timing import keep_row, seconds_per_call  # noqa: E402
 
 
-#: the candidate's CTAs per K/V tile list (``HopperBackwardConfig.list_pieces``)
-CANDIDATE_LIST_PIECES = 8
-
-
-def candidate_query_rows(head_dim: int, group: int) -> int:
-    """The candidate's query tile: at D=128 as few rows as hold one position's group, 16 at least
-    (dQ^T's product takes any multiple of 8 there); 0 elsewhere (the backward's own tile: dQ's
-    products need 64 rows or D=128; groups of 1 stay refused, as the forward refuses them)."""
-    if head_dim == 128 and 2 <= group <= 64 and group & (group - 1) == 0:
-        return max(16, group)
-    return 0
-
-
 def candidate_config(dtype, head_dim, head_dim_v, group):
-    return selection_backward_config(dtype, head_dim, head_dim_v, group, candidate_query_rows(head_dim, group),
-                                     CANDIDATE_LIST_PIECES)
+    """16-row tiles at D=128 and lists split over up to 8 CTAs at every head dim (fmha's default
+    splits only at D=128, where the GPU check has run it)."""
+    return selection_backward_config(dtype, head_dim, head_dim_v, group, selection_query_rows(head_dim, group),
+                                     SELECTION_LIST_PIECES)
 
 
 def use_variant(variant: str) -> None:

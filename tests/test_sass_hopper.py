@@ -368,9 +368,9 @@ def test_the_selection_kernel_loads_any_key_row_and_keeps_its_registers(group, h
 def test_the_selection_backward_keeps_its_registers(dtype, head_dim, head_dim_v, group, tmp_root):
     """NSA's selection backward (``bwd_config.selection_backward_config``): the varlen backward
     over listed K/V tiles, each warpgroup's keys masked by its visit's positions; no registers in
-    local memory, the products on the tensor cores (S^T and dP^T 64 keys by the query tile); the
-    candidate configuration (``lab/bench_selection_rows.py``: 16-row tiles at D=128, split lists)
-    too, its split lists' dK and dV added by fp32 reductions."""
+    local memory, the products on the tensor cores (S^T and dP^T 64 keys by the query tile: 16
+    rows at D=128 up to groups of 16), split lists' dK and dV added by fp32 reductions (by default
+    at D=128; ``lab/bench_selection_rows.candidate_config`` splits at every head dim)."""
     from fmha.kernels.hopper.backward_runner import compile_backward
     from fmha.kernels.hopper.bwd_config import selection_backward_config
     from lab.bench_selection_rows import candidate_config
@@ -382,8 +382,8 @@ def test_the_selection_backward_keeps_its_registers(dtype, head_dim, head_dim_v,
         assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
         assert any(f"HGMMA.64x{cfg.tile_m}x16" in t for t in ins)
         reductions = sum(t.startswith("REDG.E.ADD.F32") for t in ins)
-        if candidate:
-            assert cfg.tile_m == (max(16, group) if head_dim == 128 else 128 if head_dim == head_dim_v == 64 else 64)
+        assert cfg.tile_m == (max(16, group) if head_dim == 128 else 128 if head_dim == head_dim_v == 64 else 64)
+        if candidate or head_dim == 128:  # split lists (fmha's default at D=128)
             assert reductions >= (head_dim + head_dim_v) // 2
         else:
             assert reductions == 0

@@ -198,14 +198,35 @@ class HopperBackwardConfig:
         return cfg
 
 
+#: CTAs that may share one K/V tile's list in the selection backward (``list_pieces``)
+SELECTION_LIST_PIECES = 8
+
+
+def selection_query_rows(head_dim: int, group: int) -> int:
+    """The selection backward's query tile: at D=128 as few rows as hold one position's group, 16
+    at least (dQ^T's product takes any multiple of 8 there); most positions of a wider tile did not
+    choose the K/V tile's blocks, and a tile costs about its rows (docs/nsa.md). 0 elsewhere (the
+    backward's own tile: dQ's products need 64 rows or D=128; groups of 1 stay refused, as the
+    forward refuses them)."""
+    if head_dim == 128 and 2 <= group <= 64 and group & (group - 1) == 0:
+        return max(16, group)
+    return 0
+
+
 def selection_backward_config(dtype: torch.dtype, head_dim: int, head_dim_v: int, group: int,
-                              query_tile_rows: int = 0, list_pieces: int = 1) -> HopperBackwardConfig:
+                              query_tile_rows: Optional[int] = None,
+                              list_pieces: Optional[int] = None) -> HopperBackwardConfig:
     """The backward kernel's configuration for NSA's selection branch (``fmha.nsa``): each
     sequence's tokens as a varlen sequence of (position, head of the group) rows over its keys,
-    each K/V tile walking the query tiles listed for it (``SelectedQueryVisits``).
-    ``query_tile_rows`` (0: the backward's default) and ``list_pieces`` (long lists split over
-    that many CTAs) are the candidate configuration ``lab/bench_selection_rows.py`` measures; the
-    default stays the one the GPU check has passed until it passes with them (docs/nsa.md)."""
+    each K/V tile walking the query tiles listed for it (``SelectedQueryVisits``). By default at
+    D=128 16-row query tiles (``selection_query_rows``) and long lists split over up to
+    ``SELECTION_LIST_PIECES`` CTAs; elsewhere (not yet run on a GPU that way) the backward's own
+    tile and one CTA per list. ``query_tile_rows`` (0: the backward's tile) and ``list_pieces``
+    override them (``lab/bench_selection_rows.py``)."""
+    if query_tile_rows is None:
+        query_tile_rows = selection_query_rows(head_dim, group)
+    if list_pieces is None:
+        list_pieces = SELECTION_LIST_PIECES if head_dim == 128 else 1
     return HopperBackwardConfig(dtype, head_dim, MaskKind.NONE, False, False, False, varlen=True, tiles_listed=True,
                                 tiles_on_device=True, head_dim_v=head_dim_v, select_block=64, rows_per_query=group,
                                 query_tile_rows=query_tile_rows, list_pieces=list_pieces)
@@ -214,7 +235,8 @@ def selection_backward_config(dtype: torch.dtype, head_dim: int, head_dim_v: int
 def selection_backward_tile_positions(dtype: torch.dtype, head_dim: int, head_dim_v: int, group: int) -> int:
     """Query positions per query tile of the selection backward (0: the group is not served: it
     does not divide the tile's rows or leaves more positions than a 32-bit visit holds)."""
-    tile_m = HopperBackwardConfig(dtype, head_dim, MaskKind.NONE, False, False, False, head_dim_v=head_dim_v).tile_m
+    tile_m = HopperBackwardConfig(dtype, head_dim, MaskKind.NONE, False, False, False, head_dim_v=head_dim_v,
+                                  query_tile_rows=selection_query_rows(head_dim, group)).tile_m
     return tile_m // group if group >= 1 and tile_m % group == 0 and tile_m // group <= 32 else 0
 
 
