@@ -248,6 +248,8 @@ class BackwardConsumer:
                     warpgroup.wait_group(0)
                     release_by_one_lane(handle)
         release_by_one_lane(kv_handle)
+        # two store_dkv calls: the DSL traces both sides of a runtime branch, and only selection's
+        # visits have the accumulators of a split list
         if const_expr(cfg.list_pieces > 1):
             if visits.split(head_kv):  # one share of a list that several CTAs walk
                 self.add_dkv_partials(acc_dk, acc_dv, thr_dkv, thr_dv, visits, n_block, head_kv, seq, score_scale,

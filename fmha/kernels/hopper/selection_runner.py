@@ -20,7 +20,8 @@ from fmha.nsa.selection_visits import SelectionProblem, selection_backward_visit
 from fmha.problem import AttentionProblem
 
 from .backward_runner import HopperBackwardRunner, compile_backward
-from .bwd_config import backward_head_dim_served, selection_backward_config, selection_backward_tile_positions
+from .bwd_config import (HOPPER_SMS, backward_head_dim_served, selection_backward_config,
+                         selection_backward_tile_positions)
 from .config import SELECTION_TILE, head_dims_served, selection_config, selection_tile_positions
 from .forward_runner import ForwardArgs, compile_forward
 
@@ -134,10 +135,13 @@ class HopperSelectionBackwardRunner:
         cfg = self.cfg
         visits = selection_backward_visits(selected, cu_seqlens, problem.select_block, cfg.tile_m // group,
                                            cfg.tile_n, cfg.list_pieces,
-                                           sm_count(q.device) if q.is_cuda else 132)
-        # split lists' CTAs add dK and dV here (fp32); their keys are converted after the kernel
-        dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+                                           sm_count(q.device) if q.is_cuda else HOPPER_SMS)
+        # split lists' CTAs add dK and dV here (fp32); their keys are converted after the kernel.
+        # Without splits the kernel never touches them: no zeroing, no conversion
+        splits = cfg.list_pieces > 1
+        accumulator = torch.zeros if splits else torch.empty
+        dk_acc = accumulator(k.shape, dtype=torch.float32, device=k.device)
+        dv_acc = accumulator(v.shape, dtype=torch.float32, device=v.device)
         rows = total * group
         packed = AttentionProblem(
             dtype=q.dtype, out_dtype=q.dtype, head_dim=problem.head_dim, head_dim_v=problem.head_dim_v,
@@ -148,9 +152,9 @@ class HopperSelectionBackwardRunner:
         self.runner(packed, _rows(dout, heads_k), _rows(q, heads_k), k, v, _rows(out, heads_k),
                     _lse_rows(lse, heads_k), None if dlse is None else _lse_rows(dlse, heads_k), dq_rows, dk, dv,
                     cu_seqlens * group, cu_seqlens, query_lists=tuple(visits) + (dk_acc, dv_acc))
-        split = split_key_rows(visits, cu_seqlens, total, heads_k, cfg.tile_n)[..., None]
-        dk.copy_(torch.where(split, dk_acc.to(dk.dtype), dk))
-        dv.copy_(torch.where(split, dv_acc.to(dv.dtype), dv))
+        if splits:
+            split = split_key_rows(visits, cu_seqlens, total, heads_k, cfg.tile_n)[..., None]
+            dk.copy_(torch.where(split, dk_acc.to(dk.dtype), dk))
+            dv.copy_(torch.where(split, dv_acc.to(dv.dtype), dv))
         split_kv.unpack_gqa(dq_rows[None], None, total, dq[None], None)
         return dq, dk, dv
-
