@@ -4,15 +4,14 @@ walks the query tiles with a position that chose one of its blocks; with GQA gro
 tile holds 64/g positions, most of which did not choose the block, and block 0's list holds
 every query tile of the sequence (docs/nsa.md).
 
-For each variant ``rows:pieces``, ``default`` (the configuration fmha runs: at D=128 16-row tiles
-and split lists) or ``candidate`` (``candidate_config``: the split at every head dim) the script
-patches the selection backward's configuration (a rows value applies at D=128 only, where dQ^T
+For each variant ``rows:pieces`` or ``default`` (the configuration fmha runs: split lists, and at
+D=128 16-row tiles) the script patches the selection backward's configuration (a rows value applies at D=128 only, where dQ^T
 takes tiles under 64 rows), runs every selection backward case of ``tests/test_gpu_nsa.py``
 against the fp64 reference (``--check``), then times the backward alone (the kernel's runner,
 forward outputs given) on one packed sequence, D=128, with ``lab/bench_nsa.py``'s lists; the
 gradients are compared with the first variant's.
 
-    python lab/bench_selection_rows.py --variants default,candidate,32:8 --check --out /tmp/rows.json
+    python lab/bench_selection_rows.py --variants default,64:1,32:8 --check --out /tmp/rows.json
 """
 
 import argparse
@@ -27,17 +26,9 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import fmha.backends as backends  # noqa: E402
 import fmha.kernels.hopper.selection_runner as selection_runner  # noqa: E402
-from fmha.kernels.hopper.bwd_config import (SELECTION_LIST_PIECES, selection_backward_config,  # noqa: E402
-                                            selection_query_rows)
+from fmha.kernels.hopper.bwd_config import selection_backward_config  # noqa: E402
 from lab.bench_nsa import BLOCK, selection_lists  # noqa: E402
 from lab.timing import keep_row, seconds_per_call  # noqa: E402
-
-
-def candidate_config(dtype, head_dim, head_dim_v, group):
-    """16-row tiles at D=128 and lists split over up to 8 CTAs at every head dim (fmha's default
-    splits only at D=128, where the GPU check has run it)."""
-    return selection_backward_config(dtype, head_dim, head_dim_v, group, selection_query_rows(head_dim, group),
-                                     SELECTION_LIST_PIECES)
 
 
 def use_variant(variant: str) -> None:
@@ -45,8 +36,6 @@ def use_variant(variant: str) -> None:
         cfg = selection_backward_config(problem.dtype, problem.head_dim, problem.head_dim_v, problem.group)
         if variant == "default":
             return cfg
-        if variant == "candidate":
-            return candidate_config(problem.dtype, problem.head_dim, problem.head_dim_v, problem.group)
         rows, pieces = (int(x) for x in variant.split(":"))
         rows = rows if problem.head_dim == 128 else 0  # fewer than 64 rows: dQ^T, D=128 only
         return dataclasses.replace(cfg, query_tile_rows=rows, list_pieces=pieces)
@@ -92,7 +81,7 @@ def time_backward(total, hq, hk, rep):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default="default,candidate")
+    ap.add_argument("--variants", default="default,64:1")
     ap.add_argument("--tokens", default="8192,65536")
     ap.add_argument("--shapes", default="64/4,32/8")
     ap.add_argument("--rep", type=int, default=20)

@@ -226,7 +226,7 @@ def test_the_selection_backward_launch_packs_rows_and_unpacks_dq(monkeypatch, sp
     walked in its shares, one per CTA, a split list's dK and dV added into the fp32
     accumulators): the gradients equal the gather path's in fp64, so the packing, the row offsets
     (cu_seqlens * g), the shares, the split keys' conversion and dQ's unpacking agree with the
-    kernel's reading of them. ``split``: the candidate configuration with shares of a single entry,
+    kernel's reading of them. ``split``: shares of a single entry (fmha's default is 128 entries),
     so that most lists are cut."""
     from fmha import device_errors
     from fmha.kernels.hopper import selection_runner as R
@@ -244,10 +244,6 @@ def test_the_selection_backward_launch_packs_rows_and_unpacks_dq(monkeypatch, sp
     want = S._selection_backward_torch(dout, q, k, v, out, lse, None, sel, cu, select_block, scale)
     problem = SelectionProblem.of(q, k, v, select_block)
     cfg = R.backward_config_of(problem)
-    if split:  # lab/bench_selection_rows.py's candidate: lists split over up to 8 CTAs
-        from lab.bench_selection_rows import candidate_config
-
-        cfg = candidate_config(problem.dtype, problem.head_dim, problem.head_dim_v, problem.group)
     g = heads_q // heads_k
     dq_rows_seen, cut = {}, []
 

@@ -369,22 +369,21 @@ def test_the_selection_backward_keeps_its_registers(dtype, head_dim, head_dim_v,
     """NSA's selection backward (``bwd_config.selection_backward_config``): the varlen backward
     over listed K/V tiles, each warpgroup's keys masked by its visit's positions; no registers in
     local memory, the products on the tensor cores (S^T and dP^T 64 keys by the query tile: 16
-    rows at D=128 up to groups of 16), split lists' dK and dV added by fp32 reductions (by default
-    at D=128; ``lab/bench_selection_rows.candidate_config`` splits at every head dim)."""
+    rows at D=128 up to groups of 16), split lists' dK and dV added by fp32 reductions, none where
+    lists are never split (``list_pieces=1``)."""
     from fmha.kernels.hopper.backward_runner import compile_backward
     from fmha.kernels.hopper.bwd_config import selection_backward_config
-    from lab.bench_selection_rows import candidate_config
 
-    for candidate in (False, True):
-        cfg = (candidate_config if candidate else selection_backward_config)(dtype, head_dim, head_dim_v, group)
-        out = os.path.join(tmp_root, f"selbwd{head_dim}_{head_dim_v}_{group}_{candidate}")
+    for split in (True, False):
+        cfg = selection_backward_config(dtype, head_dim, head_dim_v, group, list_pieces=None if split else 1)
+        out = os.path.join(tmp_root, f"selbwd{head_dim}_{head_dim_v}_{group}_{split}")
         ins, _ = _instructions(_disassembly(compile_backward, cfg, out))
         assert not [t for t in ins if re.search(r"\b(LDL|STL)\b", t)]
         assert any(f"HGMMA.64x{cfg.tile_m}x16" in t for t in ins)
         reductions = sum(t.startswith("REDG.E.ADD.F32") for t in ins)
         assert cfg.tile_m == (max(16, group) if head_dim == 128 else 128 if head_dim == head_dim_v == 64 else 64)
-        if candidate or head_dim == 128:  # split lists (fmha's default at D=128)
-            assert reductions >= (head_dim + head_dim_v) // 2
+        if split:
+            assert cfg.list_pieces > 1 and reductions >= (head_dim + head_dim_v) // 2
         else:
             assert reductions == 0
 

@@ -218,15 +218,14 @@ def selection_backward_config(dtype: torch.dtype, head_dim: int, head_dim_v: int
                               list_pieces: Optional[int] = None) -> HopperBackwardConfig:
     """The backward kernel's configuration for NSA's selection branch (``fmha.nsa``): each
     sequence's tokens as a varlen sequence of (position, head of the group) rows over its keys,
-    each K/V tile walking the query tiles listed for it (``SelectedQueryVisits``). By default at
-    D=128 16-row query tiles (``selection_query_rows``) and long lists split over up to
-    ``SELECTION_LIST_PIECES`` CTAs; elsewhere (not yet run on a GPU that way) the backward's own
-    tile and one CTA per list. ``query_tile_rows`` (0: the backward's tile) and ``list_pieces``
-    override them (``lab/bench_selection_rows.py``)."""
+    each K/V tile walking the query tiles listed for it (``SelectedQueryVisits``). By default
+    long lists split over up to ``SELECTION_LIST_PIECES`` CTAs, and at D=128 16-row query tiles
+    (``selection_query_rows``; elsewhere the backward's own tile). ``query_tile_rows`` (0: the
+    backward's tile) and ``list_pieces`` override them (``lab/bench_selection_rows.py``)."""
     if query_tile_rows is None:
         query_tile_rows = selection_query_rows(head_dim, group)
     if list_pieces is None:
-        list_pieces = SELECTION_LIST_PIECES if head_dim == 128 else 1
+        list_pieces = SELECTION_LIST_PIECES
     return HopperBackwardConfig(dtype, head_dim, MaskKind.NONE, False, False, False, varlen=True, tiles_listed=True,
                                 tiles_on_device=True, head_dim_v=head_dim_v, select_block=64, rows_per_query=group,
                                 query_tile_rows=query_tile_rows, list_pieces=list_pieces)
