@@ -28,11 +28,12 @@ and ``export PYTHONPATH=/tmp/site:$PYTHONPATH``.
 
     python lab/bench_nsa.py --backward --out results/bench/nsa/nsa.json
     python lab/bench_nsa.py --backward --profile --impls fmha  # where fmha's time goes, per kernel
-    python lab/bench_nsa.py --topk --impls fmha,fmha_graph,fla  # the top-k alone (direction "topk")
+    python lab/bench_nsa.py --topk --impls fmha,fmha_nosync,fmha_graph,fla  # the top-k alone (direction "topk")
 
 ``--topk`` times the top-k selection instead, at fla's geometry (l = d = l' = 64, mean pooling, the
 compression LSE from fmha's kernel, not timed): ``fmha`` = ``fmha.nsa.select_blocks(..., backend="kernel")``
-(the fused top-k kernel), ``fmha_graph`` = its op replayed from a CUDA graph (the GPU time without
+(the fused top-k kernel), ``fmha_nosync`` = the same with ``max_seqlen`` (offsets checked on the
+device, no host read), ``fmha_graph`` = its op replayed from a CUDA graph (the GPU time without
 checks and launches), ``fmha_torch`` = its PyTorch path (``backend="reference"``, up to
 ``--torch-max``), ``fla`` = ``fla.ops.nsa.parallel.parallel_nsa_topk`` (Triton); ``same_lists`` is
 the fraction of (token, KV head) lists on which an impl agrees with ``fmha`` (fla's scores are
@@ -192,6 +193,10 @@ def _bench_topk(rows, impls, q, k, cu, total, hq, hk, args, start):
         if impl == "fmha":
             def run():
                 return nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, BLOCK, BLOCK, BLOCK, args.count, backend="kernel")
+        elif impl == "fmha_nosync":
+            def run():
+                return nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, BLOCK, BLOCK, BLOCK, args.count, backend="kernel",
+                                         max_seqlen=total)
         elif impl == "fmha_graph":
             run = _topk_graph(q, k_cmp, lse, cu, cu_cmp, total, args.count)
         elif impl == "fmha_torch":

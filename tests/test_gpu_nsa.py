@@ -334,6 +334,31 @@ def test_the_top_k_op_flags_a_max_seqlen_below_the_longest_sequence():
         fmha.check_device_errors()
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_select_blocks_with_max_seqlen_does_not_wait_for_the_gpu(backend):
+    """``select_blocks(..., max_seqlen=)`` reads no offsets on the host (no synchronizing call,
+    torch.cuda.set_sync_debug_mode) and gives the lists of the host-checked call; offsets that
+    disagree with the tensors set the device flag and read nothing out of bounds."""
+    lens, l, s, lsel, n = [700, 0, 1, 433], 32, 16, 64, 16
+    q, k, _, _, cu = bf16_inputs(lens, 16, 2, 128, "cuda", seed=7)
+    k_cmp, cu_cmp = nsa.mean_pool(k, cu, l, s)
+    _, lse = nsa.compression_attention(q, k_cmp, k_cmp, cu, cu_cmp, l, s)
+    want = nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, l, s, lsel, n, backend=backend)
+    fmha.check_device_errors()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, l, s, lsel, n, backend=backend, max_seqlen=max(lens))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want)
+    fmha.check_device_errors()
+    for bad_cu, bad_cmp in ((cu, cu_cmp + 1), (cu.flip(0), cu_cmp)):
+        nsa.select_blocks(q, k_cmp, lse, bad_cu, bad_cmp, l, s, lsel, n, backend=backend, max_seqlen=max(lens))
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            fmha.check_device_errors()
+
+
 @pytest.mark.skipif(not _HOPPER, reason="fmha's kernels need an SM90 GPU")
 def test_dense_nsa_forward_replays_in_a_cuda_graph():
     """Dense NSA reads nothing on the host: pooling, the three branches, the top-k and the gates

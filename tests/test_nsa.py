@@ -116,6 +116,37 @@ def test_the_top_k_op_refuses_a_max_seqlen_below_the_longest_sequence():
         op(max(LENS) - 1)
 
 
+def test_select_blocks_with_max_seqlen_checks_the_offsets_in_the_op():
+    """Given ``max_seqlen`` the offsets are not read by ``select_blocks`` but checked by the op (on
+    the GPU by the device flag, tests/test_gpu_nsa.py; here on the CPU it raises): the same lists,
+    and offsets that disagree with the tensors or each other are refused."""
+    l, d, lsel, n, _ = GEOMETRIES["paper_ratios"]
+    q, k, _, cu = inputs(LENS, 4, 2, seed=3)
+    k_cmp, cu_cmp = nsa.mean_pool(k, cu, l, d)
+    _, lse = nsa.compression_attention(q, k_cmp, k_cmp, cu, cu_cmp, l, d)
+    want = nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, l, d, lsel, n)
+    for bound in (max(LENS), 0, 10 * max(LENS)):
+        assert torch.equal(nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, l, d, lsel, n, max_seqlen=bound), want)
+    bad_cmp = cu_cmp.clone()
+    bad_cmp[1] += 1
+    with pytest.raises(ValueError, match="cu_seqlens_cmp must be nondecreasing"):
+        nsa.select_blocks(q, k_cmp, lse, cu, bad_cmp, l, d, lsel, n, max_seqlen=max(LENS))
+    with pytest.raises(ValueError, match=r"cu_seqlens_cmp\[-1\] = \d+ but the tensors have"):
+        nsa.select_blocks(q, k_cmp, lse, cu, nsa.compressed_cu_seqlens(cu, l, l), l, d, lsel, n, max_seqlen=max(LENS))
+    bad_cu = cu.clone()
+    bad_cu[1] = bad_cu[2] + 1
+    with pytest.raises(ValueError, match="cu_seqlens must be nondecreasing"):
+        nsa.select_blocks(q, k_cmp, lse, bad_cu, cu_cmp, l, d, lsel, n, max_seqlen=max(LENS))
+    with pytest.raises(ValueError, match="longer than max_seqlen"):
+        nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, l, d, lsel, n, max_seqlen=max(LENS) - 1)
+    with pytest.raises(ValueError, match="cu_seqlens must be int32 offsets"):
+        nsa.select_blocks(q, k_cmp, lse, cu.long(), cu_cmp, l, d, lsel, n, max_seqlen=max(LENS))
+    with pytest.raises(ValueError, match="cu_seqlens_cmp must be int32 offsets"):
+        nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp[:-1], l, d, lsel, n, max_seqlen=max(LENS))
+    with pytest.raises(ValueError, match="max_seqlen must be at least 0"):
+        nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, l, d, lsel, n, max_seqlen=-1)
+
+
 def test_select_blocks_breaks_ties_toward_the_lower_block():
     """q = 0: every visible compressed block weighs the same. With l = d = l' each selection
     block's score is one compressed block's probability, so all visible blocks tie exactly."""

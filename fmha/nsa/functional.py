@@ -115,8 +115,10 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
                                                  softmax_scale=scale, return_lse=True, backend=backend))
         o_win, lse_win = _flatten(*window_attention(q, k, v, None, window, softmax_scale=scale, backend=backend))
     if sel is None:
+        # the offsets were read on the host above, or made here (dense); under torch.compile the op checks them
         sel = torch.ops.fmha_nsa.select_blocks(qp.detach(), kc.detach(), lse_cmp.detach(), cu, cu_cmp, block, stride,
-                                               select_block, select_count, scale, backend, longest)
+                                               select_block, select_count, scale, backend, longest,
+                                               not torch.compiler.is_compiling())
     o_slc, lse_slc = torch.ops.fmha_nsa.selection_forward(qp, kp, vp, sel, cu, select_block, scale, backend)
 
     acc = torch.promote_types(q.dtype, torch.float32)

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..backends import UnsupportedError, check_backend_name
 from ..problem import accumulate_dtype
-from .checks import check_compressed_offsets, check_geometry, check_like_q, check_qkv, check_scale
+from .checks import check_compressed_offsets, check_geometry, check_int, check_like_q, check_qkv, check_scale
 from .layout import num_compressed_blocks, num_selection_blocks, token_positions, visible_compressed_blocks
 
 __all__ = ["select_blocks", "overlap_matrix", "block_probabilities", "block_scores", "rank_blocks"]
@@ -80,20 +80,33 @@ def block_scores(s: Tensor, lse: Tensor, visible: Tensor, overlap: Tensor) -> Te
     return block_probabilities(s, lse, visible) @ overlap
 
 
-def _check_longest(cu: Tensor, max_seqlen: int) -> None:
-    """A sequence longer than the op's ``max_seqlen`` would lose its later blocks silently: on a
-    GPU it sets the device error flag (no host read, so graphs still capture); on the CPU it raises."""
-    too_long = ((cu[1:] - cu[:-1]) > max_seqlen).any()
+def _offsets_on_device(cu: Tensor, cu_cmp: Tensor, rows: int, rows_cmp: int, block: int, stride: int,
+                       max_seqlen: int):
+    """(cu, cu_cmp) as the top-k may read them, made without a host read (CUDA graphs capture
+    it): offsets in range and nondecreasing, 0 first and T last, the compressed ones those of
+    the token ones and at most T_c. Offsets that were not so, or a sequence longer than
+    ``max_seqlen`` (which would lose its later blocks), set the device error flag
+    (``fmha.check_device_errors``); on the CPU they raise."""
+    from .layout import compressed_cu_seqlens
+
     if cu.device.type != "cuda":
-        if bool(too_long):
+        lens = check_compressed_offsets(cu, cu_cmp, rows, rows_cmp, block, stride, cu.device)
+        if max_seqlen > 0 and max(lens or [0]) > max_seqlen:
             raise ValueError(f"a sequence of cu_seqlens is longer than max_seqlen = {max_seqlen}; pass the "
                              "longest sequence's length, or 0 to bound it by the packed token count")
-        return
+        return cu, cu_cmp
     from .. import device_errors
     from ..kernels.common.error_bits import BAD_OFFSETS
 
-    device_errors.flag(cu.device).bitwise_or_(too_long.int() * BAD_OFFSETS)
+    safe = torch.cummax(cu.clamp(0, rows), 0).values
+    safe[0], safe[-1] = 0, rows
+    safe_cmp = compressed_cu_seqlens(safe, block, stride).clamp_(max=rows_cmp)
+    bad = (safe != cu).any() | (safe_cmp != cu_cmp).any()
+    if max_seqlen > 0:
+        bad |= ((safe[1:] - safe[:-1]) > max_seqlen).any()
+    device_errors.flag(cu.device).bitwise_or_(bad.int() * BAD_OFFSETS)
     device_errors.watch(cu.device)
+    return safe, safe_cmp
 
 
 def _select_blocks_torch(q, k_cmp, lse_cmp, cu, cu_cmp, block, stride, select_block, select_count, scale,
@@ -180,9 +193,15 @@ def _topk_kernel(q, k_cmp, block, stride, select_block, select_count, max_seqlen
 @torch.library.custom_op("fmha_nsa::select_blocks", mutates_args=())
 def _select_blocks_op(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
                       block: int, stride: int, select_block: int, select_count: int, softmax_scale: float,
-                      backend: str, max_seqlen: int = 0) -> Tensor:
-    if max_seqlen > 0:
-        _check_longest(cu_seqlens, max_seqlen)
+                      backend: str, max_seqlen: int = 0, offsets_checked: bool = False) -> Tensor:
+    for name, cu in (("cu_seqlens", cu_seqlens), ("cu_seqlens_cmp", cu_seqlens_cmp)):
+        if cu.dtype != torch.int32 or cu.device != q.device or cu.dim() != 1 or cu.shape != cu_seqlens.shape \
+                or cu.numel() < 1:
+            raise ValueError(f"{name} must be int32 offsets (B + 1) on q's device, as long as cu_seqlens; got "
+                             f"{cu.dtype} of shape {tuple(cu.shape)} on {cu.device}")
+    if not offsets_checked:
+        cu_seqlens, cu_seqlens_cmp = _offsets_on_device(cu_seqlens, cu_seqlens_cmp, q.shape[0], k_cmp.shape[0],
+                                                        block, stride, max_seqlen)
     kernel = _topk_kernel(q, k_cmp, block, stride, select_block, select_count, max_seqlen, backend)
     if kernel is not None:
         runner, problem = kernel
@@ -193,25 +212,34 @@ def _select_blocks_op(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, cu_seqlens: Ten
 
 @_select_blocks_op.register_fake
 def _select_blocks_fake(q, k_cmp, lse_cmp, cu_seqlens, cu_seqlens_cmp, block, stride, select_block, select_count,
-                        softmax_scale, backend, max_seqlen=0):
+                        softmax_scale, backend, max_seqlen=0, offsets_checked=False):
     return q.new_empty((q.shape[0], k_cmp.shape[1], select_count), dtype=torch.int32)
 
 
 def select_blocks(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
                   block: int = 32, stride: int = 16, select_block: int = 64, select_count: int = 16, *,
-                  softmax_scale: Optional[float] = None, backend: str = "auto") -> Tensor:
+                  softmax_scale: Optional[float] = None, backend: str = "auto",
+                  max_seqlen: Optional[int] = None) -> Tensor:
     """int32 (T, H_k, select_count): the selection blocks of each packed query (T, H_q, D) and KV
     group, from the compressed keys k_cmp (T_c, H_k, D) and the compression branch's LSE
     (H_q, T) (``compression_attention``'s). Module doc for the rule. ``backend``: "kernel"
     runs the fused top-k kernel (module doc) or raises ``UnsupportedError``; "auto" runs it
-    where it serves the call and PyTorch elsewhere; "reference" PyTorch."""
+    where it serves the call and PyTorch elsewhere; "reference" PyTorch. ``max_seqlen``: the
+    longest sequence's length or more (0: unknown, bounded by T); given, the offsets are
+    checked on the device (a bad one sets the flag ``fmha.check_device_errors`` reads) instead
+    of read on the host, so the call does not wait for the GPU; None reads them."""
     check_geometry(block, stride, select_block, select_count)
     check_backend_name(backend)
     check_qkv(q, k_cmp, k_cmp, packed=True, names=("q", "k_cmp", "k_cmp"), same_tokens=False)
     check_like_q("lse_cmp", lse_cmp, q, (q.shape[1], q.shape[0]), "(H_q, T), compression_attention's LSE")
     scale = check_scale(softmax_scale, q.shape[-1])
-    lens = check_compressed_offsets(cu_seqlens, cu_seqlens_cmp, q.shape[0], k_cmp.shape[0], block, stride,
-                                    q.device)
+    lens = None
+    if max_seqlen is None:
+        lens = check_compressed_offsets(cu_seqlens, cu_seqlens_cmp, q.shape[0], k_cmp.shape[0], block, stride,
+                                        q.device)
+        max_seqlen = max(lens or [0])
+    else:
+        check_int("max_seqlen", max_seqlen, 0)
     return torch.ops.fmha_nsa.select_blocks(q.detach(), k_cmp.detach(), lse_cmp.detach(), cu_seqlens,
                                             cu_seqlens_cmp, block, stride, select_block, select_count, scale,
-                                            backend, max(lens or [0]))
+                                            backend, max_seqlen, lens is not None)
