@@ -5,8 +5,8 @@ tile holds 64/g positions, most of which did not choose the block, and block 0's
 every query tile of the sequence (docs/nsa.md).
 
 For each variant ``rows:pieces`` or ``default`` (the configuration fmha runs: split lists, and at
-D=128 16-row tiles) the script patches the selection backward's configuration (a rows value applies at D=128 only, where dQ^T
-takes tiles under 64 rows), runs every selection backward case of ``tests/test_gpu_nsa.py``
+D=128 16-row tiles) the script patches the selection backward's configuration (a rows value
+applies at D=128 only, where dQ^T takes tiles under 64 rows), runs every selection backward case of ``tests/test_gpu_nsa.py``
 against the fp64 reference (``--check``), then times the backward alone (the kernel's runner,
 forward outputs given) on one packed sequence, D=128, with ``lab/bench_nsa.py``'s lists; the
 gradients are compared with the first variant's.

@@ -24,6 +24,7 @@ __all__ = [
     "check_like_q",
     "read_seqlens",
     "check_compressed_offsets",
+    "check_offsets_tensor",
     "check_compressed_kv",
     "check_selected",
 ]
@@ -119,9 +120,9 @@ def check_like_q(name: str, t, q: torch.Tensor, shape: tuple, what: str) -> None
         raise ValueError(f"{name} must have shape {tuple(shape)} ({what}), got {tuple(t.shape)}")
 
 
-def read_seqlens(name: str, cu, total: int, device: torch.device) -> List[int]:
-    """The sequence lengths of offsets ``cu`` (int32, B + 1, starting at 0, never decreasing,
-    ending at ``total``), read on the host."""
+def check_offsets_tensor(name: str, cu, device: torch.device) -> None:
+    """``cu`` is offsets by its metadata: an int32 tensor on ``device``, 1-D of length B + 1
+    (nothing is read)."""
     _tensor(name, cu)
     if cu.dtype != torch.int32:
         raise TypeError(f"{name} must be int32, got {_name(cu.dtype)}; use .to(torch.int32)")
@@ -129,6 +130,12 @@ def read_seqlens(name: str, cu, total: int, device: torch.device) -> List[int]:
         raise ValueError(device_mismatch_message(name, cu.device, device))
     if cu.dim() != 1 or cu.numel() < 1:
         raise ValueError(f"{name} must be 1-D of length B + 1, got shape {tuple(cu.shape)}")
+
+
+def read_seqlens(name: str, cu, total: int, device: torch.device) -> List[int]:
+    """The sequence lengths of offsets ``cu`` (int32, B + 1, starting at 0, never decreasing,
+    ending at ``total``), read on the host."""
+    check_offsets_tensor(name, cu, device)
     offsets = cu.tolist()  # host sync
     if offsets[0] != 0:
         raise ValueError(f"{name} must start at 0, got {offsets[0]}")

@@ -28,7 +28,8 @@ from torch import Tensor
 
 from ..backends import UnsupportedError, check_backend_name
 from ..problem import accumulate_dtype
-from .checks import check_compressed_offsets, check_geometry, check_int, check_like_q, check_qkv, check_scale
+from .checks import (check_compressed_offsets, check_geometry, check_int, check_like_q, check_offsets_tensor,
+                     check_qkv, check_scale)
 from .layout import num_compressed_blocks, num_selection_blocks, token_positions, visible_compressed_blocks
 
 __all__ = ["select_blocks", "overlap_matrix", "block_probabilities", "block_scores", "rank_blocks"]
@@ -194,11 +195,12 @@ def _topk_kernel(q, k_cmp, block, stride, select_block, select_count, max_seqlen
 def _select_blocks_op(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,
                       block: int, stride: int, select_block: int, select_count: int, softmax_scale: float,
                       backend: str, max_seqlen: int = 0, offsets_checked: bool = False) -> Tensor:
-    for name, cu in (("cu_seqlens", cu_seqlens), ("cu_seqlens_cmp", cu_seqlens_cmp)):
-        if cu.dtype != torch.int32 or cu.device != q.device or cu.dim() != 1 or cu.shape != cu_seqlens.shape \
-                or cu.numel() < 1:
-            raise ValueError(f"{name} must be int32 offsets (B + 1) on q's device, as long as cu_seqlens; got "
-                             f"{cu.dtype} of shape {tuple(cu.shape)} on {cu.device}")
+    check_offsets_tensor("cu_seqlens", cu_seqlens, q.device)
+    check_offsets_tensor("cu_seqlens_cmp", cu_seqlens_cmp, q.device)
+    if cu_seqlens_cmp.shape != cu_seqlens.shape:
+        raise ValueError(f"cu_seqlens_cmp must be as long as cu_seqlens ({cu_seqlens.numel()}: one offset per "
+                         f"sequence and the end), got {cu_seqlens_cmp.numel()}; fmha.nsa.compressed_cu_seqlens "
+                         "builds it")
     if not offsets_checked:
         cu_seqlens, cu_seqlens_cmp = _offsets_on_device(cu_seqlens, cu_seqlens_cmp, q.shape[0], k_cmp.shape[0],
                                                         block, stride, max_seqlen)
