@@ -316,6 +316,30 @@ def test_deterministic_backward_orders_the_dq_adds(varlen, tmp_path):
     assert "ld.acquire.gpu" not in plain and "st.release.gpu" not in plain
 
 
+def test_deterministic_selection_backward_orders_dq_and_the_split_lists_adds(tmp_path):
+    """NSA selection with ``deterministic``: the dQ warp's acquire-spin and release store around
+    its reduce-add, as the dense backward's; and a split list's fp32 dK/dV reductions between an
+    acquire-spin on the list's counter and a gpu fence before the release store that passes the
+    turn. Without it, none of these."""
+    from fmha.kernels.hopper.bwd_config import selection_backward_config
+
+    ptx = _backward_ptx(selection_backward_config(torch.bfloat16, 128, 128, 16, deterministic=True),
+                        tmp_path / "deterministic")
+    order = re.findall(r"ld\.acquire\.gpu|cp\.reduce\.async\.bulk|red\.\S*global\S*add\.f32|red\.\S*add\.f32"
+                       r"|fence\.acq_rel\.gpu|st\.release\.gpu", ptx)
+    reds = [i for i, o in enumerate(order) if o.startswith("red")]
+    bulk = [i for i, o in enumerate(order) if o.startswith("cp.reduce")]
+    acquires = [i for i, o in enumerate(order) if o == "ld.acquire.gpu"]
+    releases = [i for i, o in enumerate(order) if o == "st.release.gpu"]
+    assert reds and bulk and len(acquires) >= 2 and len(releases) >= 2
+    assert any(a < bulk[0] for a in acquires) and any(r > bulk[-1] for r in releases)
+    assert any(a < reds[0] for a in acquires)
+    fence = [i for i, o in enumerate(order) if o == "fence.acq_rel.gpu" and i > reds[-1]]
+    assert fence and any(r > fence[0] for r in releases)
+    plain = _backward_ptx(selection_backward_config(torch.bfloat16, 128, 128, 16), tmp_path / "plain")
+    assert "ld.acquire.gpu" not in plain and "st.release.gpu" not in plain
+
+
 def test_backward_mask_families_cover_every_kind():
     assert {m for _, _, m in _BWD} == set(_BWD_MASKS)
 

@@ -460,12 +460,14 @@ SELECTION_BACKWARD_CASES = [  # (lengths, H_q, H_k, D, D_v, select_block, count,
 
 
 @pytest.mark.skipif(not _HOPPER, reason="the selection kernel needs an SM90 GPU")
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("case", range(len(SELECTION_BACKWARD_CASES)))
-def test_the_selection_backward_kernel_against_the_reference(case):
+def test_the_selection_backward_kernel_against_the_reference(case, deterministic):
     """The selection backward (each K/V tile of a sequence walks the query tiles that chose its
     blocks) on random lists, against the fp64 reference's gradients with the same out and LSE
     (and a gradient on the LSE in every other case); the gradients and the fp32 dQ accumulator
-    come from memory just filled with NaN, so an element the kernels did not write shows."""
+    come from memory just filled with NaN, so an element the kernels did not write shows.
+    ``deterministic``: a second call gives the same bits."""
     from fmha.backends import SELECTION_BACKWARD, runner_for, unsupported_reasons
     from fmha.nsa.selection_visits import SelectionProblem
     from fmha.problem import KernelOptions
@@ -485,9 +487,11 @@ def test_the_selection_backward_kernel_against_the_reference(case):
     used = [i for i, c in enumerate(cotangents) if c is not None]
     want = torch.autograd.grad([outputs[i] for i in used], (q64, k64, v64), [cotangents[i] for i in used])
     problem = SelectionProblem.of(q, k, v, lsel)
-    chosen, reasons = unsupported_reasons(problem, KernelOptions(), kind=SELECTION_BACKWARD)
+    options = KernelOptions(deterministic=deterministic)
+    chosen, reasons = unsupported_reasons(problem, options, kind=SELECTION_BACKWARD)
     assert chosen is not None, reasons
-    runner = runner_for(SELECTION_BACKWARD, chosen, problem, KernelOptions())
+    runner = runner_for(SELECTION_BACKWARD, chosen, problem, options)
+    assert runner.cfg.deterministic == deterministic
     out, lse = want_o.detach().to(dt), want_lse.detach().float()
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
     with _poisoned_dq_accumulator(torch):
@@ -497,3 +501,8 @@ def test_the_selection_backward_kernel_against_the_reference(case):
     for name, a, b in zip("dq dk dv".split(), got, want):
         assert not a.isnan().any(), name
         assert rel_l2(a, b) < 2e-2, (name, rel_l2(a, b))
+    if deterministic:
+        again = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+        runner(problem, dout, q, k, v, out, lse, dlse, sel, cu, scale, grads=again)
+        for name, a, b in zip("dq dk dv".split(), again, got):
+            assert torch.equal(a, b), name

@@ -121,3 +121,45 @@ def test_selected_blocks_carry_no_gradient():
     _, lse = nsa.compression_attention(q, k_cmp, k_cmp, cu, cu_cmp, 4, 2)
     sel = nsa.select_blocks(q, k_cmp, lse, cu, cu_cmp, 4, 2, 4, 2)
     assert sel.dtype == torch.int32 and not sel.requires_grad
+
+
+def test_deterministic_reaches_every_branch_and_gives_the_same_gradients():
+    """``nsa_attention(deterministic=True)`` (and the module's): the same gradients as without
+    (on the CPU both are exact sums in one order), every branch's op called with it; anything but
+    a bool is refused."""
+    from fmha import api
+    from fmha.nsa import selection
+
+    q, k, v, cu = inputs(LENS, 4, 2, d=4, dv=3)
+    g = gates(q.shape[0], 4)
+    seen = []
+    for deterministic in (False, True):
+        args = leaves(q, k, v, *g)
+        real = api.attention_varlen
+        calls = []
+
+        def spy(*a, **kw):
+            calls.append(kw.get("deterministic"))
+            return real(*a, **kw)
+
+        api.attention_varlen = spy
+        try:
+            o = nsa.nsa_attention(*args, cu_seqlens=cu, deterministic=deterministic, **GEOMETRY)
+        finally:
+            api.attention_varlen = real
+        assert calls == [deterministic, deterministic]  # compression and window
+        seen.append(torch.autograd.grad(o.square().sum(), args))
+    for a, b in zip(*seen):
+        assert torch.allclose(a, b, atol=1e-12)
+    sel = random_selection(LENS, 2, 2, 4, seed=1)
+    for deterministic in (False, True):
+        args = leaves(q, k, v)
+        o, _ = selection.selection_attention(*args, sel, cu, 4, deterministic=deterministic)
+        seen.append(torch.autograd.grad(o.square().sum(), args))
+    for a, b in zip(*seen[2:]):
+        assert torch.equal(a, b)
+    for bad in (1, None, "yes"):
+        with pytest.raises(TypeError, match="deterministic"):
+            nsa.nsa_attention(q, k, v, *g, cu_seqlens=cu, deterministic=bad, **GEOMETRY)
+        with pytest.raises(TypeError, match="deterministic"):
+            nsa.NativeSparseAttention(32, 4, 2, deterministic=bad)

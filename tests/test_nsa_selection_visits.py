@@ -218,8 +218,8 @@ def test_backward_entries_every_position_keeps_whole_come_last():
         assert pair == [everyone, everyone]
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_the_selection_backward_launch_packs_rows_and_unpacks_dq(monkeypatch, split):
+@pytest.mark.parametrize("split,deterministic", [(False, False), (True, False), (True, True)])
+def test_the_selection_backward_launch_packs_rows_and_unpacks_dq(monkeypatch, split, deterministic):
     """The selection backward's host side (``HopperSelectionBackwardRunner``) with its three
     compiled passes replaced by PyTorch ones that read only what the launch hands them (the
     packed rows, their offsets, the LSE rows and the visits, as the kernel reads them; each list
@@ -227,12 +227,14 @@ def test_the_selection_backward_launch_packs_rows_and_unpacks_dq(monkeypatch, sp
     accumulators): the gradients equal the gather path's in fp64, so the packing, the row offsets
     (cu_seqlens * g), the shares, the split keys' conversion and dQ's unpacking agree with the
     kernel's reading of them. ``split``: shares of a single entry (fmha's default is 128 entries),
-    so that most lists are cut."""
+    so that most lists are cut. ``deterministic``: the launch also gets the K/V tiles in sequence
+    order, each entry's turn and zeroed turn counters (``selection_backward_order``)."""
     from fmha import device_errors
     from fmha.kernels.hopper import selection_runner as R
     from fmha.kernels.hopper.backward_runner import BackwardArgs
     from fmha.nsa import selection_visits as V
     from fmha.nsa.selection_visits import SelectionProblem
+    from fmha.problem import KernelOptions
 
     if split:
         monkeypatch.setattr(V, "MIN_PIECE_ENTRIES", 1)
@@ -243,7 +245,8 @@ def test_the_selection_backward_launch_packs_rows_and_unpacks_dq(monkeypatch, sp
     dout = torch.randn_like(out)
     want = S._selection_backward_torch(dout, q, k, v, out, lse, None, sel, cu, select_block, scale)
     problem = SelectionProblem.of(q, k, v, select_block)
-    cfg = R.backward_config_of(problem)
+    cfg = R.backward_config_of(problem, KernelOptions(deterministic=deterministic))
+    assert cfg.deterministic == deterministic and cfg.tiles_listed_by_launch != deterministic
     g = heads_q // heads_k
     dq_rows_seen, cut = {}, []
 
@@ -255,7 +258,15 @@ def test_the_selection_backward_launch_packs_rows_and_unpacks_dq(monkeypatch, sp
         a = BackwardArgs(*args)
         a.mdK.zero_()  # the kernel writes every row of dK and dV; here they are added up
         a.mdV.zero_()
-        chunk_base, offsets, masked_end, tiles, positions, pieces, dk_acc, dv_acc = a.mBlockLists
+        chunk_base, offsets, masked_end, tiles, positions, pieces, dk_acc, dv_acc = a.mBlockLists[:8]
+        assert len(a.mBlockLists) == (10 if deterministic else 8)
+        if deterministic:  # the tiles in sequence order with their count, each entry's turn, zeroed counters
+            in_order = [(b, n) for b, x in enumerate(lens) for n in range(-(-x // cfg.tile_n))]
+            assert int(a.mTileCount[0]) == len(in_order)
+            assert [tuple(r) for r in a.mTileTable[:len(in_order)].tolist()] == in_order
+            turns, dkv_turns = a.mBlockLists[8:]
+            assert turns.numel() == tiles.numel() and not dkv_turns.any() and not a.mSemaphores.any()
+            assert a.mSemaphores.shape[:2] == (1, heads_k)
         assert dk_acc.dtype == dv_acc.dtype == torch.float32
         assert not cfg.list_pieces > 1 or not (dk_acc.any() or dv_acc.any())  # zeroed where lists may split
         chunks = masked_end.numel() // heads_k
@@ -343,3 +354,86 @@ def test_the_selection_kernels_say_what_they_do_not_serve():
         assert len(reasons) == 1 and words in reasons[0], (words, reasons)
     assert "GQA groups of 2 to 64" in R.why_unsupported_selection(problem(heads_q=3, heads_k=1))[0]
     assert "multiple of 64" in R.why_unsupported_selection(problem(select_block=96))[0]
+
+
+@pytest.mark.parametrize("residents", [1, 3, 64])
+def test_the_deterministic_order_adds_in_turn_and_never_deadlocks(monkeypatch, residents):
+    """``selection_backward_order``: the K/V tiles listed in sequence order, each entry's turn its
+    rank by K/V tile among the entries of its query tile, the split lists' shares in order. The
+    kernel's CTAs (``bwd.work_tile``'s mapping of the grid) emulated as steps that wait as its dQ
+    writer and consumers do, started in grid order with ``residents`` running at once and each
+    step taken by a random running CTA whose wait is met: every CTA finishes (each wait is on an
+    earlier CTA), and each query tile's adds come in K/V tile order, each split list's in share
+    order."""
+    import random
+
+    from fmha.kernels.hopper import dq_layout
+    from fmha.kernels.hopper.backward_runner import tile_capacity
+    from fmha.nsa import selection_visits as V
+
+    monkeypatch.setattr(V, "MIN_PIECE_ENTRIES", 1)  # most lists cut into shares
+    lens, heads_q, heads_k, select_block, count, tile_m, tile_n, max_pieces = [300, 0, 1, 77, 260], 8, 2, 64, 4, 16, 128, 4
+    g = heads_q // heads_k
+    _, _, _, sel, cu = _case(lens, heads_q, heads_k, select_block, count, seed=7)
+    total, batch = int(cu[-1]), len(lens)
+    visits = V.selection_backward_visits(sel, cu, select_block, tile_m // g, tile_n, max_pieces, sms=16)
+    dq_tiles = dq_layout.varlen_tiles(total * g, batch, tile_m)
+    order = V.selection_backward_order(visits, tile_capacity(total, batch, tile_n), heads_k, tile_n, dq_tiles)
+    in_order = [(b, n) for b in range(batch) for n in range(-(-lens[b] // tile_n))]
+    assert int(order.count[0]) == len(in_order)
+    assert [tuple(r) for r in order.tiles[:len(in_order)].tolist()] == in_order
+    assert (order.tiles[len(in_order):, 1] * tile_n >= 2 ** 29).all()  # past every sequence: no work
+    chunks = visits.masked_end.numel() // heads_k
+    ctas = []  # (entries of its share, its list, its share, whether the list is split), in grid order
+    for x in range(max_pieces * heads_k * order.tiles.shape[0]):
+        piece, n = x % max_pieces, x // max_pieces
+        head, entry = n % heads_k, n // heads_k
+        if entry >= len(in_order):
+            continue
+        b, n_block = in_order[entry]
+        at = head * chunks + int(visits.chunk_base[b]) + n_block
+        start, end, shares = int(visits.offsets[at]), int(visits.offsets[at + 1]), int(visits.pieces[at])
+        share = -(-(end - start) // shares)
+        first = min(start + piece * share, end)
+        last = min(first + share, end)
+        if piece == 0 or first < last:
+            ctas.append((range(first, last), at, piece, shares > 1, b, head))
+    assert any(c[3] for c in ctas) and any(not c[3] for c in ctas)
+    dq_turn = torch.zeros_like(order.dq_turns)
+    dkv_turn = torch.zeros_like(order.dkv_turns)
+    added = {}  # query tile -> the lists that added into it, in order
+
+    def steps(entries, at, piece, split, b, head):
+        tile0 = dq_layout.first_tile(int(cu[b]) * g, b, tile_m)
+        for i in entries:
+            sem = (0, head, tile0 + int(visits.tiles[i]))
+            turn = int(order.turns[i])
+            yield lambda: int(dq_turn[sem]) == turn
+            added.setdefault(sem, []).append(at)
+            dq_turn[sem] = turn + 1
+        if split:
+            for wg in range(2):
+                yield lambda: int(dkv_turn[at * 2 + wg]) == piece
+                added.setdefault(("dkv", at, wg), []).append(piece)
+                dkv_turn[at * 2 + wg] = piece + 1
+
+    rng = random.Random(residents)
+    waiting = [steps(*c) for c in ctas]
+    running = []  # (steps, the wait before its next step)
+    while waiting or running:
+        while waiting and len(running) < residents:
+            it = waiting.pop(0)
+            running.append([it, next(it, None)])
+        ready = [r for r in running if r[1] is None or r[1]()]
+        assert ready, "every running CTA waits: a deadlock"
+        r = rng.choice(ready)
+        r[1] = next(r[0], None) if r[1] is not None else None
+        if r[1] is None:
+            running.remove(r)
+    for key, lists in added.items():
+        if key[0] == "dkv":
+            assert lists == list(range(len(lists)))
+        else:  # K/V tiles ascending within the sequence: lists of one head ascending
+            assert lists == sorted(lists) and len(set(lists)) == len(lists)
+    entries = int(visits.offsets[-1])
+    assert sum(len(v) for k, v in added.items() if k[0] != "dkv") == entries

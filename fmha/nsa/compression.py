@@ -18,10 +18,10 @@ from .checks import check_compressed_offsets, check_geometry, check_qkv, check_s
 __all__ = ["compression_attention"]
 
 
-def run_compression(q, k_cmp, v_cmp, cu_seqlens, cu_seqlens_cmp, block, stride, scale, backend):
+def run_compression(q, k_cmp, v_cmp, cu_seqlens, cu_seqlens_cmp, block, stride, scale, backend, deterministic=False):
     """The branch on checked arguments (``nsa_attention`` checks once for every branch)."""
     return api.attention_varlen(q, k_cmp, v_cmp, cu_seqlens, cu_seqlens_cmp, compressed_causal=(block, stride),
-                                softmax_scale=scale, return_lse=True, backend=backend)
+                                softmax_scale=scale, return_lse=True, backend=backend, deterministic=deterministic)
 
 
 def compression_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cu_seqlens: Tensor, cu_seqlens_cmp: Tensor,

@@ -26,14 +26,15 @@ __all__ = ["window_attention", "nsa_attention"]
 
 
 def window_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[Tensor] = None, window: int = 512, *,
-                     softmax_scale: Optional[float] = None, backend: str = "auto") -> Tuple[Tensor, Tensor]:
+                     softmax_scale: Optional[float] = None, backend: str = "auto",
+                     deterministic: bool = False) -> Tuple[Tensor, Tensor]:
     """The sliding-window branch: query t attends to keys t - window + 1 .. t of its sequence.
     fmha's attention with ``causal=True, window_size=(window - 1, 0)`` (the Hopper kernels on an
     SM90 GPU, fmha's reference elsewhere). Packed with ``cu_seqlens`` (LSE (H_q, T)) or dense
-    (LSE (B, H_q, S)); differentiable."""
+    (LSE (B, H_q, S)); differentiable (bitwise-repeatable with ``deterministic``)."""
     check_int("window", window)
     kw = dict(causal=True, window_size=(window - 1, 0), softmax_scale=softmax_scale, return_lse=True,
-              backend=backend)
+              backend=backend, deterministic=deterministic)
     if cu_seqlens is None:
         return api.attention(q, k, v, **kw)
     return api.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, **kw)
@@ -79,7 +80,8 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
                   cu_seqlens: Optional[Tensor] = None, block: int = 32, stride: int = 16, select_block: int = 64,
                   select_count: int = 16, window: int = 512, k_cmp: Optional[Tensor] = None,
                   v_cmp: Optional[Tensor] = None, selected: Optional[Tensor] = None,
-                  softmax_scale: Optional[float] = None, backend: str = "auto", return_branches: bool = False):
+                  softmax_scale: Optional[float] = None, backend: str = "auto", return_branches: bool = False,
+                  deterministic: bool = False):
     """Native Sparse Attention: ``o = g_cmp*o_cmp + g_slc*o_slc + g_win*o_win`` (docs/nsa.md).
 
     q (B, S, H_q, D), k (B, S, H_k, D), v (B, S, H_k, D_v), gates (B, S, H_q); or packed
@@ -91,8 +93,11 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
     gates, and k_cmp/v_cmp (or through the mean pooling); the top-k's choice is not.
     ``backend`` goes to fmha for the window and compression branches and to
     ``selection_attention`` and to the top-k (``select_blocks``): "kernel" runs every branch and
-    the top-k on fmha's kernels or raises ``UnsupportedError``.
+    the top-k on fmha's kernels or raises ``UnsupportedError``. ``deterministic``: the backward of
+    every branch is bitwise-repeatable (the forward always is).
     """
+    if deterministic is not False and deterministic is not True:
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     gates = (g_cmp, g_slc, g_win)
     longest = _check_call(q, k, v, gates, cu_seqlens, block, stride, select_block, select_count, window, backend,
                           selected)
@@ -107,19 +112,23 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
     kc, vc = (t.reshape((-1,) + tuple(t.shape[-2:])) for t in (k_cmp, v_cmp))
     if packed.batch is None:
         cu_cmp = compressed_cu_seqlens(cu, block, stride)
-        o_cmp, lse_cmp = run_compression(qp, kc, vc, cu, cu_cmp, block, stride, scale, backend)
-        o_win, lse_win = window_attention(qp, kp, vp, cu, window, softmax_scale=scale, backend=backend)
+        o_cmp, lse_cmp = run_compression(qp, kc, vc, cu, cu_cmp, block, stride, scale, backend, deterministic)
+        o_win, lse_win = window_attention(qp, kp, vp, cu, window, softmax_scale=scale, backend=backend,
+                                          deterministic=deterministic)
     else:  # fmha's dense calls read no offsets on the host
         cu_cmp = dense_cu_seqlens(packed.batch, k_cmp.shape[1], q.device)
         o_cmp, lse_cmp = _flatten(*api.attention(q, k_cmp, v_cmp, compressed_causal=(block, stride),
-                                                 softmax_scale=scale, return_lse=True, backend=backend))
-        o_win, lse_win = _flatten(*window_attention(q, k, v, None, window, softmax_scale=scale, backend=backend))
+                                                 softmax_scale=scale, return_lse=True, backend=backend,
+                                                 deterministic=deterministic))
+        o_win, lse_win = _flatten(*window_attention(q, k, v, None, window, softmax_scale=scale, backend=backend,
+                                                    deterministic=deterministic))
     if sel is None:
         # the offsets were read on the host above, or made here (dense); under torch.compile the op checks them
         sel = torch.ops.fmha_nsa.select_blocks(qp.detach(), kc.detach(), lse_cmp.detach(), cu, cu_cmp, block, stride,
                                                select_block, select_count, scale, backend, longest,
                                                not torch.compiler.is_compiling())
-    o_slc, lse_slc = torch.ops.fmha_nsa.selection_forward(qp, kp, vp, sel, cu, select_block, scale, backend)
+    o_slc, lse_slc = torch.ops.fmha_nsa.selection_forward(qp, kp, vp, sel, cu, select_block, scale, backend,
+                                                          deterministic)
 
     acc = torch.promote_types(q.dtype, torch.float32)
     o = sum(g.to(acc)[..., None] * branch.to(acc) for g, branch in ((gc, o_cmp), (gs, o_slc), (gw, o_win)))

@@ -41,14 +41,15 @@ class NativeSparseAttention(nn.Module):
     ``rotary``: RoPE (base ``rope_theta``) on q and k. ``implementation``: "fmha" runs
     ``nsa_attention`` (fmha's kernels where they serve, PyTorch elsewhere; ``backend`` goes to
     it); "reference" runs ``fmha.nsa.reference.nsa_reference`` in fp64 (the oracle, slow; for
-    checking a model), returning the result in the input's dtype.
+    checking a model), returning the result in the input's dtype. ``deterministic``: a
+    bitwise-repeatable backward (``nsa_attention``'s).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: Optional[int] = None,
                  head_dim: Optional[int] = None, *, block: int = 32, stride: int = 16, select_block: int = 64,
                  select_count: int = 16, window: int = 512, pooling: str = "mean", rotary: bool = True,
                  rope_theta: float = 10000.0, qkv_bias: bool = False, implementation: str = "fmha",
-                 backend: str = "auto"):
+                 backend: str = "auto", deterministic: bool = False):
         super().__init__()
         check_geometry(block, stride, select_block, select_count, window)
         self.hidden_size = check_int("hidden_size", hidden_size)
@@ -65,6 +66,9 @@ class NativeSparseAttention(nn.Module):
         self.select_count, self.window = select_count, window
         self.pooling, self.rotary, self.rope_theta = pooling, rotary, rope_theta
         self.implementation, self.backend = implementation, backend
+        if deterministic is not False and deterministic is not True:
+            raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+        self.deterministic = deterministic
 
         d, hq, hk = self.head_dim, self.num_heads, self.num_kv_heads
         self.q_proj = nn.Linear(hidden_size, hq * d, bias=qkv_bias)
@@ -104,7 +108,8 @@ class NativeSparseAttention(nn.Module):
         if self.implementation == "reference":
             o = nsa_reference(q, k, v, g_cmp, g_slc, g_win, **kw).to(q.dtype)
         else:
-            o = nsa_attention(q, k, v, g_cmp, g_slc, g_win, backend=self.backend, **kw)
+            o = nsa_attention(q, k, v, g_cmp, g_slc, g_win, backend=self.backend, deterministic=self.deterministic,
+                              **kw)
         return self.o_proj(o.reshape(b, s, -1))
 
     def extra_repr(self) -> str:

@@ -18,6 +18,7 @@ query, so the causal rule drops them; ``nsa_attention(selected=...)`` still reje
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional, Tuple
 
@@ -87,7 +88,7 @@ def attend_selected(q, k, v, selected, where: TokenPositions, select_block: int,
     return o.to(q.dtype), lse
 
 
-def _selection_backward_torch(dout, q, k, v, out, lse, dlse, selected, cu, select_block, scale):
+def _selection_backward_torch(dout, q, k, v, out, lse, dlse, selected, cu, select_block, scale, deterministic=False):
     cdt = accumulate_dtype(q.dtype)
     total, heads_q = q.shape[0], q.shape[1]
     heads_k = k.shape[1]
@@ -113,9 +114,24 @@ def _selection_backward_torch(dout, q, k, v, out, lse, dlse, selected, cu, selec
         dq[a:z] = (torch.einsum("chgm,chmd->chgd", ds, kg) * scale).reshape(z - a, heads_q, -1)
         # blocks are shared by queries: accumulate (rows dropped by the mask add zeros to row 0)
         index = (rows, heads.expand_as(rows))
-        dk.index_put_(index, torch.einsum("chgm,chgd->chmd", ds, qg) * scale, accumulate=True)
-        dv.index_put_(index, torch.einsum("chgm,chgv->chmv", p, do), accumulate=True)
+        with _deterministic_algorithms(deterministic and q.is_cuda):  # CUDA's accumulate sorts, no atomics
+            dk.index_put_(index, torch.einsum("chgm,chgd->chmd", ds, qg) * scale, accumulate=True)
+            dv.index_put_(index, torch.einsum("chgm,chgv->chmv", p, do), accumulate=True)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@contextlib.contextmanager
+def _deterministic_algorithms(wanted: bool):
+    """PyTorch's deterministic algorithms on for the block, where wanted and not already on."""
+    if not wanted or torch.are_deterministic_algorithms_enabled():
+        yield
+        return
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False, warn_only=warn_only)
 
 
 def _packed_rows_fit(q: Tensor, k: Tensor) -> bool:
@@ -149,7 +165,7 @@ def selection_forward_block_mask(q, k, v, selected, cu, select_block, scale):
     return o[0], lse[0]
 
 
-def _selection_backward_kernels(dout, q, k, v, out, lse, dlse, selected, cu, select_block, scale):
+def _selection_backward_kernels(dout, q, k, v, out, lse, dlse, selected, cu, select_block, scale, deterministic):
     """The selection backward kernel where one serves the call (each K/V tile walks the query
     tiles that chose it), else fmha's backward kernel with the lists as a block mask."""
     from ..backends import SELECTION_BACKWARD, runner_for, unsupported_reasons
@@ -157,14 +173,17 @@ def _selection_backward_kernels(dout, q, k, v, out, lse, dlse, selected, cu, sel
     from .selection_visits import SelectionProblem
 
     problem = SelectionProblem.of(q, k, v, select_block)
-    chosen, _ = unsupported_reasons(problem, KernelOptions(), kind=SELECTION_BACKWARD)
+    options = KernelOptions(deterministic=deterministic)
+    chosen, _ = unsupported_reasons(problem, options, kind=SELECTION_BACKWARD)
     if chosen is not None and _packed_rows_fit(q, k):
-        runner = runner_for(SELECTION_BACKWARD, chosen, problem, KernelOptions())
+        runner = runner_for(SELECTION_BACKWARD, chosen, problem, options)
         return runner(problem, dout, q, k, v, out, lse, dlse, selected, cu, scale)
-    return selection_backward_block_mask(dout, q, k, v, out, lse, dlse, selected, cu, select_block, scale)
+    return selection_backward_block_mask(dout, q, k, v, out, lse, dlse, selected, cu, select_block, scale,
+                                         deterministic)
 
 
-def selection_backward_block_mask(dout, q, k, v, out, lse, dlse, selected, cu, select_block, scale):
+def selection_backward_block_mask(dout, q, k, v, out, lse, dlse, selected, cu, select_block, scale,
+                                  deterministic=False):
     """The backward on fmha's backward kernel, the lists as a block mask (``selection_blocks``)."""
     from .. import attention_backward
     from .selection_blocks import selection_mask
@@ -172,7 +191,7 @@ def selection_backward_block_mask(dout, q, k, v, out, lse, dlse, selected, cu, s
     bm, aux = selection_mask(selected, cu, select_block, q.shape[1])
     dq, dk, dv = attention_backward(dout[None], q[None], k[None], v[None], out[None], lse[None],
                                     dlse=None if dlse is None else dlse[None], causal=True, softmax_scale=scale,
-                                    block_mask=bm, aux=aux, backend="kernel")
+                                    block_mask=bm, aux=aux, backend="kernel", deterministic=deterministic)
     return dq[0], dk[0], dv[0]
 
 
@@ -183,7 +202,7 @@ def _try_kernels(backend: str, q: Tensor) -> bool:
 
 @torch.library.custom_op("fmha_nsa::selection_forward", mutates_args=())
 def _forward_op(q: Tensor, k: Tensor, v: Tensor, selected: Tensor, cu_seqlens: Tensor, select_block: int,
-                softmax_scale: float, backend: str) -> Tuple[Tensor, Tensor]:
+                softmax_scale: float, backend: str, deterministic: bool = False) -> Tuple[Tensor, Tensor]:
     if _try_kernels(backend, q):
         try:
             return _selection_forward_kernels(q, k, v, selected, cu_seqlens, select_block, softmax_scale)
@@ -194,7 +213,7 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, selected: Tensor, cu_seqlens: T
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, selected, cu_seqlens, select_block, softmax_scale, backend):
+def _forward_fake(q, k, v, selected, cu_seqlens, select_block, softmax_scale, backend, deterministic=False):
     o = q.new_empty(q.shape[:-1] + (v.shape[-1],))
     return o, q.new_empty((q.shape[1], q.shape[0]), dtype=accumulate_dtype(q.dtype))
 
@@ -202,27 +221,28 @@ def _forward_fake(q, k, v, selected, cu_seqlens, select_block, softmax_scale, ba
 @torch.library.custom_op("fmha_nsa::selection_backward", mutates_args=())
 def _backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
                  selected: Tensor, cu_seqlens: Tensor, select_block: int, softmax_scale: float,
-                 backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+                 backend: str, deterministic: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     if _try_kernels(backend, q):
         try:
             return _selection_backward_kernels(dout, q, k, v, out, lse, dlse, selected, cu_seqlens, select_block,
-                                               softmax_scale)
+                                               softmax_scale, deterministic)
         except UnsupportedError:
             if backend == "kernel":
                 raise
     return _selection_backward_torch(dout, q, k, v, out, lse, dlse, selected, cu_seqlens, select_block,
-                                     softmax_scale)
+                                     softmax_scale, deterministic)
 
 
 @_backward_op.register_fake
-def _backward_fake(dout, q, k, v, out, lse, dlse, selected, cu_seqlens, select_block, softmax_scale, backend):
+def _backward_fake(dout, q, k, v, out, lse, dlse, selected, cu_seqlens, select_block, softmax_scale, backend,
+                   deterministic=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
-    q, k, v, selected, cu, select_block, scale, backend = inputs
-    ctx.args = (select_block, scale, backend)
+    q, k, v, selected, cu, select_block, scale, backend, deterministic = inputs
+    ctx.args = (select_block, scale, backend, deterministic)
     ctx.save_for_backward(q, k, v, selected, cu, *output)
 
 
@@ -232,7 +252,7 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.fmha_nsa.selection_backward(dout.contiguous(), q, k, v, out, lse, dlse, selected, cu,
                                                        *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -240,7 +260,8 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 def selection_attention(q: Tensor, k: Tensor, v: Tensor, selected: Tensor, cu_seqlens: Tensor,
                         select_block: int = 64, *, softmax_scale: Optional[float] = None,
-                        backend: str = "auto", check_selected_values: bool = True) -> Tuple[Tensor, Tensor]:
+                        backend: str = "auto", check_selected_values: bool = True,
+                        deterministic: bool = False) -> Tuple[Tensor, Tensor]:
     """Selection attention on packed q (T, H_q, D), k (T, H_k, D), v (T, H_k, D_v) with
     ``cu_seqlens``; ``selected`` (T, H_k, n) int32 (``select_blocks``' output, or your own).
     Returns o (T, H_q, D_v) in q's dtype and lse (H_q, T) fp32 (fp64 for fp64); a query whose
@@ -250,7 +271,12 @@ def selection_attention(q: Tensor, k: Tensor, v: Tensor, selected: Tensor, cu_se
     CUDA tensors and else, or where the kernels refuse, runs the PyTorch path; "reference" always
     runs the PyTorch path.
     ``check_selected_values=False`` skips reading ``selected`` on the host (range, no
-    duplicates): a duplicate would then count its keys twice."""
+    duplicates): a duplicate would then count its keys twice. ``deterministic``: a
+    bitwise-repeatable backward (the selection backward kernel adds in a fixed order; the
+    block-mask form has no such mode, so "kernel" then raises where the selection kernel does not
+    serve the call, and "auto" runs PyTorch's deterministic algorithms)."""
+    if deterministic is not False and deterministic is not True:
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     check_int("select_block", select_block)
     check_backend_name(backend)
     check_qkv(q, k, v, packed=True)
@@ -258,4 +284,5 @@ def selection_attention(q: Tensor, k: Tensor, v: Tensor, selected: Tensor, cu_se
     if not torch.compiler.is_compiling():
         read_seqlens("cu_seqlens", cu_seqlens, q.shape[0], q.device)
     selected = check_selected(selected, k, cu_seqlens, select_block, read_values=check_selected_values)
-    return torch.ops.fmha_nsa.selection_forward(q, k, v, selected, cu_seqlens, select_block, scale, backend)
+    return torch.ops.fmha_nsa.selection_forward(q, k, v, selected, cu_seqlens, select_block, scale, backend,
+                                                deterministic)

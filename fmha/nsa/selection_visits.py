@@ -259,3 +259,59 @@ def selection_backward_visits(selected: torch.Tensor, cu_seqlens: torch.Tensor, 
     return SelectionBackwardVisits(chunk_base.to(torch.int32), offsets.to(torch.int32),
                                    (offsets[:-1] + masked[:lists]).to(torch.int32), m[order].to(torch.int32),
                                    positions.to(torch.int32).contiguous(), list_pieces(offsets, max_pieces, sms))
+
+
+class SelectionBackwardOrder(NamedTuple):
+    """What a deterministic selection backward adds in a fixed order by (``bwd.py``,
+    ``deterministic``): the K/V tiles listed in sequence order (``tiles`` (N, 2) of (sequence,
+    K/V tile), ``count`` (1,)), so that a CTA of a lower index holds a lower K/V tile of the same
+    sequence; each list entry's ``turn`` among the K/V tiles that add dQ into its query tile (their
+    rank by K/V tile); zeroed counters ``dq_turns`` (1, H_k, dQ accumulator tiles) and
+    ``dkv_turns`` (one per list and consumer warpgroup, for a split list's shares, which add dK
+    and dV in share order). int32, contiguous."""
+
+    tiles: torch.Tensor
+    count: torch.Tensor
+    turns: torch.Tensor
+    dq_turns: torch.Tensor
+    dkv_turns: torch.Tensor
+
+
+def selection_backward_order(visits: SelectionBackwardVisits, capacity: int, heads_k: int, tile_n: int,
+                             dq_tiles: int) -> SelectionBackwardOrder:
+    """The fixed order of a deterministic selection backward over ``visits``: room for
+    ``capacity`` K/V tiles (those past the last sequence's get a tile past every sequence, which
+    has no work), ``dq_tiles`` tiles of the dQ accumulator. Tensor ops on the device, no host
+    sync. Every wait it implies is on a CTA of a lower index, which the GPU starts first."""
+    device = visits.offsets.device
+    chunk_base = visits.chunk_base.long()
+    batch = chunk_base.numel() - 1
+    c = torch.arange(capacity, device=device)
+    seq = torch.searchsorted(chunk_base[1:], c, right=True).clamp(max=max(batch - 1, 0))
+    inside = c < chunk_base[-1]
+    past = 2 ** 30 // tile_n  # as the kernel's own entries past the count
+    tiles = torch.stack([torch.where(inside, seq, torch.zeros_like(seq)),
+                         torch.where(inside, c - chunk_base[seq], torch.full_like(c, past))], dim=1)
+    # each entry's list (head * chunks + chunk) and its query tile's key (head, sequence, tile)
+    offsets = visits.offsets.long()
+    lists = offsets.numel() - 1
+    chunks = lists // heads_k
+    entries = visits.tiles.numel()
+    e = torch.arange(entries, device=device)
+    at = torch.searchsorted(offsets[1:], e, right=True).clamp(max=max(lists - 1, 0))
+    chunk = at % chunks
+    sequence = torch.searchsorted(chunk_base[1:], chunk, right=True).clamp(max=max(batch - 1, 0))
+    listed = e < offsets[-1]
+    query_tile = (((at // chunks) * max(batch, 1) + sequence) << 31) + visits.tiles.long()
+    query_tile = torch.where(listed, query_tile, torch.full_like(e, _NONE_KEY))
+    # entries are in list order, a head's K/V tiles ascending: a stable sort keeps them so per query tile
+    ordered, by_tile = query_tile.sort(stable=True)
+    first = torch.ones_like(listed)
+    first[1:] = ordered[1:] != ordered[:-1]
+    start = torch.where(first, e, torch.zeros_like(e)).cummax(0).values
+    turns = torch.empty_like(e)
+    turns[by_tile] = e - start
+    return SelectionBackwardOrder(
+        tiles.to(torch.int32).contiguous(), chunk_base[-1:].to(torch.int32),
+        turns.to(torch.int32), torch.zeros((1, heads_k, dq_tiles), dtype=torch.int32, device=device),
+        torch.zeros(2 * lists, dtype=torch.int32, device=device))

@@ -74,10 +74,10 @@ class HopperBackend:
         return why_unsupported_selection_backward(problem)
 
     def selection_backward_cache_key(self, problem, options: KernelOptions):
-        return backward_config_of(problem)
+        return backward_config_of(problem, options)
 
     def prepare_selection_backward(self, problem, options: KernelOptions) -> HopperSelectionBackwardRunner:
-        return HopperSelectionBackwardRunner(problem)
+        return HopperSelectionBackwardRunner(problem, options)
 
     def why_unsupported_backward(self, problem: AttentionProblem, options: KernelOptions) -> list:
         return why_unsupported_backward(problem, options)

@@ -92,6 +92,8 @@ def compile_backward(cfg: HopperBackwardConfig, extra_options: str = ""):
         fake_lists = tuple(fake_vector(cutlass.Int32) for _ in range(4)) + (cute.runtime.make_fake_tensor(
             cutlass.Int32, (cute.sym_int(), 2), stride=(2, 1), assumed_align=8), fake_vector(cutlass.Int32),
             fake_rows(cutlass.Float32, 3, d), fake_rows(cutlass.Float32, 3, cfg.head_dim_v))
+        if cfg.deterministic:  # each entry's dQ turn; the split lists' dK/dV turns
+            fake_lists += (fake_vector(cutlass.Int32), fake_vector(cutlass.Int32))
     args = BackwardArgs(
         mQ=q, mK=k, mV=v, mdO=do, mLSE2=lse2, mDelta=delta, mdQacc=dq_acc, mdK=dk, mdV=dv, mCuSeqlensQ=cu_q,
         mCuSeqlensK=cu_k, mSeqDescriptors=descriptors, mErrors=errors, mSemaphores=semaphores, mTileTable=tiles,
@@ -131,6 +133,11 @@ def compile_backward_rows(cfg, extra_options: str = ""):
                        cu_q, cutlass.Float32(1.0), extra_options=extra_options)
 
 
+def tile_capacity(total_k: int, batch: int, tile_n: int) -> int:
+    """Rows of a varlen backward's K/V tile list: every tile of every sequence fits."""
+    return max(total_k // tile_n + batch, 1)
+
+
 class HopperBackwardRunner:
     """The compiled backward plus the passes around it: the row pass before (the LSE in log2 units,
     delta = rowsum(dO * O) - dLSE, the fp32 dQ buffer zeroed) and dQ converted after."""
@@ -165,9 +172,11 @@ class HopperBackwardRunner:
 
     def __call__(self, problem: AttentionProblem, dout, q, k, v, out, lse, dlse, dq, dk, dv,
                  cu_seqlens_q=None, cu_seqlens_k=None, deterministic: bool = False, sinks=None, dsinks=None,
-                 mods=None, query_lists=None):
+                 mods=None, query_lists=None, order=None):
         """``query_lists``: the K/V tiles' query tiles where the caller lists them (NSA selection:
-        ``SelectionBackwardVisits``), else the block mask's (``mods``) or none."""
+        ``SelectionBackwardVisits``), else the block mask's (``mods``) or none. ``order``: a
+        deterministic selection backward's tile list, its count and dQ semaphores
+        (``SelectionBackwardOrder``)."""
         if problem.total_q == 0 or problem.total_k == 0 or problem.num_heads_q == 0:
             for grad in (dq, dk, dv):
                 grad.zero_()
@@ -195,15 +204,19 @@ class HopperBackwardRunner:
             descriptors = torch.empty((problem.batch, self.cfg.sequence_descriptors, 16), dtype=torch.int64,
                                       device=q.device)
         tiles = count = None
-        if self.cfg.tiles_on_device:  # listed by the launch: room for every K/V tile of every sequence
-            capacity = max(problem.total_k // self.cfg.tile_n + problem.batch, 1)
-            tiles = torch.empty((capacity, 2), dtype=torch.int32, device=q.device)
+        if order is not None:
+            tiles, count = order.tiles, order.count
+        elif self.cfg.tiles_on_device:  # listed by the launch: room for every K/V tile of every sequence
+            tiles = torch.empty((tile_capacity(problem.total_k, problem.batch, self.cfg.tile_n), 2), dtype=torch.int32,
+                                device=q.device)
             count = torch.empty(1, dtype=torch.int32, device=q.device)
         elif self.cfg.tiles_listed:
             tiles = kv_work_tile_table(problem.seqlens_q, problem.seqlens_k, problem.mask, self.cfg.tile_m,
                                        self.cfg.tile_n, q.device)
         semaphores = None
-        if self.cfg.deterministic:
+        if order is not None:
+            semaphores = order.dq_turns
+        elif self.cfg.deterministic:
             # one per (sequence, query head, query tile): the dQ adds' turn (bwd.py)
             m_tiles = -(-problem.seqlen_q // self.cfg.tile_m)
             semaphores = torch.zeros((problem.batch, problem.num_heads_q, m_tiles), dtype=torch.int32,

@@ -28,3 +28,5 @@ class NamedBarrierBwd(enum.IntEnum):
     DQ_FULL = 4
     #: ``dkv_store_tma``: warpgroup ``wg``'s dV or dK rows are staged for its TMA store (128 threads)
     DKV_STAGED = 6
+    #: deterministic selection: warpgroup ``wg``'s turn to add its keys' dK and dV (128 threads)
+    DKV_TURN = 8

@@ -41,7 +41,11 @@ per (sequence, query head, query tile) holds one past the last K/V tile that add
 for its predecessor's value before adding and publishes its own once its add has completed. The
 K/V tiles that add into a query tile are consecutive (the mask's row bands move right by at most
 one key per row and never have gaps), so the predecessor of tile n is n - 1 unless n is the first.
-CTAs wait only on CTAs of lower block index, which the GPU starts first.
+CTAs wait only on CTAs of lower block index, which the GPU starts first. NSA selection: the K/V
+tiles that add into a query tile are any of its sequence's, so each list entry carries its turn
+(its rank by K/V tile among them) and the tiles are listed in sequence order; a split list's
+shares add their dK and dV in share order, each share after the one before it
+(``selection_visits.selection_backward_order``).
 
 NSA selection (``cfg.select_block``, ``bwd_config.selection_backward_config``) is this kernel over
 a varlen batch of packed GQA rows (each sequence's tokens times the group's heads as rows of one
@@ -142,7 +146,9 @@ class SelectedQueryVisits:
     (``tiles``) and, per consumer warpgroup, its query positions that chose the block holding that
     warpgroup's keys (``positions``). A list is cut into ``pieces`` equal shares, one per CTA;
     this CTA walks share ``piece``, and where the list is cut adds its dK and dV into the fp32
-    accumulators (``dkv_partials``)."""
+    accumulators (``dkv_partials``). ``deterministic``: each entry's turn among the K/V tiles that
+    add into its query tile (``turn``), and a counter per list and warpgroup of the shares that
+    have added dK and dV (``dkv_turn``; ``selection_visits.selection_backward_order``)."""
 
     lists: Any
     batch: Any
@@ -192,6 +198,16 @@ class SelectedQueryVisits:
 
     def positions(self, i, warpgroup):
         return self.lists[4][i, warpgroup]
+
+    def turn(self, i):
+        """Deterministic: how many K/V tiles add into entry ``i``'s query tile before this one."""
+        return self.lists[8][i]
+
+    def dkv_turn(self, head, warpgroup):
+        """Deterministic: the address of the counter of this list's shares that have added the dK
+        and dV of ``warpgroup``'s keys; share ``piece`` adds when it reads ``piece``."""
+        turns = self.lists[9]
+        return turns.iterator + cute.crd2idx(self._list(head) * 2 + warpgroup, turns.layout)
 
 
 class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
@@ -338,7 +354,7 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
             self.describe_sequences(tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, q, k, v, do, dk, dv, mCuSeqlensQ, mCuSeqlensK, mSeqDescriptors, mErrors, max_seqlen_q,
                                     max_seqlen_k).launch(
                 grid=[num_batches, 1, 1], block=[32, 1, 1], stream=stream)
-        if const_expr(cfg.tiles_on_device):
+        if const_expr(cfg.tiles_listed_by_launch):
             self.list_work_tiles(mCuSeqlensQ, mCuSeqlensK, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
                                  window_left, window_right, mTileTable, mTileCount).launch(
                 grid=[1, 1, 1], block=[COST_BINS, 1, 1], smem=cost_bins_bytes(), stream=stream)
@@ -560,7 +576,7 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
         block = cfg.dq_rows_per_warpgroup * cfg.dq_cols_per_warpgroup
         # deterministic: the query tiles that K/V tile n_block - 1 adds into (none for tile 0)
         prev_start, prev_end = Int32(0), Int32(0)
-        if const_expr(cfg.deterministic):
+        if const_expr(cfg.deterministic and not cfg.select_block):
             if n_block > 0:
                 prev_start, prev_end = self.query_tiles(n_block - 1, seq.seqlen_q, seq.seqlen_k, window_left,
                                                         window_right)
@@ -574,10 +590,18 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
             m_start, m_end = visits.range(head)
             for i in cutlass.range(m_start, m_end, unroll=1):
                 m_block = visits.tile_at(i, head)
-                turn = None
+                sem = next_turn = None
                 if const_expr(cfg.deterministic):
-                    has_predecessor = prev_start <= m_block and m_block < prev_end
-                    turn = self.wait_for_turn(mSemaphores, batch, head, m_block, n_block, has_predecessor)
+                    if const_expr(cfg.select_block):  # the tile's adds in K/V tile order (its list's turns)
+                        sem = mSemaphores.iterator + cute.crd2idx((0, head, first_tile + m_block), mSemaphores.layout)
+                        turn = visits.turn(i)
+                        next_turn = turn + 1
+                    else:  # tile n_block - 1 is the predecessor where it adds into this query tile
+                        sem = mSemaphores.iterator + cute.crd2idx((batch, head, m_block), mSemaphores.layout)
+                        has_predecessor = prev_start <= m_block and m_block < prev_end
+                        turn = Int32(cutlass.select_(has_predecessor, n_block, Int32(0)))
+                        next_turn = n_block + 1
+                    self.wait_for_turn(sem, turn)
                 for wg in cutlass.range_constexpr(2):
                     cute.arch.barrier(barrier_id=NamedBarrierBwd.DQ_FULL + wg, number_of_threads=_WG + 32)
                     if const_expr(cfg.varlen):
@@ -588,7 +612,7 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
                         bulk_reduce_add_f32(tile.iterator + wg * block, sdQ[None, None, None, wg].iterator, block * 4)
                     cute.arch.cp_async_bulk_commit_group()
                 if const_expr(cfg.deterministic):
-                    self.pass_turn(turn, n_block)
+                    self.pass_turn(sem, next_turn)
                 for wg in cutlass.range_constexpr(2):
                     cute.arch.cp_async_bulk_wait_group(1 - wg, read=True)
                     if t < last:
@@ -597,23 +621,20 @@ class HopperAttentionBackward(BackwardConsumer, DeviceWorkTileList):
                 t += 1
 
     @cute.jit
-    def wait_for_turn(self, mSemaphores: cute.Tensor, batch, head, m_block, n_block, has_predecessor):
-        """The dQ warp: spin until K/V tile n_block - 1 (if it adds into this query tile) has
-        completed its add. Returns the semaphore's address."""
-        sem = mSemaphores.iterator + cute.crd2idx((batch, head, m_block), mSemaphores.layout)
-        turn = n_block if has_predecessor else Int32(0)
+    def wait_for_turn(self, sem, turn):
+        """The dQ warp: spin until the query tile's semaphore ``sem`` reads ``turn`` (the K/V
+        tiles before this one have completed their adds)."""
         while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != turn:
             pass
         # the reduce-add about to be issued (async proxy) comes after what the acquire saw
         cute.arch.fence_proxy("async.global")
-        return sem
 
     @cute.jit
-    def pass_turn(self, sem, n_block):
+    def pass_turn(self, sem, next_turn):
         """The dQ warp, after issuing its add: wait until the add has completed (not just read
-        shared memory), then let K/V tile n_block + 1 add."""
+        shared memory), then hand the query tile to the next K/V tile."""
         cute.arch.cp_async_bulk_wait_group(0, read=False)  # on the lane that issued it
         cute.arch.sync_warp()
         cute.arch.fence_proxy("async.global")
         with cute.arch.elect_one():
-            cute.arch.store(sem, n_block + 1, sem="release", scope="gpu")
+            cute.arch.store(sem, next_turn, sem="release", scope="gpu")

@@ -42,7 +42,8 @@ class HopperBackwardConfig:
     window_right_bounded: bool
     bottom_right: bool
     varlen: bool = False
-    #: dQ added in K/V tile order (bitwise-repeatable), each add waiting for the one before
+    #: dQ added in K/V tile order (bitwise-repeatable), each add waiting for the one before (NSA
+    #: selection: also a split list's dK and dV, in share order)
     deterministic: bool = False
     #: varlen: one CTA per listed (sequence, K/V tile), costliest first, instead of a grid over
     #: the longest sequence's K/V tiles (not with ``deterministic``, whose waits need the grid order)
@@ -81,13 +82,13 @@ class HopperBackwardConfig:
             object.__setattr__(self, "head_dim_v", self.head_dim)
         if self.select_block and (self.select_block != self.tile_n // 2 or not self.tiles_on_device
                                   or self.mask_kind != MaskKind.NONE or self.mods is not None or self.softcap
-                                  or self.deterministic or self.split_head_dim or self.long_rows
+                                  or self.split_head_dim or self.long_rows
                                   or self.tile_m % self.rows_per_query
                                   or not 1 <= self.tile_m // self.rows_per_query <= 32
                                   or not 1 <= self.list_pieces <= 64):
             raise ValueError("selection's backward walks listed K/V tiles of a varlen batch (tiles on the device) "
-                             "whose warpgroups each hold one block's 64 keys, without other masks, softcap or "
-                             "determinism, with at most 32 query positions per query tile")
+                             "whose warpgroups each hold one block's 64 keys, without other masks or softcap, "
+                             "with at most 32 query positions per query tile")
         if self.list_pieces != 1 and not self.select_block:
             raise ValueError("only NSA selection's backward splits a K/V tile's list over several CTAs")
 
@@ -96,6 +97,13 @@ class HopperBackwardConfig:
         """Keys per CTA: 64 per consumer warpgroup; at D=256 64 shared by both
         (``split_head_dim``)."""
         return 64 if self.split_head_dim else 128
+
+    @property
+    def tiles_listed_by_launch(self) -> bool:
+        """The launch lists the K/V tiles on the GPU, costliest first (``device_tile_list``). A
+        deterministic selection backward takes its runner's list in sequence order instead
+        (``selection_visits.selection_backward_order``): its adds wait for CTAs of lower index."""
+        return self.tiles_on_device and not (self.select_block and self.deterministic)
 
     @property
     def split_head_dim(self) -> bool:
@@ -215,19 +223,21 @@ def selection_query_rows(head_dim: int, group: int) -> int:
 
 def selection_backward_config(dtype: torch.dtype, head_dim: int, head_dim_v: int, group: int,
                               query_tile_rows: Optional[int] = None,
-                              list_pieces: Optional[int] = None) -> HopperBackwardConfig:
+                              list_pieces: Optional[int] = None, deterministic: bool = False) -> HopperBackwardConfig:
     """The backward kernel's configuration for NSA's selection branch (``fmha.nsa``): each
     sequence's tokens as a varlen sequence of (position, head of the group) rows over its keys,
     each K/V tile walking the query tiles listed for it (``SelectedQueryVisits``). By default
     long lists split over up to ``SELECTION_LIST_PIECES`` CTAs, and at D=128 16-row query tiles
     (``selection_query_rows``; elsewhere the backward's own tile). ``query_tile_rows`` (0: the
-    backward's tile) and ``list_pieces`` override them (``lab/bench_selection_rows.py``)."""
+    backward's tile) and ``list_pieces`` override them (``lab/bench_selection_rows.py``).
+    ``deterministic``: dQ, and a split list's dK and dV, added in a fixed order (``bwd.py``)."""
     if query_tile_rows is None:
         query_tile_rows = selection_query_rows(head_dim, group)
     if list_pieces is None:
         list_pieces = SELECTION_LIST_PIECES
     return HopperBackwardConfig(dtype, head_dim, MaskKind.NONE, False, False, False, varlen=True, tiles_listed=True,
                                 tiles_on_device=True, head_dim_v=head_dim_v, select_block=64, rows_per_query=group,
+                                deterministic=deterministic,
                                 query_tile_rows=query_tile_rows, list_pieces=list_pieces)
 
 

@@ -252,8 +252,13 @@ class BackwardConsumer:
         # visits have the accumulators of a split list
         if const_expr(cfg.list_pieces > 1):
             if visits.split(head_kv):  # one share of a list that several CTAs walk
+                if const_expr(cfg.deterministic):  # the shares add in order: wait for this one's turn
+                    turn = visits.dkv_turn(head_kv, wg)
+                    self.wait_for_dkv_turn(turn, visits.piece, tidx, wg)
                 self.add_dkv_partials(acc_dk, acc_dv, thr_dkv, thr_dv, visits, n_block, head_kv, seq, score_scale,
                                       out_scale)
+                if const_expr(cfg.deterministic):
+                    self.pass_dkv_turn(turn, visits.piece + 1, tidx, wg)
             else:
                 self.store_dkv(acc_dk, acc_dv, thr_dkv, thr_dv, mma_dkv, mma_dv, sK, sV, mdK, mdV, tma_dk, mdK_tma,
                                tma_dv, mdV_tma, mSeqDescriptors, score_scale, out_scale, n_block, head_kv, batch,
@@ -262,6 +267,24 @@ class BackwardConsumer:
             self.store_dkv(acc_dk, acc_dv, thr_dkv, thr_dv, mma_dkv, mma_dv, sK, sV, mdK, mdV, tma_dk, mdK_tma,
                            tma_dv, mdV_tma, mSeqDescriptors, score_scale, out_scale, n_block, head_kv, batch, seq,
                            tidx, wg)
+
+    @cute.jit
+    def wait_for_dkv_turn(self, turn, piece, tidx, wg):
+        """Deterministic selection: warpgroup ``wg`` waits until the shares before ``piece`` of
+        its list have added their dK and dV of its keys (one lane spins, the barrier orders the
+        warpgroup's adds after what it saw)."""
+        if tidx % _WG == 0:
+            while cute.arch.load(turn, Int32, sem="acquire", scope="gpu") != piece:
+                pass
+        cute.arch.barrier(barrier_id=NamedBarrierBwd.DKV_TURN + wg, number_of_threads=_WG)
+
+    @cute.jit
+    def pass_dkv_turn(self, turn, next_piece, tidx, wg):
+        """Deterministic selection: once every thread's adds are visible, the next share's turn."""
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=NamedBarrierBwd.DKV_TURN + wg, number_of_threads=_WG)
+        if tidx % _WG == 0:
+            cute.arch.store(turn, next_piece, sem="release", scope="gpu")
 
     @cute.jit
     def add_dkv_partials(self, acc_dk, acc_dv, thr_dkv, thr_dv, visits, n_block, head_kv, seq: SequenceInfo,

@@ -16,10 +16,12 @@ from fmha import split_kv
 from fmha.jit import disk_cache
 from fmha.jit.launch import sm_count
 from fmha.masking import MaskSpec
-from fmha.nsa.selection_visits import SelectionProblem, selection_backward_visits, selection_visits, split_key_rows
-from fmha.problem import AttentionProblem
+from fmha.nsa.selection_visits import (SelectionProblem, selection_backward_order, selection_backward_visits,
+                                       selection_visits, split_key_rows)
+from fmha.problem import AttentionProblem, KernelOptions
 
-from .backward_runner import HopperBackwardRunner, compile_backward
+from . import dq_layout
+from .backward_runner import HopperBackwardRunner, compile_backward, tile_capacity
 from .bwd_config import (HOPPER_SMS, backward_head_dim_served, selection_backward_config,
                          selection_backward_tile_positions)
 from .config import SELECTION_TILE, head_dims_served, selection_config, selection_tile_positions
@@ -100,8 +102,9 @@ def why_unsupported_selection_backward(problem: SelectionProblem) -> list:
     return reasons
 
 
-def backward_config_of(problem: SelectionProblem):
-    return selection_backward_config(problem.dtype, problem.head_dim, problem.head_dim_v, problem.group)
+def backward_config_of(problem: SelectionProblem, options: KernelOptions = KernelOptions()):
+    return selection_backward_config(problem.dtype, problem.head_dim, problem.head_dim_v, problem.group,
+                                     deterministic=options.deterministic)
 
 
 def _rows(x: torch.Tensor, heads_k: int) -> torch.Tensor:
@@ -119,8 +122,8 @@ class HopperSelectionBackwardRunner:
     """The compiled selection backward (with its row pass and dQ conversion) and its per-call
     preparation."""
 
-    def __init__(self, problem: SelectionProblem):
-        self.cfg = backward_config_of(problem)
+    def __init__(self, problem: SelectionProblem, options: KernelOptions = KernelOptions()):
+        self.cfg = backward_config_of(problem, options)
         self.runner = HopperBackwardRunner(self.cfg, disk_cache.load_or_compile(self.cfg, compile_backward))
 
     def __call__(self, problem: SelectionProblem, dout, q, k, v, out, lse, dlse, selected, cu_seqlens,
@@ -149,9 +152,14 @@ class HopperSelectionBackwardRunner:
             batch=cu_seqlens.numel() - 1, seqlen_q=rows, seqlen_k=total, total_q=rows, total_k=total,
             softmax_scale=softmax_scale, device=q.device)
         dq_rows = q.new_empty((rows, heads_k, problem.head_dim))
+        lists, order = tuple(visits) + (dk_acc, dv_acc), None
+        if cfg.deterministic:  # the tiles in sequence order, each add's turn (bwd.py)
+            order = selection_backward_order(visits, tile_capacity(total, packed.batch, cfg.tile_n), heads_k,
+                                             cfg.tile_n, dq_layout.varlen_tiles(rows, packed.batch, cfg.tile_m))
+            lists += (order.turns, order.dkv_turns)
         self.runner(packed, _rows(dout, heads_k), _rows(q, heads_k), k, v, _rows(out, heads_k),
                     _lse_rows(lse, heads_k), None if dlse is None else _lse_rows(dlse, heads_k), dq_rows, dk, dv,
-                    cu_seqlens * group, cu_seqlens, query_lists=tuple(visits) + (dk_acc, dv_acc))
+                    cu_seqlens * group, cu_seqlens, query_lists=lists, order=order)
         if splits:
             split = split_key_rows(visits, cu_seqlens, total, heads_k, cfg.tile_n)[..., None]
             dk.copy_(torch.where(split, dk_acc.to(dk.dtype), dk))
