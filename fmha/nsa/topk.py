@@ -100,7 +100,8 @@ def _offsets_on_device(cu: Tensor, cu_cmp: Tensor, rows: int, rows_cmp: int, blo
     from ..kernels.common.error_bits import BAD_OFFSETS
 
     safe = torch.cummax(cu.clamp(0, rows), 0).values
-    safe[0], safe[-1] = 0, rows
+    at = torch.arange(cu.numel(), device=cu.device)  # 0 first and T last, without a host-to-device copy
+    safe = torch.where(at == 0, 0, torch.where(at == cu.numel() - 1, rows, safe))
     safe_cmp = compressed_cu_seqlens(safe, block, stride).clamp_(max=rows_cmp)
     bad = (safe != cu).any() | (safe_cmp != cu_cmp).any()
     if max_seqlen > 0:
